@@ -1,0 +1,147 @@
+"""The app factory: settings in, a FastAPI app with its engine, registry and services out.
+
+Nothing is built at import time. `create_app(settings)` wires the parts; the lifespan loads the
+model, starts the engine, and stops it on shutdown. Tests may pass a ready engine and tokenizer.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from proxy.adapters import AdapterManager
+from proxy.chat import ChatService
+from proxy.errors import APIError, error_body
+from proxy.registry import ServedModels
+from proxy.routes import adapters as adapter_routes
+from proxy.routes import chat as chat_routes
+from proxy.routes import models as model_routes
+from proxy.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from proxy.engine.loader import load_model
+        from proxy.engine.local import LocalEngine
+
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        loaded = load_model(settings.model_dir or settings.data_dir)
+        engine = LocalEngine(loaded, max_batch_size=settings.max_batch_size)
+        await engine.start()
+        registry = ServedModels(policy=settings.model_name, aliases=tuple(settings.aliases))
+        app.state.engine = engine
+        app.state.registry = registry
+        app.state.adapters = AdapterManager(
+            engine, registry, settings.data_dir / "checkpoints" / settings.model_name
+        )
+        app.state.chat = ChatService(
+            engine,
+            registry,
+            loaded.tokenizer,
+            max_n=settings.max_n,
+            default_max_tokens=settings.default_max_tokens,
+        )
+        logger.info(
+            "serving %s (aliases: %s) on the local engine; data directory %s",
+            settings.model_name,
+            ", ".join(settings.aliases) or "none",
+            settings.data_dir.resolve(),
+        )
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = FastAPI(title="rlproxy", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    app.include_router(chat_routes.router)
+    app.include_router(model_routes.router)
+    app.include_router(adapter_routes.router)
+    install_error_handlers(app)
+    app.add_middleware(RequestIdMiddleware)
+    return app
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first: dict[str, Any] = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            message = "We could not parse the JSON body of your request."
+            param, code = None, "invalid_json"
+        elif first.get("type") == "missing":
+            message = f"Missing required parameter: '{param}'."
+            code = "missing_required_parameter"
+        else:
+            message = f"Invalid value for '{param}': {first.get('msg', 'invalid')}"
+            code = "invalid_value"
+        return JSONResponse(
+            error_body(message, "invalid_request_error", param, code), status_code=400
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"Unknown request URL: {request.method} {request.url.path}."
+        return JSONResponse(error_body(message, kind, None, code), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(
+            error_body(
+                "The server had an error while processing your request.",
+                "server_error",
+                None,
+                "server_error",
+            ),
+            status_code=500,
+        )
+
+
+class RequestIdMiddleware:
+    """Give every request an id (`x-request-id` on every response, errors included)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = f"req_{uuid.uuid4().hex}"
+        scope.setdefault("state", {})["request_id"] = rid
+        raw = rid.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", raw)]
+            await self.app_send(message, send)
+
+        await self.app(scope, receive, send_with_id)
+
+    @staticmethod
+    async def app_send(message: Message, send: Send) -> None:
+        await send(message)

@@ -1,0 +1,515 @@
+"""The chat-completions service: an OpenAI request in, an OpenAI response (or chunk stream) out.
+
+`ChatService.prepare` validates a request and turns it into an engine request (prompt ids,
+sampling parameters, constraint); `complete` and `stream` run it and build OpenAI's JSON. Every
+finished call is handed to the call sink (storage) before the response is acknowledged: the body
+of a non-streamed response, the `[DONE]` of a stream.
+
+No HTTP here: routes/chat.py is a thin layer over this class, and tests can drive it directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy import chat_format, grammar
+from proxy.engine.base import (
+    ChoiceFinished,
+    Engine,
+    EngineError,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent,
+)
+from proxy.errors import APIError, ContextLengthError, InvalidRequestError, ServerError
+from proxy.protocol import (
+    ChatCompletionRequest,
+    assistant_message,
+    chunk,
+    completion_body,
+    completion_id,
+    now,
+    usage,
+)
+from proxy.registry import Resolved, ServedModels
+from proxy.tool_parser import (
+    TextDelta,
+    ToolCallArgsDelta,
+    ToolCallStart,
+    ToolCallStreamParser,
+    parse_complete,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class PreparedChat:
+    """A validated request, ready for the engine."""
+
+    request: ChatCompletionRequest
+    request_id: str
+    resolved: Resolved
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    parse_tools: bool
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int
+    grammar: grammar.Grammar | None
+    include_usage: bool
+    headers: dict[str, str] = field(default_factory=dict)
+    created: int = field(default_factory=now)
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def id(self) -> str:
+        return completion_id(self.request_id)
+
+
+@dataclass
+class ChoiceOutcome:
+    index: int
+    message: dict[str, Any]
+    finish_reason: str
+    completion_token_ids: list[int]
+    completion_logprobs: list[float]
+
+
+@dataclass
+class ChatOutcome:
+    """Everything about one finished call, for the call sink."""
+
+    prepared: PreparedChat
+    status: str  # "completed" | "error" | "client_disconnected"
+    choices: list[ChoiceOutcome]
+    response: dict[str, Any] | None
+    usage: dict[str, Any] | None
+    latency_s: float
+    error: str | None = None
+
+
+CallSink = Callable[[ChatOutcome], Awaitable[None]]
+
+
+class ChatService:
+    def __init__(
+        self,
+        engine: Engine,
+        registry: ServedModels,
+        tokenizer: Any,
+        *,
+        max_n: int = 8,
+        default_max_tokens: int = 512,
+        sink: CallSink | None = None,
+    ) -> None:
+        self.engine = engine
+        self.registry = registry
+        self.tokenizer = tokenizer
+        self.max_n = max_n
+        self.default_max_tokens = default_max_tokens
+        self.sink = sink
+        self._token_text: dict[int, str] = {}
+
+    # ----------------------------------------------------------------- validation
+
+    def prepare(
+        self,
+        req: ChatCompletionRequest,
+        request_id: str,
+        headers: dict[str, str] | None = None,
+    ) -> PreparedChat:
+        if req.unknown_fields():
+            logger.info("request %s: ignoring unknown fields %s", request_id, req.unknown_fields())
+        resolved = self.registry.resolve(req.model)
+        n = req.n or 1
+        if n > self.max_n:
+            raise InvalidRequestError(
+                f"n={n} is above this server's limit of {self.max_n}.", param="n"
+            )
+        if req.stream_options is not None and not req.stream:
+            raise InvalidRequestError(
+                "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                param="stream_options",
+            )
+        top_logprobs = req.top_logprobs or 0
+        if top_logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"Invalid 'top_logprobs': integer above maximum value. Expected a value <= "
+                f"{MAX_TOP_LOGPROBS}, but got {top_logprobs} instead.",
+                param="top_logprobs",
+                code="integer_above_max_value",
+            )
+        if req.top_logprobs is not None and not req.logprobs:
+            raise InvalidRequestError(
+                "Invalid value for 'top_logprobs': you must set 'logprobs' to true.",
+                param="top_logprobs",
+            )
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        mode = self._tool_mode(req, tools)
+        constraint = self._grammar(req, tools, mode)
+        rendered_tools = tools if mode != "none" else None
+        try:
+            prompt = chat_format.render_prompt(messages, rendered_tools)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="messages") from exc
+        prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        limit = self.engine.max_context
+        if len(prompt_ids) + (max_tokens or 1) > limit:
+            raise ContextLengthError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(prompt_ids) + (max_tokens or 0)} tokens ({len(prompt_ids)} in the messages, "
+                f"{max_tokens or 0} in the completion). Please reduce the length of the messages "
+                "or completion.",
+                param="messages",
+            )
+        budget = max_tokens or min(self.default_max_tokens, limit - len(prompt_ids))
+        params = SamplingParams(
+            max_tokens=budget,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=req.seed,
+            stop=req.stop_list,
+            logprobs=bool(req.logprobs),
+            top_logprobs=top_logprobs,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+        )
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return PreparedChat(
+            request=req,
+            request_id=request_id,
+            resolved=resolved,
+            messages=messages,
+            tools=tools,
+            parse_tools=mode != "none",
+            prompt_ids=prompt_ids,
+            params=params,
+            n=n,
+            grammar=constraint,
+            include_usage=include_usage,
+            headers=headers or {},
+        )
+
+    @staticmethod
+    def _tool_mode(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> str:
+        """'none', 'auto', 'required', or the name of the one tool that must be called."""
+        choice = req.tool_choice
+        if not tools:
+            if choice not in (None, "none"):
+                raise InvalidRequestError(
+                    "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' "
+                    "are specified.",
+                    param="tool_choice",
+                )
+            return "none"
+        if choice is None:
+            return "auto"
+        if isinstance(choice, str):
+            return choice
+        name = choice.function.get("name", "")
+        if name not in {t["function"]["name"] for t in tools}:
+            raise InvalidRequestError(
+                f"Invalid value for 'tool_choice': no function named '{name}' was specified in "
+                "the 'tools' parameter.",
+                param="tool_choice",
+            )
+        return name
+
+    @staticmethod
+    def _grammar(
+        req: ChatCompletionRequest, tools: list[dict[str, Any]] | None, mode: str
+    ) -> grammar.Grammar | None:
+        try:
+            if tools and mode != "none":
+                choice: str | dict[str, Any] = mode
+                if mode not in ("auto", "required"):
+                    choice = {"type": "function", "function": {"name": mode}}
+                return grammar.constraint_for_tools(
+                    tools, choice, parallel_tool_calls=req.parallel_tool_calls is not False
+                )
+            fmt = req.response_format
+            if fmt is None or fmt.type == "text":
+                return None
+            if fmt.type == "json_object":
+                return grammar.constraint_for_json_object()
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise InvalidRequestError(
+                    "Missing required parameter: 'response_format.json_schema.schema'.",
+                    param="response_format.json_schema.schema",
+                    code="missing_required_parameter",
+                )
+            return grammar.constraint_for_json_schema(fmt.json_schema.schema_)
+        except grammar.GrammarError as exc:
+            param = "tools" if tools and mode != "none" else "response_format"
+            raise InvalidRequestError(str(exc), param=param) from exc
+
+    def _engine_request(self, prep: PreparedChat) -> GenerationRequest:
+        return GenerationRequest(
+            prompt_ids=prep.prompt_ids,
+            params=prep.params,
+            n=prep.n,
+            adapter=prep.resolved.adapter,
+            grammar=prep.grammar,
+            request_id=prep.request_id,
+        )
+
+    # ----------------------------------------------------------------- non-streamed
+
+    async def complete(self, prep: PreparedChat) -> dict[str, Any]:
+        logprobs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(prep.n)}
+        finished: dict[int, ChoiceFinished] = {}
+        try:
+            async for event in self.engine.generate(self._engine_request(prep)):
+                if isinstance(event, TokenEvent):
+                    if prep.params.logprobs:
+                        logprobs[event.index].append(self._logprob_entry(event))
+                else:
+                    finished[event.index] = event
+        except EngineError as exc:
+            await self._record(prep, "error", [], None, error=str(exc))
+            raise ServerError(str(exc)) from exc
+        except (asyncio.CancelledError, GeneratorExit):
+            await asyncio.shield(self._record(prep, "client_disconnected", [], None))
+            raise
+        outcomes, choices = [], []
+        for index in range(prep.n):
+            fin = finished[index]
+            content, calls = self._split_tools(prep, fin.text)
+            outcome = ChoiceOutcome(
+                index=index,
+                message=assistant_message(content, calls),
+                finish_reason=_finish_reason(fin.finish_reason, calls),
+                completion_token_ids=fin.completion_token_ids,
+                completion_logprobs=fin.completion_logprobs,
+            )
+            outcomes.append(outcome)
+            choices.append(
+                {
+                    "index": index,
+                    "message": outcome.message,
+                    "logprobs": {"content": logprobs[index], "refusal": None}
+                    if prep.params.logprobs
+                    else None,
+                    "finish_reason": outcome.finish_reason,
+                }
+            )
+        body = completion_body(
+            id=prep.id,
+            model=prep.request.model,
+            created=prep.created,
+            choices=choices,
+            usage_=self._usage(prep, outcomes),
+        )
+        await self._record(prep, "completed", outcomes, body)
+        return body
+
+    def _split_tools(self, prep: PreparedChat, text: str) -> tuple[str | None, list[dict]]:
+        if not prep.parse_tools:
+            return text, []
+        return parse_complete(text)
+
+    # ----------------------------------------------------------------- streamed
+
+    async def stream(self, prep: PreparedChat) -> AsyncIterator[dict[str, Any]]:
+        """Yield OpenAI chunk dicts; the caller writes them as SSE and then `[DONE]`.
+
+        On an engine failure after the first chunk, yields an `{"error": ...}` dict last.
+        """
+        parsers = {i: ToolCallStreamParser() if prep.parse_tools else None for i in range(prep.n)}
+        texts: dict[int, list[str]] = {i: [] for i in range(prep.n)}
+        made_calls: dict[int, bool] = {i: False for i in range(prep.n)}
+        finished: dict[int, ChoiceFinished] = {}
+        usage_field = prep.include_usage
+
+        def make(choices: list[dict[str, Any]]) -> dict[str, Any]:
+            return chunk(
+                id=prep.id,
+                model=prep.request.model,
+                created=prep.created,
+                choices=choices,
+                include_usage_field=usage_field,
+            )
+
+        status, error = "client_disconnected", None
+        try:
+            for i in range(prep.n):
+                yield make(
+                    [_stream_choice(i, {"role": "assistant", "content": "", "refusal": None})]
+                )
+            async for event in self.engine.generate(self._engine_request(prep)):
+                i = event.index
+                if isinstance(event, TokenEvent):
+                    deltas = self._deltas(parsers[i], event.text, final=False)
+                    lp = [self._logprob_entry(event)] if prep.params.logprobs else None
+                else:
+                    finished[i] = event
+                    deltas = self._deltas(parsers[i], "", final=True)
+                    lp = None
+                for delta in deltas:
+                    if "tool_calls" in delta:
+                        made_calls[i] = True
+                    if "content" in delta:
+                        texts[i].append(delta["content"])
+                    yield make([_stream_choice(i, delta, logprobs=lp)])
+                    lp = None
+                if lp:
+                    yield make([_stream_choice(i, {}, logprobs=lp)])
+                if isinstance(event, ChoiceFinished):
+                    reason = (
+                        "tool_calls"
+                        if made_calls[i] and event.finish_reason == "stop"
+                        else (event.finish_reason)
+                    )
+                    yield make([_stream_choice(i, {}, finish_reason=reason)])
+            status = "completed"
+            outcomes = self._stream_outcomes(prep, finished)
+            if prep.include_usage:
+                yield chunk(
+                    id=prep.id,
+                    model=prep.request.model,
+                    created=prep.created,
+                    choices=[],
+                    usage_=self._usage(prep, outcomes),
+                    include_usage_field=True,
+                )
+            await self._record(prep, status, outcomes, None)
+        except EngineError as exc:
+            status, error = "error", str(exc)
+            await self._record(prep, status, self._stream_outcomes(prep, finished), None, error)
+            yield ServerError(str(exc)).body()
+        except APIError as exc:
+            status, error = "error", exc.message
+            await self._record(prep, status, self._stream_outcomes(prep, finished), None, error)
+            yield exc.body()
+        finally:
+            if status == "client_disconnected":
+                outcomes = self._stream_outcomes(prep, finished)
+                await asyncio.shield(self._record(prep, status, outcomes, None))
+
+    def _deltas(
+        self, parser: ToolCallStreamParser | None, text: str, *, final: bool
+    ) -> list[dict[str, Any]]:
+        if parser is None:
+            return [{"content": text}] if text else []
+        events = parser.finish() if final else parser.feed(text)
+        if final and text:
+            events = parser.feed(text) + events
+        deltas: list[dict[str, Any]] = []
+        for ev in events:
+            if isinstance(ev, TextDelta):
+                if ev.text:
+                    deltas.append({"content": ev.text})
+            elif isinstance(ev, ToolCallStart):
+                deltas.append(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": ev.index,
+                                "id": ev.id,
+                                "type": "function",
+                                "function": {"name": ev.name, "arguments": ""},
+                            }
+                        ]
+                    }
+                )
+            elif isinstance(ev, ToolCallArgsDelta) and ev.fragment:
+                deltas.append(
+                    {"tool_calls": [{"index": ev.index, "function": {"arguments": ev.fragment}}]}
+                )
+        return deltas
+
+    def _stream_outcomes(
+        self, prep: PreparedChat, finished: dict[int, ChoiceFinished]
+    ) -> list[ChoiceOutcome]:
+        outcomes = []
+        for index, fin in sorted(finished.items()):
+            content, calls = self._split_tools(prep, fin.text)
+            outcomes.append(
+                ChoiceOutcome(
+                    index=index,
+                    message=assistant_message(content, calls),
+                    finish_reason=_finish_reason(fin.finish_reason, calls),
+                    completion_token_ids=fin.completion_token_ids,
+                    completion_logprobs=fin.completion_logprobs,
+                )
+            )
+        return outcomes
+
+    # ----------------------------------------------------------------- helpers
+
+    def _usage(self, prep: PreparedChat, outcomes: list[ChoiceOutcome]) -> dict[str, Any]:
+        completion = sum(len(o.completion_token_ids) for o in outcomes)
+        return usage(len(prep.prompt_ids), completion)
+
+    def _token(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._token_text[token_id] = text
+        return text
+
+    def _logprob_entry(self, event: TokenEvent) -> dict[str, Any]:
+        token = self._token(event.token_id)
+        return {
+            "token": token,
+            "logprob": event.logprob,
+            "bytes": list(token.encode("utf-8")),
+            "top_logprobs": [
+                {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+                for t, lp in ((self._token(i), lp) for i, lp in event.top_logprobs)
+            ],
+        }
+
+    async def _record(
+        self,
+        prep: PreparedChat,
+        status: str,
+        outcomes: list[ChoiceOutcome],
+        body: dict[str, Any] | None,
+        error: str | None = None,
+    ) -> None:
+        if self.sink is None:
+            return
+        outcome = ChatOutcome(
+            prepared=prep,
+            status=status,
+            choices=outcomes,
+            response=body,
+            usage=self._usage(prep, outcomes) if outcomes else None,
+            latency_s=time.monotonic() - prep.started,
+            error=error,
+        )
+        await self.sink(outcome)
+
+
+def _finish_reason(engine_reason: str, calls: list[dict[str, Any]]) -> str:
+    if engine_reason == "cancelled":
+        return "stop"
+    if calls and engine_reason == "stop":
+        return "tool_calls"
+    return engine_reason
+
+
+def _stream_choice(
+    index: int,
+    delta: dict[str, Any],
+    *,
+    finish_reason: str | None = None,
+    logprobs: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "delta": delta,
+        "logprobs": {"content": logprobs, "refusal": None} if logprobs else None,
+        "finish_reason": finish_reason,
+    }

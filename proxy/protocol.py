@@ -1,0 +1,210 @@
+"""OpenAI Chat Completions wire types, as rlproxy accepts and returns them.
+
+Request models mirror https://platform.openai.com/docs/api-reference/chat/create field by field,
+in the spec's order. They allow extra fields: clients send fields rlproxy has never heard of, and
+those are logged and ignored rather than refused. Fields that are not in OpenAI's spec are marked
+"rlproxy extension".
+
+Responses are plain dicts built by the helpers at the bottom: they are produced on the hot path
+(one per streamed token) and must match OpenAI's JSON exactly, nulls included.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIModel(BaseModel):
+    """Base for wire types: unknown fields are kept (and reported), never a 4xx."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def unknown_fields(self) -> list[str]:
+        return sorted((self.model_extra or {}).keys())
+
+
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str = ""
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"messages with role '{self.role}' must have content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("messages with role 'tool' must have a tool_call_id")
+        return self
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = None
+
+
+class ChatCompletionRequest(OpenAIModel):
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str
+    audio: dict[str, Any] | None = None
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    metadata: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    n: int | None = Field(None, ge=1)
+    parallel_tool_calls: bool | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    reasoning_effort: str | None = None
+    response_format: ResponseFormat | None = None
+    seed: int | None = None
+    service_tier: str | None = None
+    stop: str | list[str] | None = None
+    store: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tools: list[Tool] | None = None
+    top_logprobs: int | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    user: str | None = None
+    # rlproxy extension: {"trajectory_id": ..., "group_id": ...}
+    rlproxy: dict[str, Any] | None = None
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        return tuple(s for s in stops if s)
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def completion_id(request_id: str) -> str:
+    return f"chatcmpl-{request_id}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+        "completion_tokens_details": {
+            "reasoning_tokens": 0,
+            "audio_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
+    }
+
+
+def assistant_message(content: str | None, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": content,
+        "refusal": None,
+        "annotations": [],
+    }
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return message
+
+
+def completion_body(
+    *,
+    id: str,
+    model: str,
+    created: int,
+    choices: list[dict[str, Any]],
+    usage_: dict[str, Any],
+) -> dict[str, Any]:
+    return {
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+        "service_tier": "default",
+        "system_fingerprint": "rlproxy",
+    }
+
+
+def chunk(
+    *,
+    id: str,
+    model: str,
+    created: int,
+    choices: list[dict[str, Any]],
+    usage_: dict[str, Any] | None = None,
+    include_usage_field: bool = False,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "service_tier": "default",
+        "system_fingerprint": "rlproxy",
+        "choices": choices,
+    }
+    if include_usage_field:
+        body["usage"] = usage_
+    return body
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,1 @@
+"""HTTP routes: thin layers that parse, call a service object, and return."""

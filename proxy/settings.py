@@ -1,0 +1,68 @@
+"""rlproxy's settings: one pydantic-settings class, environment prefix `RLPROXY_`.
+
+Built by the app factory or the CLI, never at import time. Every field can be set as
+`RLPROXY_<FIELD>` (for example `RLPROXY_PORT=9000`, `RLPROXY_ALIASES='["gpt-4o-mini"]'`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RLPROXY_", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds to.")
+    port: int = Field(8000, ge=1, le=65535, description="Port the HTTP server listens on.")
+    data_dir: Path = Field(
+        Path("rlproxy-data"), description="Database, checkpoints and the model cache live here."
+    )
+    model_name: str = Field(
+        "rlproxy", description="The policy's served name; `NAME@base` and `NAME@N` derive from it."
+    )
+    aliases: list[str] = Field(
+        default_factory=lambda: ["gpt-4o-mini", "gpt-4o", "gpt-3.5-turbo"],
+        description="Other model names served by the policy (for clients that validate names).",
+    )
+    model_dir: Path | None = Field(
+        None, description="Where the fp32 model cache lives (default: the data directory)."
+    )
+    database_url: str | None = Field(
+        None, description="SQLAlchemy async URL; default sqlite+aiosqlite:///<data_dir>/rlproxy.db"
+    )
+    max_batch_size: int = Field(16, ge=1, description="Rows decoded together by the local engine.")
+    max_n: int = Field(8, ge=1, description="Largest `n` (choices per request) accepted.")
+    default_max_tokens: int = Field(
+        512, ge=1, description="Completion budget when the request sets none."
+    )
+    admin_key: str | None = Field(None, description="Key required for admin routes, when set.")
+    log_level: str = Field("INFO", description="Python logging level.")
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.admin_key == "changeme" and not _is_loopback(self.host):
+            raise ValueError(
+                "RLPROXY_ADMIN_KEY is the placeholder 'changeme' on a public bind; set a real key"
+            )
+        return self
+
+    @property
+    def sqlite_path(self) -> Path:
+        return self.data_dir / "rlproxy.db"
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite+aiosqlite:///{self.sqlite_path}"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,188 @@
+"""Ordered, named schema migrations, recorded in the `migrations` table.
+
+Each migration is a function of a synchronous SQLAlchemy `Connection` (run through
+`AsyncConnection.run_sync`). Migrations are frozen history: they spell out their own tables and
+never import `storage.models`, which describes only the latest shape. To change the schema,
+append a new `Migration` to `MIGRATIONS`; never edit one that has shipped.
+
+`migrate` applies the pending ones in order, all in one transaction, under a lock (BEGIN
+IMMEDIATE on SQLite, an advisory transaction lock on Postgres), so replicas that start together
+do not race. This module knows nothing about calls or trajectories beyond their DDL.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sqlalchemy import (
+    Boolean,
+    Column,
+    Connection,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    text,
+)
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+# Any constant works; it only has to be the same in every replica.
+_PG_ADVISORY_LOCK_KEY = 0x726C70726F7879  # "rlproxy"
+
+
+@dataclass(frozen=True)
+class Migration:
+    id: int
+    name: str
+    apply: Callable[[Connection], None]
+
+
+def _m001_initial(conn: Connection) -> None:
+    md = MetaData()
+    Table(
+        "trajectories",
+        md,
+        Column("id", String, primary_key=True),
+        Column("status", String, nullable=False),
+        Column("created_at", Double, nullable=False),
+        Column("updated_at", Double, nullable=False),
+        Column("closed_at", Double),
+        Column("close_reason", String),
+        Column("group_key", String),
+        Column("model", String),
+        Column("turn_count", Integer, nullable=False),
+        Column("call_count", Integer, nullable=False),
+        Column("explicit", Boolean, nullable=False),
+        Column("task_signature", String),
+        Column("next_prefix_hash", String),
+        Column("last_request_hash", String),
+        Column("last_call_id", String),
+        Column("last_call_created_at", Double),
+        Column("last_call_finished_at", Double),
+        Index("ix_trajectories_status_next_prefix_hash", "status", "next_prefix_hash"),
+        Index("ix_trajectories_status_last_request_hash", "status", "last_request_hash"),
+        Index("ix_trajectories_status_updated_at", "status", "updated_at"),
+        Index("ix_trajectories_created_at_id", "created_at", "id"),
+        Index("ix_trajectories_group_key", "group_key"),
+        Index("ix_trajectories_task_signature", "task_signature"),
+    )
+    Table(
+        "calls",
+        md,
+        Column("id", String, primary_key=True),
+        Column("request_id", String),
+        Column("created_at", Double, nullable=False),
+        Column("finished_at", Double, nullable=False),
+        Column("recorded_at", Double, nullable=False),
+        Column("model_requested", String, nullable=False),
+        Column("adapter_version", Integer),
+        Column("engine", String, nullable=False),
+        Column("request_messages", Text, nullable=False),
+        Column("tools", Text),
+        Column("params", Text, nullable=False),
+        Column("response", Text),
+        Column("prompt_token_ids", Text),
+        Column("usage", Text),
+        Column("prompt_tokens", Integer),
+        Column("completion_tokens", Integer),
+        Column("latency_s", Double, nullable=False),
+        Column("status", String, nullable=False),
+        Column("error", Text),
+        Column("api_key_id", String),
+        Column("stream", Boolean, nullable=False),
+        Column("token_ids_note", Text),
+        Column("explicit_trajectory_id", String),
+        Column("explicit_group_key", String),
+        Column("retry_count", Integer, nullable=False),
+        Column("request_hash", String),
+        Column("trajectory_id", String, ForeignKey("trajectories.id"), nullable=False),
+        Column("turn_index", Integer, nullable=False),
+        Column("retry_of", String),
+        Column("superseded_by", String),
+        Index("ix_calls_trajectory_id_turn_index", "trajectory_id", "turn_index"),
+        Index("ix_calls_created_at", "created_at"),
+        Index("ix_calls_request_id", "request_id"),
+    )
+    Table(
+        "call_choices",
+        md,
+        Column("call_id", String, ForeignKey("calls.id"), primary_key=True),
+        Column("choice_index", Integer, primary_key=True, autoincrement=False),
+        Column("message", Text, nullable=False),
+        Column("finish_reason", String),
+        Column("completion_token_ids", Text),
+        Column("completion_logprobs", Text),
+    )
+    Table(
+        "rewards",
+        md,
+        Column("id", Integer, primary_key=True, autoincrement=True),
+        Column("trajectory_id", String, ForeignKey("trajectories.id"), nullable=False),
+        Column("reward", Double, nullable=False),
+        Column("source", String, nullable=False),
+        Column("created_at", Double, nullable=False),
+        Column("explanation", Text),
+        Index("ix_rewards_trajectory_id", "trajectory_id"),
+    )
+    md.create_all(conn)
+
+
+MIGRATIONS: list[Migration] = [
+    Migration(1, "m001_initial", _m001_initial),
+]
+
+
+def _create_migrations_table(conn: Connection) -> None:
+    md = MetaData()
+    Table(
+        "migrations",
+        md,
+        Column("id", Integer, primary_key=True, autoincrement=False),
+        Column("name", String, nullable=False, unique=True),
+        Column("applied_at", Double, nullable=False),
+    )
+    md.create_all(conn, checkfirst=True)
+
+
+def _apply_pending(conn: Connection) -> list[str]:
+    if conn.dialect.name == "postgresql":
+        conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_ADVISORY_LOCK_KEY})
+    _create_migrations_table(conn)
+    applied = {row[0]: row[1] for row in conn.execute(text("SELECT id, name FROM migrations"))}
+    done: list[str] = []
+    for m in MIGRATIONS:
+        if m.id in applied:
+            if applied[m.id] != m.name:
+                raise RuntimeError(
+                    f"migration {m.id} is recorded as {applied[m.id]!r} but the code calls it "
+                    f"{m.name!r}: this database was migrated by a different rlproxy version"
+                )
+            continue
+        m.apply(conn)
+        conn.execute(
+            text("INSERT INTO migrations (id, name, applied_at) VALUES (:id, :name, :t)"),
+            {"id": m.id, "name": m.name, "t": time.time()},
+        )
+        done.append(m.name)
+    unknown = set(applied) - {m.id for m in MIGRATIONS}
+    if unknown:
+        log.warning("database has migrations this code does not know: %s", sorted(unknown))
+    return done
+
+
+async def migrate(engine: AsyncEngine) -> list[str]:
+    """Apply pending migrations in order; return the names applied now."""
+    async with engine.begin() as conn:
+        done = await conn.run_sync(_apply_pending)
+    if done:
+        log.info("applied migrations: %s", ", ".join(done))
+    return done

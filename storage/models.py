@@ -1,0 +1,150 @@
+"""SQLAlchemy 2 declarative models: the current shape of the database, for queries.
+
+The schema a database actually has is created by the ordered migrations in
+`storage.migrations`; `tests/storage/test_schema.py` checks that these models and the migrated
+schema agree. JSON is stored as text (`JSONText`) on both backends so that token ids, logprobs
+(including -Infinity) and message dicts round-trip exactly, key order included.
+
+This module holds no queries and no engine setup.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, cast
+
+from sqlalchemy import Boolean, Double, ForeignKey, Index, Integer, String, Table, Text
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+
+class JSONText(TypeDecorator[Any]):
+    """Any JSON value, stored as compact text. NaN/Infinity allowed (logprobs can be -inf)."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> str | None:
+        if value is None:
+            return None
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+    def process_result_value(self, value: str | None, dialect: Dialect) -> Any:
+        return None if value is None else json.loads(value)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Migration(Base):
+    __tablename__ = "migrations"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    name: Mapped[str] = mapped_column(String, unique=True)
+    applied_at: Mapped[float] = mapped_column(Double)
+
+
+class Trajectory(Base):
+    __tablename__ = "trajectories"
+
+    id: Mapped[str] = mapped_column(String, primary_key=True)
+    status: Mapped[str] = mapped_column(String)  # "open" | "closed"
+    created_at: Mapped[float] = mapped_column(Double)
+    updated_at: Mapped[float] = mapped_column(Double)
+    closed_at: Mapped[float | None] = mapped_column(Double)
+    close_reason: Mapped[str | None] = mapped_column(String)  # "end" | "reward" | "idle"
+    group_key: Mapped[str | None] = mapped_column(String)
+    model: Mapped[str | None] = mapped_column(String)
+    turn_count: Mapped[int] = mapped_column(Integer)
+    call_count: Mapped[int] = mapped_column(Integer)
+    explicit: Mapped[bool] = mapped_column(Boolean)
+    task_signature: Mapped[str | None] = mapped_column(String)
+    # Linking state: hash(last request + its answer), hash(last request), and the last call.
+    next_prefix_hash: Mapped[str | None] = mapped_column(String)
+    last_request_hash: Mapped[str | None] = mapped_column(String)
+    last_call_id: Mapped[str | None] = mapped_column(String)
+    last_call_created_at: Mapped[float | None] = mapped_column(Double)
+    last_call_finished_at: Mapped[float | None] = mapped_column(Double)
+
+    __table_args__ = (
+        Index("ix_trajectories_status_next_prefix_hash", "status", "next_prefix_hash"),
+        Index("ix_trajectories_status_last_request_hash", "status", "last_request_hash"),
+        Index("ix_trajectories_status_updated_at", "status", "updated_at"),
+        Index("ix_trajectories_created_at_id", "created_at", "id"),
+        Index("ix_trajectories_group_key", "group_key"),
+        Index("ix_trajectories_task_signature", "task_signature"),
+    )
+
+
+class Call(Base):
+    __tablename__ = "calls"
+
+    id: Mapped[str] = mapped_column(String, primary_key=True)
+    request_id: Mapped[str | None] = mapped_column(String)
+    created_at: Mapped[float] = mapped_column(Double)
+    finished_at: Mapped[float] = mapped_column(Double)
+    recorded_at: Mapped[float] = mapped_column(Double)
+    model_requested: Mapped[str] = mapped_column(String)
+    adapter_version: Mapped[int | None] = mapped_column(Integer)
+    engine: Mapped[str] = mapped_column(String)
+    request_messages: Mapped[Any] = mapped_column(JSONText, nullable=False)
+    tools: Mapped[Any] = mapped_column(JSONText, nullable=True)
+    params: Mapped[Any] = mapped_column(JSONText, nullable=False)
+    response: Mapped[Any] = mapped_column(JSONText, nullable=True)
+    prompt_token_ids: Mapped[Any] = mapped_column(JSONText, nullable=True)
+    usage: Mapped[Any] = mapped_column(JSONText, nullable=True)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    latency_s: Mapped[float] = mapped_column(Double)
+    status: Mapped[str] = mapped_column(String)
+    error: Mapped[str | None] = mapped_column(Text)
+    api_key_id: Mapped[str | None] = mapped_column(String)
+    stream: Mapped[bool] = mapped_column(Boolean)
+    token_ids_note: Mapped[str | None] = mapped_column(Text)
+    explicit_trajectory_id: Mapped[str | None] = mapped_column(String)
+    explicit_group_key: Mapped[str | None] = mapped_column(String)
+    retry_count: Mapped[int] = mapped_column(Integer)
+    request_hash: Mapped[str | None] = mapped_column(String)
+    trajectory_id: Mapped[str] = mapped_column(String, ForeignKey("trajectories.id"))
+    turn_index: Mapped[int] = mapped_column(Integer)
+    retry_of: Mapped[str | None] = mapped_column(String)
+    superseded_by: Mapped[str | None] = mapped_column(String)
+
+    __table_args__ = (
+        Index("ix_calls_trajectory_id_turn_index", "trajectory_id", "turn_index"),
+        Index("ix_calls_created_at", "created_at"),
+        Index("ix_calls_request_id", "request_id"),
+    )
+
+
+class CallChoice(Base):
+    __tablename__ = "call_choices"
+
+    call_id: Mapped[str] = mapped_column(String, ForeignKey("calls.id"), primary_key=True)
+    choice_index: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    message: Mapped[Any] = mapped_column(JSONText, nullable=False)
+    finish_reason: Mapped[str | None] = mapped_column(String)
+    completion_token_ids: Mapped[Any] = mapped_column(JSONText, nullable=True)
+    completion_logprobs: Mapped[Any] = mapped_column(JSONText, nullable=True)
+
+
+class Reward(Base):
+    __tablename__ = "rewards"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    trajectory_id: Mapped[str] = mapped_column(String, ForeignKey("trajectories.id"))
+    reward: Mapped[float] = mapped_column(Double)
+    source: Mapped[str] = mapped_column(String)
+    created_at: Mapped[float] = mapped_column(Double)
+    explanation: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (Index("ix_rewards_trajectory_id", "trajectory_id"),)
+
+
+trajectories_table = cast(Table, Trajectory.__table__)
+calls_table = cast(Table, Call.__table__)
+call_choices_table = cast(Table, CallChoice.__table__)
+rewards_table = cast(Table, Reward.__table__)
+migrations_table = cast(Table, Migration.__table__)

@@ -1,0 +1,248 @@
+"""The SQL of every read: trajectory pages, trajectory detail, single calls, counts.
+
+Functions take an `AsyncConnection` (the store opens it on its read engine) and return the plain
+records of `storage.records`. Paging is keyset paging on (created_at, id), newest first, so a
+page never repeats or skips a row when new trajectories arrive meanwhile. Callers go through
+`storage.store.Store`; nothing else should import this module.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Row, and_, func, or_, select
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from storage.models import call_choices_table as CC
+from storage.models import calls_table as C
+from storage.models import rewards_table as R
+from storage.models import trajectories_table as T
+from storage.records import (
+    CallRecord,
+    ChoiceRecord,
+    RewardRecord,
+    StoredCall,
+    TrajectoryDetail,
+    TrajectoryPage,
+    TrajectorySummary,
+    TurnView,
+)
+
+
+@dataclass(frozen=True)
+class TrajectoryFilter:
+    status: str | None = None
+    group_key: str | None = None
+    model: str | None = None
+    since: float | None = None
+    """Created at or after (epoch seconds)."""
+    until: float | None = None
+    """Created before (epoch seconds)."""
+
+
+def encode_cursor(created_at: float, trajectory_id: str) -> str:
+    raw = json.dumps([created_at, trajectory_id]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[float, str]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        created_at, trajectory_id = json.loads(raw)
+        return float(created_at), str(trajectory_id)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"invalid cursor {cursor!r}") from e
+
+
+def _summary(row: Row[Any]) -> TrajectorySummary:
+    return TrajectorySummary(
+        id=row.id,
+        status=row.status,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        closed_at=row.closed_at,
+        close_reason=row.close_reason,
+        group_key=row.group_key,
+        model=row.model,
+        turn_count=row.turn_count,
+        call_count=row.call_count,
+        task_signature=row.task_signature,
+        explicit=bool(row.explicit),
+    )
+
+
+async def list_trajectories(
+    conn: AsyncConnection, f: TrajectoryFilter, limit: int, cursor: str | None
+) -> TrajectoryPage:
+    if limit < 1:
+        raise ValueError("limit must be at least 1")
+    stmt = select(T)
+    if f.status is not None:
+        stmt = stmt.where(T.c.status == f.status)
+    if f.group_key is not None:
+        stmt = stmt.where(T.c.group_key == f.group_key)
+    if f.model is not None:
+        stmt = stmt.where(T.c.model == f.model)
+    if f.since is not None:
+        stmt = stmt.where(T.c.created_at >= f.since)
+    if f.until is not None:
+        stmt = stmt.where(T.c.created_at < f.until)
+    if cursor is not None:
+        c_at, c_id = decode_cursor(cursor)
+        stmt = stmt.where(or_(T.c.created_at < c_at, and_(T.c.created_at == c_at, T.c.id < c_id)))
+    stmt = stmt.order_by(T.c.created_at.desc(), T.c.id.desc()).limit(limit + 1)
+    rows = (await conn.execute(stmt)).all()
+    items = [_summary(r) for r in rows[:limit]]
+    next_cursor = None
+    if len(rows) > limit:
+        last = items[-1]
+        next_cursor = encode_cursor(last.created_at, last.id)
+    return TrajectoryPage(items=items, next_cursor=next_cursor)
+
+
+def _choice(row: Row[Any]) -> ChoiceRecord:
+    return ChoiceRecord(
+        index=row.choice_index,
+        message=row.message,
+        finish_reason=row.finish_reason,
+        completion_token_ids=row.completion_token_ids,
+        completion_logprobs=row.completion_logprobs,
+    )
+
+
+def _call(row: Row[Any], choices: list[ChoiceRecord]) -> StoredCall:
+    record = CallRecord(
+        id=row.id,
+        request_id=row.request_id,
+        created_at=row.created_at,
+        finished_at=row.finished_at,
+        model_requested=row.model_requested,
+        adapter_version=row.adapter_version,
+        engine=row.engine,
+        request_messages=row.request_messages,
+        tools=row.tools,
+        params=row.params,
+        response=row.response,
+        choices=choices,
+        prompt_token_ids=row.prompt_token_ids,
+        usage=row.usage,
+        latency_s=row.latency_s,
+        status=row.status,
+        error=row.error,
+        api_key_id=row.api_key_id,
+        stream=bool(row.stream),
+        token_ids_note=row.token_ids_note,
+        explicit_trajectory_id=row.explicit_trajectory_id,
+        explicit_group_key=row.explicit_group_key,
+        retry_count=row.retry_count,
+    )
+    return StoredCall(
+        record=record,
+        trajectory_id=row.trajectory_id,
+        turn_index=row.turn_index,
+        recorded_at=row.recorded_at,
+        retry_of=row.retry_of,
+        superseded_by=row.superseded_by,
+    )
+
+
+async def _choices_for(conn: AsyncConnection, call_ids: list[str]) -> dict[str, list[ChoiceRecord]]:
+    out: dict[str, list[ChoiceRecord]] = defaultdict(list)
+    if call_ids:
+        rows = await conn.execute(
+            select(CC).where(CC.c.call_id.in_(call_ids)).order_by(CC.c.call_id, CC.c.choice_index)
+        )
+        for r in rows:
+            out[r.call_id].append(_choice(r))
+    return out
+
+
+async def get_call(conn: AsyncConnection, call_id: str) -> StoredCall | None:
+    row = (await conn.execute(select(C).where(C.c.id == call_id))).first()
+    if row is None:
+        return None
+    return _call(row, (await _choices_for(conn, [call_id]))[call_id])
+
+
+async def calls_of(conn: AsyncConnection, trajectory_id: str) -> list[StoredCall]:
+    """Every call of a trajectory, retries included, in (turn, recording) order."""
+    rows = (
+        await conn.execute(
+            select(C)
+            .where(C.c.trajectory_id == trajectory_id)
+            .order_by(C.c.turn_index, C.c.recorded_at, C.c.id)
+        )
+    ).all()
+    choices = await _choices_for(conn, [r.id for r in rows])
+    return [_call(r, choices[r.id]) for r in rows]
+
+
+def _turns(calls: list[StoredCall]) -> list[TurnView]:
+    by_turn: dict[int, list[StoredCall]] = defaultdict(list)
+    for c in calls:
+        by_turn[c.turn_index].append(c)
+    turns = []
+    for index in sorted(by_turn):
+        attempts = by_turn[index]
+        standing = [c for c in attempts if c.superseded_by is None] or attempts
+        call = standing[-1]
+        rec = call.record
+        prompt, completion = rec.token_counts()
+        turns.append(
+            TurnView(
+                turn_index=index,
+                call_id=rec.id,
+                request_messages=rec.request_messages,
+                response_messages=[c.message for c in rec.choices],
+                tools=rec.tools,
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                adapter_version=rec.adapter_version,
+                model_requested=rec.model_requested,
+                status=rec.status,
+                latency_s=rec.latency_s,
+                created_at=rec.created_at,
+                retry_of=call.retry_of,
+                attempts=len(attempts),
+            )
+        )
+    return turns
+
+
+async def get_trajectory(conn: AsyncConnection, trajectory_id: str) -> TrajectoryDetail | None:
+    row = (await conn.execute(select(T).where(T.c.id == trajectory_id))).first()
+    if row is None:
+        return None
+    rewards = [
+        RewardRecord(
+            id=r.id,
+            trajectory_id=r.trajectory_id,
+            reward=r.reward,
+            source=r.source,
+            created_at=r.created_at,
+            explanation=r.explanation,
+        )
+        for r in await conn.execute(
+            select(R).where(R.c.trajectory_id == trajectory_id).order_by(R.c.id)
+        )
+    ]
+    turns = _turns(await calls_of(conn, trajectory_id))
+    return TrajectoryDetail(summary=_summary(row), turns=turns, rewards=rewards)
+
+
+async def count_calls(conn: AsyncConnection, trajectory_id: str | None = None) -> int:
+    stmt = select(func.count()).select_from(C)
+    if trajectory_id is not None:
+        stmt = stmt.where(C.c.trajectory_id == trajectory_id)
+    return int((await conn.execute(stmt)).scalar_one())
+
+
+async def count_trajectories(conn: AsyncConnection, status: str | None = None) -> int:
+    stmt = select(func.count()).select_from(T)
+    if status is not None:
+        stmt = stmt.where(T.c.status == status)
+    return int((await conn.execute(stmt)).scalar_one())

@@ -1,0 +1,236 @@
+"""`Store`: the one API through which every other package reads and writes the database.
+
+    store = await Store.open("sqlite+aiosqlite:///rlproxy-data/rlproxy.db", linker=PrefixLinker())
+    trajectory_id = await store.record_call(record)   # returns once the row is committed
+    await store.add_reward(trajectory_id, 0.8, "env")  # also closes the trajectory
+    await store.close()
+
+Writes (calls, ends, rewards, idle closing) go through one group-commit writer task
+(`storage.writer`), so concurrent calls share a transaction and a commit. Linking a call to a
+trajectory happens inside that transaction; which trajectory it joins is decided by the `Linker`
+given at open (the policy lives in `trainer.linking`). Reads use their own connections and never
+wait for the writer.
+
+The store knows nothing about HTTP, engines or training; it does not import `proxy` or `trainer`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from storage import read_ops, write_ops
+from storage.engines import Engines, SqliteSynchronous, create_engines
+from storage.errors import InvalidRecord, TrajectoryNotFound
+from storage.linker import ExplicitIdsOnly, Linker
+from storage.migrations import migrate
+from storage.read_ops import TrajectoryFilter
+from storage.records import (
+    CALL_STATUSES,
+    CallRecord,
+    StoredCall,
+    TrajectoryDetail,
+    TrajectoryPage,
+)
+from storage.writer import GroupCommitWriter, WriterStats
+
+log = logging.getLogger(__name__)
+
+
+class Store:
+    """Open with `await Store.open(url)`; always `await store.close()`."""
+
+    def __init__(self, engines: Engines, linker: Linker, writer: GroupCommitWriter) -> None:
+        self._engines = engines
+        self._linker = linker
+        self._writer = writer
+
+    @classmethod
+    async def open(
+        cls,
+        url: str,
+        *,
+        linker: Linker | None = None,
+        busy_timeout_s: float = 10.0,
+        sqlite_synchronous: SqliteSynchronous = "FULL",
+        max_batch: int = 500,
+        postgres_schema: str | None = None,
+    ) -> Store:
+        """Connect, apply pending migrations, start the writer.
+
+        `linker` decides which trajectory each call joins; pass `trainer.linking.PrefixLinker()`.
+        Without one, only explicit trajectory ids link calls together. `busy_timeout_s` and
+        `sqlite_synchronous` apply to SQLite (see `storage.engines`); `postgres_schema` keeps
+        the tables in an existing Postgres schema instead of `public`. `max_batch` caps how
+        many writes share one transaction.
+        """
+        engines = create_engines(
+            url,
+            busy_timeout_s=busy_timeout_s,
+            sqlite_synchronous=sqlite_synchronous,
+            postgres_schema=postgres_schema,
+        )
+        try:
+            await migrate(engines.write)
+        except BaseException:
+            await engines.dispose()
+            raise
+        if linker is None:
+            log.warning("no trajectory linker given: calls link only through explicit ids")
+            linker = ExplicitIdsOnly()
+        writer = GroupCommitWriter(engines.write, max_batch=max_batch)
+        writer.start()
+        return cls(engines, linker, writer)
+
+    async def close(self) -> None:
+        """Finish every write already submitted, then release the connections."""
+        await self._writer.close()
+        await self._engines.dispose()
+
+    @property
+    def dialect(self) -> str:
+        """ "sqlite" or "postgresql"."""
+        return self._engines.dialect
+
+    @property
+    def writer_stats(self) -> WriterStats:
+        """Counters of the group-commit writer (commits, batches, jobs)."""
+        return self._writer.stats
+
+    # --- writes ----------------------------------------------------------------------------
+
+    async def record_call(self, record: CallRecord) -> str:
+        """Store one call, linked to its trajectory; return the trajectory id once committed."""
+        _validate(record)
+        linker = self._linker
+
+        async def job(conn: Any) -> str:
+            return await write_ops.record_call(conn, record, linker, time.time())
+
+        result: str = await self._writer.submit(job)
+        return result
+
+    async def end_trajectory(self, trajectory_id: str, reason: str = "end") -> bool:
+        """Close a trajectory; True if it was open. Raises TrajectoryNotFound."""
+
+        async def job(conn: Any) -> bool | None:
+            return await write_ops.close_trajectory(conn, trajectory_id, reason, time.time())
+
+        closed = await self._writer.submit(job)
+        if closed is None:
+            raise TrajectoryNotFound(trajectory_id)
+        return bool(closed)
+
+    async def add_reward(
+        self, trajectory_id: str, reward: float, source: str, explanation: str | None = None
+    ) -> int:
+        """Store a reward (several per trajectory allowed) and close the trajectory.
+
+        Returns the reward id. Raises TrajectoryNotFound.
+        """
+        reward = float(reward)
+
+        async def job(conn: Any) -> int | None:
+            return await write_ops.add_reward(
+                conn, trajectory_id, reward, source, explanation, time.time()
+            )
+
+        reward_id = await self._writer.submit(job)
+        if reward_id is None:
+            raise TrajectoryNotFound(trajectory_id)
+        return int(reward_id)
+
+    async def close_idle(self, older_than_s: float, *, now: float | None = None) -> list[str]:
+        """Close open trajectories with no call for `older_than_s`; return their ids."""
+
+        async def job(conn: Any) -> list[str]:
+            t = time.time() if now is None else now
+            return await write_ops.close_idle(conn, t - older_than_s, t)
+
+        closed: list[str] = await self._writer.submit(job)
+        return closed
+
+    # --- reads -----------------------------------------------------------------------------
+
+    async def list_trajectories(
+        self,
+        *,
+        status: str | None = None,
+        group_key: str | None = None,
+        model: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> TrajectoryPage:
+        """Newest first, keyset-paged on (created_at, id); `since`/`until` bound created_at."""
+        f = TrajectoryFilter(status, group_key, model, since, until)
+        async with self._engines.read.connect() as conn:
+            return await read_ops.list_trajectories(conn, f, limit, cursor)
+
+    async def get_trajectory(self, trajectory_id: str) -> TrajectoryDetail | None:
+        """The trajectory with its turns in order (retries resolved) and its rewards."""
+        async with self._engines.read.connect() as conn:
+            return await read_ops.get_trajectory(conn, trajectory_id)
+
+    async def get_call(self, call_id: str) -> StoredCall | None:
+        async with self._engines.read.connect() as conn:
+            return await read_ops.get_call(conn, call_id)
+
+    async def get_trajectory_calls(self, trajectory_id: str) -> list[StoredCall]:
+        """Every call of a trajectory, retries and superseded calls included, in turn order."""
+        async with self._engines.read.connect() as conn:
+            return await read_ops.calls_of(conn, trajectory_id)
+
+    async def iter_trajectories_for_export(
+        self,
+        *,
+        status: str | None = "closed",
+        group_key: str | None = None,
+        model: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        page_size: int = 100,
+    ) -> AsyncIterator[TrajectoryDetail]:
+        """Yield full trajectories (newest first); feed them to `storage.export`."""
+        cursor: str | None = None
+        while True:
+            page = await self.list_trajectories(
+                status=status,
+                group_key=group_key,
+                model=model,
+                since=since,
+                until=until,
+                limit=page_size,
+                cursor=cursor,
+            )
+            for item in page.items:
+                detail = await self.get_trajectory(item.id)
+                if detail is not None:
+                    yield detail
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
+
+    async def count_calls(self, trajectory_id: str | None = None) -> int:
+        async with self._engines.read.connect() as conn:
+            return await read_ops.count_calls(conn, trajectory_id)
+
+    async def count_trajectories(self, status: str | None = None) -> int:
+        async with self._engines.read.connect() as conn:
+            return await read_ops.count_trajectories(conn, status)
+
+
+def _validate(record: CallRecord) -> None:
+    if not record.id:
+        raise InvalidRecord("CallRecord.id is required (uuid4 hex)")
+    if record.status not in CALL_STATUSES:
+        raise InvalidRecord(
+            f"CallRecord.status must be one of {sorted(CALL_STATUSES)}, not {record.status!r}"
+        )
+    if not isinstance(record.request_messages, list):
+        raise InvalidRecord("CallRecord.request_messages must be a list of message dicts")
+    if record.retry_count < 0:
+        raise InvalidRecord("CallRecord.retry_count must be >= 0")

@@ -1,0 +1,229 @@
+"""Trajectory linking end to end: the store with `trainer.linking.PrefixLinker`, both backends.
+
+The canonicalisation and decision rules themselves are unit-tested in
+tests/trainer/test_linking.py; here every call goes through `Store.record_call`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from storage import Store
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+SYSTEM = "You are an agent. Use the tools."
+
+
+def _tool_call(call_id: str, name: str, args: dict[str, Any], **dump: Any) -> dict[str, Any]:
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(args, **dump)},
+            }
+        ],
+    }
+
+
+async def test_three_tool_rounds_make_one_trajectory(store: Store, make_call: Any) -> None:
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "What is the weather in Paris and Rome?"},
+    ]
+    answers = [
+        _tool_call("call_a", "weather", {"city": "Paris", "unit": "C"}),
+        _tool_call("call_b", "weather", {"city": "Rome", "unit": "C"}),
+        _tool_call("call_c", "summarise", {"items": [1, 2]}),
+        {"role": "assistant", "content": "Paris 12C, Rome 18C."},
+    ]
+    tids = []
+    for round_, answer in enumerate(answers):
+        tids.append(await store.record_call(make_call(msgs, answer)))
+        # The client echoes the answer back with cosmetic changes: key order, whitespace,
+        # re-serialised arguments, content "" instead of None, extra fields dropped.
+        fn = answer.get("tool_calls", [{}])[0].get("function")
+        echoed: dict[str, Any]
+        if fn:
+            args = json.loads(fn["arguments"])
+            echoed = {
+                "tool_calls": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "arguments": json.dumps(dict(reversed(args.items())), indent=2),
+                            "name": fn["name"],
+                        },
+                        "id": answer["tool_calls"][0]["id"],
+                    }
+                ],
+                "content": "",
+                "role": "assistant",
+            }
+            tool_reply = {
+                "role": "tool",
+                "tool_call_id": answer["tool_calls"][0]["id"],
+                "content": f"result {round_}",
+            }
+            msgs = [*msgs, echoed, tool_reply]
+        msgs = [
+            {**m, "content": f"  {m['content']}\n"} if isinstance(m.get("content"), str) else m
+            for m in msgs
+        ]
+    assert len(set(tids)) == 1
+    detail = await store.get_trajectory(tids[0])
+    assert detail is not None
+    assert detail.summary.turn_count == 4
+    assert [t.turn_index for t in detail.turns] == [0, 1, 2, 3]
+
+
+async def test_two_agents_same_system_prompt_make_two(store: Store, make_call: Any) -> None:
+    async def agent(question: str) -> set[str]:
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        tids = set()
+        for i in range(3):
+            answer = _tool_call(f"call_{i}", "search", {"q": question, "i": i})
+            tids.add(await store.record_call(make_call(msgs, answer)))
+            tool = {"role": "tool", "tool_call_id": f"call_{i}", "content": "found"}
+            msgs = [*msgs, answer, tool]
+            await asyncio.sleep(0)
+        return tids
+
+    a, b = await asyncio.gather(agent("capital of France?"), agent("capital of Italy?"))
+    assert len(a) == 1 and len(b) == 1 and a != b
+    for tid in a | b:
+        detail = await store.get_trajectory(tid)
+        assert detail is not None and detail.summary.turn_count == 3
+    (ta,), (tb,) = a, b
+    da, db_ = await store.get_trajectory(ta), await store.get_trajectory(tb)
+    assert da is not None and db_ is not None
+    assert da.summary.task_signature != db_.summary.task_signature
+
+
+async def test_same_task_twice_concurrently_makes_two(store: Store, make_call: Any) -> None:
+    """Parallel rollouts of one task overlap in time: identical first calls are not retries."""
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "same task"}]
+    first = make_call(msgs, "plan A", created_at=1000.0, duration_s=2.0)
+    second = make_call(msgs, "plan B", created_at=1000.5, duration_s=1.0)
+    t2 = await store.record_call(second)  # finishes first
+    t1 = await store.record_call(first)
+    assert t1 != t2
+    d1, d2 = await store.get_trajectory(t1), await store.get_trajectory(t2)
+    assert d1 is not None and d2 is not None
+    assert d1.summary.task_signature == d2.summary.task_signature
+    # Each continues on its own answer.
+    c1 = make_call([*msgs, {"role": "assistant", "content": "plan A"}], "A2", created_at=1003.0)
+    c2 = make_call([*msgs, {"role": "assistant", "content": "plan B"}], "B2", created_at=1003.0)
+    assert await store.record_call(c1) == t1
+    assert await store.record_call(c2) == t2
+
+
+async def test_explicit_id_wins(store: Store, make_call: Any) -> None:
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "q"}]
+    tid = await store.record_call(make_call(msgs, "a1", explicit_trajectory_id="run-42"))
+    assert tid == "run-42"
+    # Unrelated messages, same explicit id: appended anyway.
+    other = [{"role": "user", "content": "something else entirely"}]
+    assert await store.record_call(make_call(other, "a2", explicit_trajectory_id="run-42")) == tid
+    # A continuation of run-42 that names a different id goes there instead.
+    cont = [*other, {"role": "assistant", "content": "a2"}, {"role": "user", "content": "more"}]
+    assert await store.record_call(make_call(cont, "a3", explicit_trajectory_id="run-43")) == (
+        "run-43"
+    )
+    detail = await store.get_trajectory("run-42")
+    assert detail is not None and detail.summary.turn_count == 2 and detail.summary.explicit
+
+
+async def test_explicit_id_reopens_closed(store: Store, make_call: Any) -> None:
+    msgs = [{"role": "user", "content": "q"}]
+    tid = await store.record_call(make_call(msgs, "a", explicit_trajectory_id="ep-1"))
+    await store.end_trajectory(tid)
+    again = [*msgs, {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]
+    assert await store.record_call(make_call(again, "b", explicit_trajectory_id="ep-1")) == tid
+    detail = await store.get_trajectory(tid)
+    assert detail is not None
+    assert detail.summary.status == "open" and detail.summary.closed_at is None
+    assert detail.summary.turn_count == 2
+
+
+async def test_retry_header_does_not_fork(store: Store, make_call: Any) -> None:
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "q"}]
+    first = make_call(msgs, "a", created_at=1000.0)
+    tid = await store.record_call(first)
+    cont = [*msgs, {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]
+    failed = make_call(cont, None, created_at=1001.0)
+    assert await store.record_call(failed) == tid
+    retried = make_call(cont, "b", created_at=1100.0, retry_count=1)  # long after: header counts
+    assert await store.record_call(retried) == tid
+
+    detail = await store.get_trajectory(tid)
+    assert detail is not None
+    assert detail.summary.turn_count == 2 and detail.summary.call_count == 3
+    assert [t.call_id for t in detail.turns] == [first.id, retried.id]
+    assert detail.turns[1].retry_of == failed.id and detail.turns[1].attempts == 2
+    old = await store.get_call(failed.id)
+    assert old is not None and old.superseded_by == retried.id and old.turn_index == 1
+    # The conversation continues from the retry's answer.
+    nxt = [*cont, {"role": "assistant", "content": "b"}, {"role": "user", "content": "q3"}]
+    assert await store.record_call(make_call(nxt, "c", created_at=1101.0)) == tid
+
+
+async def test_same_messages_within_window_is_a_retry(store: Store, make_call: Any) -> None:
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "q"}]
+    first = make_call(msgs, "a", created_at=1000.0, duration_s=1.0)
+    tid = await store.record_call(first)
+    again = make_call(msgs, "a'", created_at=1003.0)  # 2 s after it finished, no header
+    assert await store.record_call(again) == tid
+    later = make_call(msgs, "a''", created_at=1100.0)  # outside the window: a new run
+    assert await store.record_call(later) != tid
+    detail = await store.get_trajectory(tid)
+    assert detail is not None and detail.summary.turn_count == 1
+    assert detail.turns[0].call_id == again.id and detail.turns[0].attempts == 2
+
+
+async def test_late_recorded_failed_attempt_goes_to_same_turn(store: Store, make_call: Any) -> None:
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "slow"}]
+    original = make_call(
+        msgs, None, created_at=1000.0, duration_s=30.0, status="client_disconnected"
+    )
+    retry = make_call(msgs, "fast", created_at=1010.0, retry_count=1)
+    tid = await store.record_call(retry)  # the retry finishes first
+    assert await store.record_call(original) == tid
+    detail = await store.get_trajectory(tid)
+    assert detail is not None
+    assert detail.summary.turn_count == 1 and detail.turns[0].call_id == retry.id
+    stored = await store.get_call(original.id)
+    assert stored is not None and stored.superseded_by == retry.id
+    nxt = [*msgs, {"role": "assistant", "content": "fast"}, {"role": "user", "content": "go"}]
+    assert await store.record_call(make_call(nxt, "ok", created_at=1020.0)) == tid
+
+
+async def test_closed_trajectory_is_not_continued(store: Store, make_call: Any) -> None:
+    msgs = [{"role": "user", "content": "q"}]
+    tid = await store.record_call(make_call(msgs, "a"))
+    await store.add_reward(tid, 1.0, "env")
+    cont = [*msgs, {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]
+    new = await store.record_call(make_call(cont, "b"))
+    assert new != tid
+    detail = await store.get_trajectory(new)
+    assert detail is not None and detail.summary.status == "open"
+
+
+async def test_longest_prefix_wins(store: Store, make_call: Any) -> None:
+    base = [{"role": "user", "content": "q"}]
+    short = await store.record_call(make_call(base, "a"))
+    two = [*base, {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]
+    # A second trajectory that got explicitly to the longer prefix.
+    long_ = await store.record_call(make_call(two, "b", explicit_trajectory_id="long"))
+    assert long_ == "long"
+    # `short` still points at [q, a]; `long` at [q, a, q2, b]. This call contains both.
+    three = [*two, {"role": "assistant", "content": "b"}, {"role": "user", "content": "q3"}]
+    assert await store.record_call(make_call(three, "c")) == "long"
+    assert short != long_

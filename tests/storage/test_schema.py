@@ -1,0 +1,213 @@
+"""The exact schema a blank database migrates to, on SQLite and on Postgres.
+
+If this test fails after a model change, add a migration (storage/migrations.py) and update the
+expected schema below and storage/models.py together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from sqlalchemy import Boolean, Float, Integer, String, Text, inspect
+from sqlalchemy.engine import Connection
+
+from storage.engines import create_engines
+from storage.migrations import MIGRATIONS, migrate
+from storage.models import Base
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+# table -> columns in order: "name kind" (+ " null" when nullable); pk; indexes; foreign keys.
+EXPECTED: dict[str, dict[str, Any]] = {
+    "migrations": {
+        "columns": ["id int", "name str", "applied_at float"],
+        "pk": ["id"],
+        "unique": [["name"]],
+        "indexes": {},
+        "fks": [],
+    },
+    "trajectories": {
+        "columns": [
+            "id str",
+            "status str",
+            "created_at float",
+            "updated_at float",
+            "closed_at float null",
+            "close_reason str null",
+            "group_key str null",
+            "model str null",
+            "turn_count int",
+            "call_count int",
+            "explicit bool",
+            "task_signature str null",
+            "next_prefix_hash str null",
+            "last_request_hash str null",
+            "last_call_id str null",
+            "last_call_created_at float null",
+            "last_call_finished_at float null",
+        ],
+        "pk": ["id"],
+        "unique": [],
+        "indexes": {
+            "ix_trajectories_created_at_id": ["created_at", "id"],
+            "ix_trajectories_group_key": ["group_key"],
+            "ix_trajectories_status_last_request_hash": ["status", "last_request_hash"],
+            "ix_trajectories_status_next_prefix_hash": ["status", "next_prefix_hash"],
+            "ix_trajectories_status_updated_at": ["status", "updated_at"],
+            "ix_trajectories_task_signature": ["task_signature"],
+        },
+        "fks": [],
+    },
+    "calls": {
+        "columns": [
+            "id str",
+            "request_id str null",
+            "created_at float",
+            "finished_at float",
+            "recorded_at float",
+            "model_requested str",
+            "adapter_version int null",
+            "engine str",
+            "request_messages text",
+            "tools text null",
+            "params text",
+            "response text null",
+            "prompt_token_ids text null",
+            "usage text null",
+            "prompt_tokens int null",
+            "completion_tokens int null",
+            "latency_s float",
+            "status str",
+            "error text null",
+            "api_key_id str null",
+            "stream bool",
+            "token_ids_note text null",
+            "explicit_trajectory_id str null",
+            "explicit_group_key str null",
+            "retry_count int",
+            "request_hash str null",
+            "trajectory_id str",
+            "turn_index int",
+            "retry_of str null",
+            "superseded_by str null",
+        ],
+        "pk": ["id"],
+        "unique": [],
+        "indexes": {
+            "ix_calls_created_at": ["created_at"],
+            "ix_calls_request_id": ["request_id"],
+            "ix_calls_trajectory_id_turn_index": ["trajectory_id", "turn_index"],
+        },
+        "fks": [(["trajectory_id"], "trajectories", ["id"])],
+    },
+    "call_choices": {
+        "columns": [
+            "call_id str",
+            "choice_index int",
+            "message text",
+            "finish_reason str null",
+            "completion_token_ids text null",
+            "completion_logprobs text null",
+        ],
+        "pk": ["call_id", "choice_index"],
+        "unique": [],
+        "indexes": {},
+        "fks": [(["call_id"], "calls", ["id"])],
+    },
+    "rewards": {
+        "columns": [
+            "id int",
+            "trajectory_id str",
+            "reward float",
+            "source str",
+            "created_at float",
+            "explanation text null",
+        ],
+        "pk": ["id"],
+        "unique": [],
+        "indexes": {"ix_rewards_trajectory_id": ["trajectory_id"]},
+        "fks": [(["trajectory_id"], "trajectories", ["id"])],
+    },
+}
+
+
+def _kind(t: Any) -> str:
+    for cls, name in ((Boolean, "bool"), (Integer, "int"), (Float, "float"), (Text, "text")):
+        if isinstance(t, cls):
+            return name
+    if isinstance(t, String):
+        return "text" if t.__class__.__name__ == "TEXT" else "str"
+    return repr(t)
+
+
+def _describe(conn: Connection) -> dict[str, dict[str, Any]]:
+    insp = inspect(conn)
+    out: dict[str, dict[str, Any]] = {}
+    for table in insp.get_table_names():
+        cols = [
+            f"{c['name']} {_kind(c['type'])}" + (" null" if c["nullable"] else "")
+            for c in insp.get_columns(table)
+        ]
+        out[table] = {
+            "columns": cols,
+            "pk": insp.get_pk_constraint(table)["constrained_columns"],
+            "unique": sorted(u["column_names"] for u in insp.get_unique_constraints(table)),
+            "indexes": {
+                i["name"]: i["column_names"]
+                for i in insp.get_indexes(table)
+                if not i.get("unique")  # Postgres lists unique constraints here too
+            },
+            "fks": [
+                (f["constrained_columns"], f["referred_table"], f["referred_columns"])
+                for f in insp.get_foreign_keys(table)
+            ],
+        }
+    return out
+
+
+async def _migrated_schema(url: str, schema: str | None) -> tuple[list[str], dict[str, Any]]:
+    engines = create_engines(url, postgres_schema=schema)
+    try:
+        applied = await migrate(engines.write)
+        async with engines.read.connect() as conn:
+            return applied, await conn.run_sync(_describe)
+    finally:
+        await engines.dispose()
+
+
+async def test_blank_database_migrates_to_expected_schema(db: Any) -> None:
+    applied, schema = await _migrated_schema(db.url, db.schema)
+    assert applied == [m.name for m in MIGRATIONS]
+    assert schema == EXPECTED
+
+
+async def test_models_match_migrated_schema(db: Any) -> None:
+    """storage/models.py describes the same tables, columns and indexes as the migrations."""
+    _, schema = await _migrated_schema(db.url, db.schema)
+    for table in Base.metadata.sorted_tables:
+        described = schema[table.name]
+        cols = [
+            f"{c.name} {_kind(c.type.impl if hasattr(c.type, 'impl') else c.type)}"
+            + (" null" if c.nullable else "")
+            for c in table.columns
+        ]
+        assert cols == described["columns"], table.name
+        indexes = {i.name: [c.name for c in i.columns] for i in table.indexes}
+        assert indexes == described["indexes"], table.name
+    assert {t.name for t in Base.metadata.sorted_tables} == set(schema)
+
+
+async def test_migrations_are_recorded_and_not_reapplied(db: Any) -> None:
+    store = await db.open()
+    await store.close()
+    again, _ = await _migrated_schema(db.url, db.schema)
+    assert again == []
+
+
+async def test_concurrent_opens_migrate_once(db: Any) -> None:
+    stores = await asyncio.gather(*(db.open() for _ in range(4)))
+    assert all(s.dialect in ("sqlite", "postgresql") for s in stores)
+    _, schema = await _migrated_schema(db.url, db.schema)
+    assert schema == EXPECTED
