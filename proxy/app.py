@@ -6,6 +6,7 @@ model, starts the engine, and stops it on shutdown. Tests may pass a ready engin
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -21,11 +22,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from proxy.adapters import AdapterManager
 from proxy.chat import ChatService
 from proxy.errors import APIError, error_body
+from proxy.recording import CallRecorder
 from proxy.registry import ServedModels
 from proxy.routes import adapters as adapter_routes
 from proxy.routes import chat as chat_routes
 from proxy.routes import models as model_routes
 from proxy.settings import Settings
+from storage.store import Store
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +44,8 @@ def create_app(settings: Settings) -> FastAPI:
         engine = LocalEngine(loaded, max_batch_size=settings.max_batch_size)
         await engine.start()
         registry = ServedModels(policy=settings.model_name, aliases=tuple(settings.aliases))
+        store = await open_store(settings)
+        idle_closer = asyncio.create_task(close_idle_trajectories(store, settings))
         app.state.engine = engine
         app.state.registry = registry
         app.state.adapters = AdapterManager(
@@ -52,7 +57,9 @@ def create_app(settings: Settings) -> FastAPI:
             loaded.tokenizer,
             max_n=settings.max_n,
             default_max_tokens=settings.default_max_tokens,
+            sink=CallRecorder(store),
         )
+        app.state.store = store
         logger.info(
             "serving %s (aliases: %s) on the local engine; data directory %s",
             settings.model_name,
@@ -62,7 +69,9 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             yield
         finally:
+            idle_closer.cancel()
             await engine.stop()
+            await store.close()
 
     app = FastAPI(title="rlproxy", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
@@ -72,6 +81,35 @@ def create_app(settings: Settings) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)
     return app
+
+
+async def open_store(settings: Settings) -> Store:
+    from trainer.linking import PrefixLinker
+
+    url = settings.resolved_database_url
+    store = await Store.open(url, linker=PrefixLinker(retry_window_s=settings.retry_window_s))
+    logger.info("storing every call in %s (%s)", _redact(url), store.dialect)
+    return store
+
+
+async def close_idle_trajectories(store: Store, settings: Settings) -> None:
+    """Close trajectories idle for longer than the configured timeout, once in a while."""
+    interval = max(1.0, min(60.0, settings.trajectory_idle_timeout_s / 4))
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            closed = await store.close_idle(settings.trajectory_idle_timeout_s)
+            if closed:
+                logger.info("closed %d idle trajectories", len(closed))
+        except Exception:
+            logger.exception("closing idle trajectories failed; retrying later")
+
+
+def _redact(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        rest = "***@" + rest.split("@", 1)[1]
+    return scheme + sep + rest
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -6,7 +6,7 @@ tokenizer's own chat template gives (including its default system prompt when th
 is not a system message). The format, in full:
 
     <|im_start|>system
-    {system prompt: the first system/developer message, else the default below}{tools block}<|im_end|>
+    {system prompt: first system/developer message, else the default}{tools block}<|im_end|>
     <|im_start|>user
     {text}<|im_end|>
     <|im_start|>assistant
@@ -31,7 +31,8 @@ is not a system message). The format, in full:
 
       You are provided with function signatures within <tools></tools> XML tags:
       <tools>
-      {one tool's JSON per line: {"type": "function", "function": {"name", "description", "parameters"}}}
+      {"type": "function", "function": {"name": ..., "description": ..., "parameters": ...}}
+      (one line per tool)
       </tools>
 
       For each function call, return a json object with function name and arguments within
@@ -128,7 +129,8 @@ def render_tools_block(tools: Sequence[Mapping[str, Any]]) -> str:
 
 def render_tool_call(name: str, arguments: str) -> str:
     """One call as the model writes it; `arguments` is the JSON text, inserted verbatim."""
-    return f'<tool_call>{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {arguments}}}</tool_call>'
+    name_json = json.dumps(name, ensure_ascii=False)
+    return f'<tool_call>{{"name": {name_json}, "arguments": {arguments}}}</tool_call>'
 
 
 def normalize_tool(tool: Mapping[str, Any], index: int = 0) -> dict[str, Any]:

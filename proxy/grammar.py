@@ -245,10 +245,8 @@ def constraint_for_tools(
         schema = json.dumps(_with_json_options(params[name]), ensure_ascii=False)
         bodies.append(f'body_{i}: {_lark_str(head)} %json {schema} "}}</tool_call>"')
     more = ' ("\\n" call)*' if parallel else ""
-    if mode == "auto":
-        start = f"start: TEXT | head call_body{more}"
-    else:
-        start = f"start: call{more}"
+    # "auto": free text, or text ended by the lazy `head` and then the calls.
+    start = f"start: TEXT | head call_body{more}" if mode == "auto" else f"start: call{more}"
     lark = "\n".join(
         [
             "%llguidance {}",

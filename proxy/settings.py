@@ -34,6 +34,12 @@ class Settings(BaseSettings):
     database_url: str | None = Field(
         None, description="SQLAlchemy async URL; default sqlite+aiosqlite:///<data_dir>/rlproxy.db"
     )
+    trajectory_idle_timeout_s: float = Field(
+        600.0, gt=0, description="A trajectory with no new call for this long is closed."
+    )
+    retry_window_s: float = Field(
+        10.0, ge=0, description="The same messages again within this window are a retry."
+    )
     max_batch_size: int = Field(16, ge=1, description="Rows decoded together by the local engine.")
     max_n: int = Field(8, ge=1, description="Largest `n` (choices per request) accepted.")
     default_max_tokens: int = Field(

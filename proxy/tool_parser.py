@@ -14,11 +14,12 @@ content and calls as `parse_complete`:
 - Text that might be the start of `<tool_call>` is held back until it is known not to be; a
   partial tag never leaks into the content. Whitespace right before `<tool_call>` and right after
   `</tool_call>` is dropped (the separators between text and calls are not content).
-- A call is recognised once its header `{"name": "<name>", "arguments": ` is complete (any JSON
-  whitespace around the tokens is accepted). From then on it is committed: argument fragments
-  stream as they arrive, holding back only what might be the closing `}` + `</tool_call>`, so the
-  fragments concatenate to the arguments string. A call cut short (`max_tokens`) keeps the
-  arguments it has, which may then be invalid JSON, as OpenAI does for `finish_reason: length`.
+- A call is recognised once its header `{"name": "<name>", "arguments":` is complete (any JSON
+  whitespace around the tokens is accepted); `ToolCallStart` comes out then. From then on it is
+  committed: argument fragments stream as they arrive, holding back only what might be the
+  closing `}` + `</tool_call>`, so the fragments concatenate to the arguments string. A call cut
+  short (`max_tokens`) keeps the arguments it has, which may then be invalid JSON, as OpenAI does
+  for `finish_reason: length`.
 - Anything after `<tool_call>` that cannot become a valid header (unconstrained output, or a name
   outside `tool_names` when that is given) is plain text, tag included. Nothing here raises on
   model output.
@@ -115,12 +116,6 @@ def _match_header(buf: str) -> tuple[int, str] | Literal[False] | None:
             if len(chunk) < len(item):
                 return None
             pos += len(item)
-    while pos < len(buf) and buf[pos] in _WS:
-        pos += 1
-    if pos == len(buf):
-        # The arguments' first character decides nothing, but wait for it so that the
-        # whitespace before the arguments is never part of them.
-        return None
     return pos, name
 
 
@@ -243,6 +238,9 @@ class ToolCallStreamParser:
                 self._state = "args"
                 continue
             # self._state == "args"
+            if not self.tool_calls[self._index]["function"]["arguments"]:
+                # Whitespace between the header and the arguments is not part of them.
+                self._buf = self._buf.lstrip(_WS)
             m = _CALL_END.search(self._buf)
             if m is not None:
                 if m.start():

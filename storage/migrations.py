@@ -72,6 +72,7 @@ def _m001_initial(conn: Connection) -> None:
         Index("ix_trajectories_status_last_request_hash", "status", "last_request_hash"),
         Index("ix_trajectories_status_updated_at", "status", "updated_at"),
         Index("ix_trajectories_created_at_id", "created_at", "id"),
+        Index("ix_trajectories_status_created_at_id", "status", "created_at", "id"),
         Index("ix_trajectories_group_key", "group_key"),
         Index("ix_trajectories_task_signature", "task_signature"),
     )

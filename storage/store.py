@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage import read_ops, write_ops
 from storage.engines import Engines, SqliteSynchronous, create_engines
@@ -89,6 +90,12 @@ class Store:
         await self._writer.close()
         await self._engines.dispose()
 
+    async def __aenter__(self) -> Store:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
     @property
     def dialect(self) -> str:
         """ "sqlite" or "postgresql"."""
@@ -104,21 +111,12 @@ class Store:
     async def record_call(self, record: CallRecord) -> str:
         """Store one call, linked to its trajectory; return the trajectory id once committed."""
         _validate(record)
-        linker = self._linker
-
-        async def job(conn: Any) -> str:
-            return await write_ops.record_call(conn, record, linker, time.time())
-
-        result: str = await self._writer.submit(job)
+        result: str = await self._writer.submit(self._write_calls, record)
         return result
 
-    async def end_trajectory(self, trajectory_id: str, reason: str = "end") -> bool:
-        """Close a trajectory; True if it was open. Raises TrajectoryNotFound."""
-
-        async def job(conn: Any) -> bool | None:
-            return await write_ops.close_trajectory(conn, trajectory_id, reason, time.time())
-
-        closed = await self._writer.submit(job)
+    async def end_trajectory(self, trajectory_id: str) -> bool:
+        """Close a trajectory (reason "end"); True if it was open. Raises TrajectoryNotFound."""
+        closed = await self._writer.submit(self._write_ends, trajectory_id)
         if closed is None:
             raise TrajectoryNotFound(trajectory_id)
         return bool(closed)
@@ -130,27 +128,41 @@ class Store:
 
         Returns the reward id. Raises TrajectoryNotFound.
         """
-        reward = float(reward)
-
-        async def job(conn: Any) -> int | None:
-            return await write_ops.add_reward(
-                conn, trajectory_id, reward, source, explanation, time.time()
-            )
-
-        reward_id = await self._writer.submit(job)
+        payload = (trajectory_id, float(reward), source, explanation)
+        reward_id = await self._writer.submit(self._write_rewards, payload)
         if reward_id is None:
             raise TrajectoryNotFound(trajectory_id)
         return int(reward_id)
 
     async def close_idle(self, older_than_s: float, *, now: float | None = None) -> list[str]:
         """Close open trajectories with no call for `older_than_s`; return their ids."""
-
-        async def job(conn: Any) -> list[str]:
-            t = time.time() if now is None else now
-            return await write_ops.close_idle(conn, t - older_than_s, t)
-
-        closed: list[str] = await self._writer.submit(job)
+        closed: list[str] = await self._writer.submit(self._write_idle, (older_than_s, now))
         return closed
+
+    # Writer handlers: each gets every consecutive payload of its kind in the batch.
+
+    async def _write_calls(self, conn: AsyncConnection, records: list[CallRecord]) -> list[str]:
+        return await write_ops.record_calls(conn, records, self._linker, time.time())
+
+    async def _write_ends(self, conn: AsyncConnection, ids: list[str]) -> list[bool | None]:
+        return [await write_ops.close_trajectory(conn, tid, "end", time.time()) for tid in ids]
+
+    async def _write_rewards(
+        self, conn: AsyncConnection, payloads: list[tuple[str, float, str, str | None]]
+    ) -> list[int | None]:
+        return [
+            await write_ops.add_reward(conn, tid, reward, source, explanation, time.time())
+            for tid, reward, source, explanation in payloads
+        ]
+
+    async def _write_idle(
+        self, conn: AsyncConnection, payloads: list[tuple[float, float | None]]
+    ) -> list[list[str]]:
+        out = []
+        for older_than_s, now in payloads:
+            t = time.time() if now is None else now
+            out.append(await write_ops.close_idle(conn, t - older_than_s, t))
+        return out
 
     # --- reads -----------------------------------------------------------------------------
 

@@ -1,19 +1,21 @@
-"""The SQL of every write, as jobs the group-commit writer runs inside its transaction.
+"""The SQL of every write, as handlers the group-commit writer runs inside its transaction.
 
-`record_call` links a call to a trajectory (asking the `Linker` which one) and inserts the call
-and its choices; the others close trajectories and add rewards. Each function takes the batch's
-`AsyncConnection` and never commits: the writer commits the whole batch. Callers go through
-`storage.store.Store`; nothing else should import this module.
+`record_calls` links a whole batch of calls to trajectories and inserts them in a fixed number
+of statements, whatever the batch size: it loads every trajectory the batch could touch (locking
+the rows on Postgres), lets the `Linker` decide call by call against an in-memory view that
+already includes the earlier calls of the batch, then writes new trajectories, changed
+trajectories, calls, choices and supersede marks with one executemany each. The other handlers
+close trajectories and add rewards. Handlers never commit: the writer commits the batch.
+Callers go through `storage.store.Store`; nothing else should import this module.
 """
 
 from __future__ import annotations
 
 import uuid
+from dataclasses import asdict, fields
 from typing import Any
 
-from sqlalchemy import ColumnElement, Row, func, insert, or_, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage.linker import Linker
@@ -21,206 +23,165 @@ from storage.models import call_choices_table as CC
 from storage.models import calls_table as C
 from storage.models import rewards_table as R
 from storage.models import trajectories_table as T
-from storage.records import CallRecord, LinkDecision, LinkKeys, TrajectoryState
+from storage.records import CallRecord, LinkDecision, LinkKeys
+from storage.trajectory_view import TRAJECTORY_FIELDS, Trajectory, TrajectoryView, load_view
 
 
-def state_from_row(row: Row[Any]) -> TrajectoryState:
-    return TrajectoryState(
-        id=row.id,
-        status=row.status,
-        created_at=row.created_at,
-        updated_at=row.updated_at,
-        turn_count=row.turn_count,
-        next_prefix_hash=row.next_prefix_hash,
-        last_request_hash=row.last_request_hash,
-        last_call_id=row.last_call_id,
-        last_call_created_at=row.last_call_created_at,
-        last_call_finished_at=row.last_call_finished_at,
-    )
-
-
-_STATE_COLUMNS = [
-    T.c.id,
-    T.c.status,
-    T.c.created_at,
-    T.c.updated_at,
-    T.c.turn_count,
-    T.c.next_prefix_hash,
-    T.c.last_request_hash,
-    T.c.last_call_id,
-    T.c.last_call_created_at,
-    T.c.last_call_finished_at,
-]
-
-
-async def _candidates(conn: AsyncConnection, keys: LinkKeys) -> list[TrajectoryState]:
-    conds: list[ColumnElement[bool]] = []
-    if keys.prefix_hashes:
-        conds.append(T.c.next_prefix_hash.in_(list(keys.prefix_hashes)))
-    if keys.request_hash is not None:
-        conds.append(T.c.last_request_hash == keys.request_hash)
-    if not conds:
-        return []
-    rows = await conn.execute(select(*_STATE_COLUMNS).where(T.c.status == "open", or_(*conds)))
-    return [state_from_row(r) for r in rows]
-
-
-async def _explicit(conn: AsyncConnection, trajectory_id: str | None) -> TrajectoryState | None:
-    if trajectory_id is None:
-        return None
-    row = (await conn.execute(select(*_STATE_COLUMNS).where(T.c.id == trajectory_id))).first()
-    return None if row is None else state_from_row(row)
-
-
-async def _insert_trajectory(
-    conn: AsyncConnection, tid: str, record: CallRecord, keys: LinkKeys, now: float
-) -> bool:
-    """Create trajectory `tid` with this call as turn 0; False if `tid` already exists."""
-    values = {
-        "id": tid,
-        "status": "open",
-        "created_at": record.created_at,
-        "updated_at": now,
-        "group_key": record.explicit_group_key,
-        "model": record.model_requested,
-        "turn_count": 1,
-        "call_count": 1,
-        "explicit": record.explicit_trajectory_id is not None,
-        "task_signature": keys.task_signature,
-        "next_prefix_hash": keys.next_prefix_hash,
-        "last_request_hash": keys.request_hash,
-        "last_call_id": record.id,
-        "last_call_created_at": record.created_at,
-        "last_call_finished_at": record.finished_at,
-    }
-    ins = pg_insert(T) if conn.dialect.name == "postgresql" else sqlite_insert(T)
-    result = await conn.execute(ins.values(values).on_conflict_do_nothing(index_elements=["id"]))
-    return result.rowcount == 1
-
-
-async def _advance(
-    conn: AsyncConnection,
-    decision: LinkDecision,
-    record: CallRecord,
-    keys: LinkKeys,
-    now: float,
-) -> int | None:
-    """Move trajectory `decision.trajectory_id` onto this call; return the call's turn index.
-
-    "append" takes the next turn; "retry" and "stale" take the turn of `same_turn_as`, and
-    "stale" leaves the linking state (hashes, last call) as it is. Returns None when the
-    trajectory is gone or (for an implicit match) was closed meanwhile. An explicit id reopens
-    a closed trajectory.
-    """
-    values: dict[str, Any] = {
-        "status": "open",
-        "closed_at": None,
-        "close_reason": None,
-        "updated_at": now,
-        "call_count": T.c.call_count + 1,
-        "group_key": func.coalesce(T.c.group_key, record.explicit_group_key),
-    }
-    if decision.action != "stale":
-        values["last_request_hash"] = keys.request_hash
-        values["last_call_id"] = record.id
-        values["last_call_created_at"] = record.created_at
-        values["last_call_finished_at"] = record.finished_at
-        if keys.next_prefix_hash is not None:  # a failed call keeps the old continuation point
-            values["next_prefix_hash"] = keys.next_prefix_hash
-    if decision.action == "append":
-        values["turn_count"] = T.c.turn_count + 1
-    stmt = update(T).where(T.c.id == decision.trajectory_id)
-    if record.explicit_trajectory_id != decision.trajectory_id:
-        stmt = stmt.where(T.c.status == "open")
-    row = (await conn.execute(stmt.values(values).returning(T.c.turn_count))).first()
+async def _turn_of(conn: AsyncConnection, call_id: str, pending: dict[str, dict[str, Any]]) -> int:
+    if call_id in pending:
+        return int(pending[call_id]["turn_index"])
+    row = (await conn.execute(select(C.c.turn_index).where(C.c.id == call_id))).first()
     if row is None:
-        return None
-    if decision.action == "append":
-        return int(row.turn_count) - 1
-    same = select(C.c.turn_index).where(C.c.id == decision.same_turn_as)
-    prev = (await conn.execute(same)).first()
-    return int(prev.turn_index) if prev is not None else int(row.turn_count) - 1
+        raise RuntimeError(f"linker named unknown call {call_id!r} as the same turn")
+    return int(row.turn_index)
 
 
-async def record_call(conn: AsyncConnection, record: CallRecord, linker: Linker, now: float) -> str:
-    """Link and insert one call; return its trajectory id."""
-    keys = linker.keys(record)
-    explicit = await _explicit(conn, record.explicit_trajectory_id)
-    decision = linker.choose(record, keys, explicit, await _candidates(conn, keys))
-
-    turn_index: int | None = None
-    tid = decision.trajectory_id
-    if decision.action != "new":
-        turn_index = await _advance(conn, decision, record, keys, now)
-        if turn_index is None:  # closed or deleted under us: start afresh
-            decision = LinkDecision("new", record.explicit_trajectory_id)
-            tid = decision.trajectory_id
-    if turn_index is None:
-        tid = tid or uuid.uuid4().hex
-        if await _insert_trajectory(conn, tid, record, keys, now):
-            turn_index = 0
-        else:  # an explicit id created concurrently (another replica): append to it
-            decision = LinkDecision("append", tid)
-            turn_index = await _advance(conn, decision, record, keys, now)
-            if turn_index is None:
-                raise RuntimeError(f"trajectory {tid!r} exists but could not be appended to")
-    assert tid is not None
-    retry_of = decision.same_turn_as if decision.action == "retry" else None
-    superseded_by = decision.same_turn_as if decision.action == "stale" else None
-
+def _call_row(
+    record: CallRecord, keys: LinkKeys, tid: str, turn: int, now: float
+) -> dict[str, Any]:
     prompt_tokens, completion_tokens = record.token_counts()
-    await conn.execute(
-        insert(C).values(
-            id=record.id,
-            request_id=record.request_id,
-            created_at=record.created_at,
-            finished_at=record.finished_at,
-            recorded_at=now,
-            model_requested=record.model_requested,
-            adapter_version=record.adapter_version,
-            engine=record.engine,
-            request_messages=record.request_messages,
-            tools=record.tools,
-            params=record.params,
-            response=record.response,
-            prompt_token_ids=record.prompt_token_ids,
-            usage=record.usage,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            latency_s=record.latency_s,
-            status=record.status,
-            error=record.error,
-            api_key_id=record.api_key_id,
-            stream=record.stream,
-            token_ids_note=record.token_ids_note,
-            explicit_trajectory_id=record.explicit_trajectory_id,
-            explicit_group_key=record.explicit_group_key,
-            retry_count=record.retry_count,
-            request_hash=keys.request_hash,
-            trajectory_id=tid,
-            turn_index=turn_index,
-            retry_of=retry_of,
-            superseded_by=superseded_by,
-        )
+    row = {f.name: getattr(record, f.name) for f in fields(CallRecord) if f.name != "choices"}
+    row.update(
+        recorded_at=now,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        request_hash=keys.request_hash,
+        trajectory_id=tid,
+        turn_index=turn,
+        retry_of=None,
+        superseded_by=None,
     )
-    if record.choices:
-        await conn.execute(
-            insert(CC),
-            [
-                {
-                    "call_id": record.id,
-                    "choice_index": c.index,
-                    "message": c.message,
-                    "finish_reason": c.finish_reason,
-                    "completion_token_ids": c.completion_token_ids,
-                    "completion_logprobs": c.completion_logprobs,
-                }
-                for c in record.choices
-            ],
+    return row
+
+
+async def record_calls(
+    conn: AsyncConnection, records: list[CallRecord], linker: Linker, now: float
+) -> list[str]:
+    """Link and insert a batch of calls, in order; return each call's trajectory id."""
+    keys = [linker.keys(r) for r in records]
+    view = await load_view(conn, records, keys)
+    pending: dict[str, dict[str, Any]] = {}  # call id -> calls row, in batch order
+    supersede: list[dict[str, str]] = []  # earlier calls (already stored) retried now
+    tids: list[str] = []
+
+    for record, k in zip(records, keys, strict=True):
+        explicit_id = record.explicit_trajectory_id
+        explicit = view.by_id.get(explicit_id) if explicit_id else None
+        decision = linker.choose(
+            record, k, explicit.state() if explicit else None, view.candidates(k)
         )
-    if retry_of is not None:
-        await conn.execute(update(C).where(C.c.id == retry_of).values(superseded_by=record.id))
-    return tid
+        t = view.by_id.get(decision.trajectory_id or "")
+        if decision.action != "new" and (t is None or (t.status != "open" and t.id != explicit_id)):
+            decision = LinkDecision("new", explicit_id)  # defensive: never revive implicitly
+        if decision.action == "new":
+            tid = decision.trajectory_id or uuid.uuid4().hex
+            t = view.by_id.get(tid)
+            if t is not None:  # e.g. an explicit id created earlier in this batch
+                decision = LinkDecision("append", tid)
+        if t is None or decision.action == "new":
+            t = Trajectory(
+                id=tid,
+                status="open",
+                created_at=record.created_at,
+                updated_at=now,
+                closed_at=None,
+                close_reason=None,
+                group_key=record.explicit_group_key,
+                model=record.model_requested,
+                turn_count=1,
+                call_count=1,
+                explicit=explicit_id is not None,
+                task_signature=k.task_signature,
+                next_prefix_hash=k.next_prefix_hash,
+                last_request_hash=k.request_hash,
+                last_call_id=record.id,
+                last_call_created_at=record.created_at,
+                last_call_finished_at=record.finished_at,
+            )
+            view.add(t)
+            turn = 0
+        else:
+            changes: dict[str, Any] = {
+                "status": "open",
+                "closed_at": None,
+                "close_reason": None,
+                "updated_at": now,
+                "call_count": t.call_count + 1,
+                "group_key": t.group_key or record.explicit_group_key,
+            }
+            if decision.action == "append":
+                turn = t.turn_count
+                changes["turn_count"] = t.turn_count + 1
+            else:
+                assert decision.same_turn_as is not None
+                turn = await _turn_of(conn, decision.same_turn_as, pending)
+            if decision.action != "stale":  # a late earlier attempt leaves linking state alone
+                changes.update(
+                    last_request_hash=k.request_hash,
+                    last_call_id=record.id,
+                    last_call_created_at=record.created_at,
+                    last_call_finished_at=record.finished_at,
+                )
+                if k.next_prefix_hash is not None:  # a failed call keeps the continuation point
+                    changes["next_prefix_hash"] = k.next_prefix_hash
+            view.change(t, **changes)
+
+        row = _call_row(record, k, t.id, turn, now)
+        if decision.action == "retry" and decision.same_turn_as is not None:
+            row["retry_of"] = decision.same_turn_as
+            if decision.same_turn_as in pending:
+                pending[decision.same_turn_as]["superseded_by"] = record.id
+            else:
+                supersede.append({"_id": decision.same_turn_as, "superseded_by": record.id})
+        elif decision.action == "stale":
+            row["superseded_by"] = decision.same_turn_as
+        pending[record.id] = row
+        tids.append(t.id)
+
+    await _write(conn, view, records, pending, supersede)
+    return tids
+
+
+async def _write(
+    conn: AsyncConnection,
+    view: TrajectoryView,
+    records: list[CallRecord],
+    pending: dict[str, dict[str, Any]],
+    supersede: list[dict[str, str]],
+) -> None:
+    if view.new:
+        await conn.execute(insert(T), [asdict(view.by_id[i]) for i in sorted(view.new)])
+    if view.dirty:
+        cols = [n for n in TRAJECTORY_FIELDS if n != "id"]
+        stmt = update(T).where(T.c.id == bindparam("_id")).values({n: bindparam(n) for n in cols})
+        params = []
+        for i in sorted(view.dirty):
+            values = asdict(view.by_id[i])
+            values["_id"] = values.pop("id")
+            params.append(values)
+        await conn.execute(stmt, params)
+    await conn.execute(insert(C), list(pending.values()))
+    choices = [
+        {
+            "call_id": r.id,
+            "choice_index": c.index,
+            "message": c.message,
+            "finish_reason": c.finish_reason,
+            "completion_token_ids": c.completion_token_ids,
+            "completion_logprobs": c.completion_logprobs,
+        }
+        for r in records
+        for c in r.choices
+    ]
+    if choices:
+        await conn.execute(insert(CC), choices)
+    if supersede:
+        stmt = (
+            update(C)
+            .where(C.c.id == bindparam("_id"))
+            .values(superseded_by=bindparam("superseded_by"))
+        )
+        await conn.execute(stmt, supersede)
 
 
 async def close_trajectory(

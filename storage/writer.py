@@ -1,18 +1,21 @@
 """Group commit: one writer task turns many concurrent writes into few transactions.
 
-Callers submit jobs (async functions of an `AsyncConnection`) and await their results. The
-writer task takes everything queued, runs all of it in one transaction, commits once, and only
-then resolves every waiter, so a result always means "committed". If a batch fails, its jobs are
-rerun one per transaction, so one bad job cannot fail its neighbours; a job's own error reaches
-its waiter as the exception. Deadlocks and serialisation failures (Postgres) are retried.
+Callers submit a payload with its handler and await the result. The writer task takes
+everything queued, runs all of it in one transaction, commits once, and only then resolves every
+waiter, so a result always means "committed". Consecutive payloads of the same handler are given
+to it together (`handler(conn, payloads) -> results`, one result per payload, in order), so a
+handler can write a whole batch in a few statements. If a batch fails, its payloads are rerun
+one per transaction, so one bad payload cannot fail its neighbours; its own error reaches its
+waiter as the exception. Deadlocks and serialisation failures (Postgres) are retried.
 
-A waiter that is cancelled (its client went away) does not cancel its job: the write still
+A waiter that is cancelled (its client went away) does not cancel its write: it still
 happens. This module knows nothing about calls or trajectories.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -25,7 +28,8 @@ from storage.errors import StoreClosed
 
 log = logging.getLogger(__name__)
 
-Job = Callable[[AsyncConnection], Awaitable[Any]]
+Handler = Callable[[AsyncConnection, list[Any]], Awaitable[list[Any]]]
+"""Writes a list of payloads inside the batch transaction; returns one result per payload."""
 
 _TRANSIENT_SQLSTATES = {"40001", "40P01"}  # serialization_failure, deadlock_detected
 _TRANSIENT_ATTEMPTS = 5
@@ -34,25 +38,31 @@ _TRANSIENT_ATTEMPTS = 5
 @dataclass
 class WriterStats:
     jobs: int = 0
-    """Jobs committed (or failed) so far."""
+    """Payloads written (or failed) so far."""
     commits: int = 0
     """Transactions committed."""
     batches: int = 0
-    """Batches taken off the queue (a failed batch is rerun job by job)."""
+    """Batches taken off the queue (a failed batch is rerun one payload at a time)."""
     largest_batch: int = 0
     failed_batches: int = 0
 
 
 @dataclass
 class _Item:
-    job: Job
+    handler: Handler
+    payload: Any
     future: asyncio.Future[Any]
 
 
 def _is_transient(e: DBAPIError) -> bool:
+    """Postgres deadlock/serialisation failures, and SQLite still busy after busy_timeout.
+
+    SQLite write transactions begin with BEGIN IMMEDIATE, so "database is locked" can only come
+    from that BEGIN, before anything was written: rerunning the batch is safe.
+    """
     orig = e.orig
     code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
-    return code in _TRANSIENT_SQLSTATES
+    return code in _TRANSIENT_SQLSTATES or "database is locked" in str(orig)
 
 
 class GroupCommitWriter:
@@ -67,12 +77,12 @@ class GroupCommitWriter:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="rlproxy-store-writer")
 
-    async def submit(self, job: Job) -> Any:
-        """Run `job` in the next batch; return its result once the batch has committed."""
+    async def submit(self, handler: Handler, payload: Any) -> Any:
+        """Write `payload` in the next batch; return its result once the batch has committed."""
         if self._closed:
             raise StoreClosed("the store is closed")
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(_Item(job, future))
+        self._queue.put_nowait(_Item(handler, payload, future))
         # shield: cancelling the waiter must not cancel (or lose) the write.
         return await asyncio.shield(future)
 
@@ -110,7 +120,7 @@ class GroupCommitWriter:
         self.stats.batches += 1
         self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
         try:
-            results = await self._transaction([item.job for item in batch])
+            results = await self._transaction(batch)
         except Exception as e:
             self.stats.failed_batches += 1
             if len(batch) == 1:
@@ -120,7 +130,7 @@ class GroupCommitWriter:
             log.warning("batch of %d writes failed (%r); rerunning them one by one", len(batch), e)
             for item in batch:
                 try:
-                    (result,) = await self._transaction([item.job])
+                    (result,) = await self._transaction([item])
                 except Exception as e1:
                     _fail(item, e1)
                 else:
@@ -131,17 +141,23 @@ class GroupCommitWriter:
             _resolve(item, result)
         self.stats.jobs += len(batch)
 
-    async def _transaction(self, jobs: list[Job]) -> list[Any]:
+    async def _transaction(self, items: list[_Item]) -> list[Any]:
         for attempt in range(1, _TRANSIENT_ATTEMPTS + 1):
             try:
+                results: list[Any] = []
                 async with self._engine.begin() as conn:
-                    results = [await job(conn) for job in jobs]
+                    for handler, group in itertools.groupby(items, key=lambda i: i.handler):
+                        payloads = [i.payload for i in group]
+                        out = await handler(conn, payloads)
+                        if len(out) != len(payloads):
+                            raise RuntimeError(f"{handler!r} returned {len(out)} results")
+                        results.extend(out)
                 self.stats.commits += 1
                 return results
             except DBAPIError as e:
                 if not _is_transient(e) or attempt == _TRANSIENT_ATTEMPTS:
                     raise
-                log.info("transient database error (attempt %d): %r; retrying", attempt, e)
+                log.warning("transient database error (attempt %d): %r; retrying", attempt, e)
                 await asyncio.sleep(0.01 * attempt)
         raise AssertionError("unreachable")
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,27 +114,31 @@ def canonical_message(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def _chain(previous: str, message: dict[str, Any]) -> str:
-    data = (previous + "\n" + _canonical_json(canonical_message(message))).encode()
-    return hashlib.sha256(data).hexdigest()
+    c = canonical_message(message)
+    key = [c["role"], c["content"], c.get("media"), c.get("tool_calls"), c.get("tool_call_id")]
+    data = previous + "\n" + json.dumps(key, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(data.encode()).hexdigest()
 
 
-def messages_hash(messages: Iterable[dict[str, Any]]) -> str:
-    """Chained hash of a message list (equal lists in canonical form hash equal)."""
-    h = _SEED
-    for m in messages:
-        h = _chain(h, m)
-    return h
-
-
-def assistant_prefix_hashes(messages: Sequence[dict[str, Any]]) -> dict[str, int]:
-    """Hash of every prefix that ends with an assistant message -> its length."""
-    out: dict[str, int] = {}
+def _hashes(messages: Sequence[dict[str, Any]]) -> tuple[str, dict[str, int]]:
+    """(hash of all messages, {hash of each assistant-ending prefix: its length}), one pass."""
+    prefixes: dict[str, int] = {}
     h = _SEED
     for i, m in enumerate(messages):
         h = _chain(h, m)
         if m.get("role") == "assistant":
-            out[h] = i + 1
-    return out
+            prefixes[h] = i + 1
+    return h, prefixes
+
+
+def messages_hash(messages: Sequence[dict[str, Any]]) -> str:
+    """Chained hash of a message list (equal lists in canonical form hash equal)."""
+    return _hashes(messages)[0]
+
+
+def assistant_prefix_hashes(messages: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Hash of every prefix that ends with an assistant message -> its length."""
+    return _hashes(messages)[1]
 
 
 def task_signature(messages: Sequence[dict[str, Any]], tools: Sequence[Any] | None) -> str:
@@ -162,13 +166,13 @@ class PrefixLinker:
 
     def keys(self, record: CallRecord) -> LinkKeys:
         messages = record.request_messages
-        request_hash = messages_hash(messages)
+        request_hash, prefix_hashes = _hashes(messages)
         next_prefix_hash = None
         if record.status == "completed" and record.choices:
             answer = {"role": "assistant", **record.choices[0].message}
             next_prefix_hash = _chain(request_hash, answer)
         return LinkKeys(
-            prefix_hashes=assistant_prefix_hashes(messages),
+            prefix_hashes=prefix_hashes,
             request_hash=request_hash,
             next_prefix_hash=next_prefix_hash,
             task_signature=task_signature(messages, record.tools),

@@ -78,3 +78,21 @@ async def test_close_drains_pending_writes(db: Any, make_call: Any) -> None:
     await asyncio.gather(*tasks)
     other = await db.open()
     assert await other.count_calls() == 50
+
+
+async def test_two_stores_racing_on_explicit_ids(db: Any, make_call: Any) -> None:
+    """Two replicas create and extend the same explicit trajectories at the same moment."""
+    a, b = await db.open(), await db.open()
+    records = [
+        make_call(_q(i), explicit_trajectory_id=f"run-{i % 5}", created_at=1000.0 + i)
+        for i in range(60)
+    ]
+    tids = await asyncio.gather(
+        *((a if i % 2 else b).record_call(r) for i, r in enumerate(records))
+    )
+    assert tids == [f"run-{i % 5}" for i in range(60)]
+    assert await a.count_trajectories() == 5
+    for k in range(5):
+        detail = await a.get_trajectory(f"run-{k}")
+        assert detail is not None
+        assert sorted(t.turn_index for t in detail.turns) == list(range(12))

@@ -52,6 +52,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "unique": [],
         "indexes": {
             "ix_trajectories_created_at_id": ["created_at", "id"],
+            "ix_trajectories_status_created_at_id": ["status", "created_at", "id"],
             "ix_trajectories_group_key": ["group_key"],
             "ix_trajectories_status_last_request_hash": ["status", "last_request_hash"],
             "ix_trajectories_status_next_prefix_hash": ["status", "next_prefix_hash"],

