@@ -372,7 +372,7 @@ class ChatService:
                     )
                     yield make([_stream_choice(i, {}, finish_reason=reason)])
             status = "completed"
-            outcomes = self._stream_outcomes(prep, finished)
+            outcomes = self._stream_outcomes(prep, finished, parsers)
             if prep.include_usage:
                 yield chunk(
                     id=prep.id,
@@ -385,15 +385,19 @@ class ChatService:
             await self._record(prep, status, outcomes, None)
         except EngineError as exc:
             status, error = "error", str(exc)
-            await self._record(prep, status, self._stream_outcomes(prep, finished), None, error)
+            await self._record(
+                prep, status, self._stream_outcomes(prep, finished, parsers), None, error
+            )
             yield ServerError(str(exc)).body()
         except APIError as exc:
             status, error = "error", exc.message
-            await self._record(prep, status, self._stream_outcomes(prep, finished), None, error)
+            await self._record(
+                prep, status, self._stream_outcomes(prep, finished, parsers), None, error
+            )
             yield exc.body()
         finally:
             if status == "client_disconnected":
-                outcomes = self._stream_outcomes(prep, finished)
+                outcomes = self._stream_outcomes(prep, finished, parsers)
                 await asyncio.shield(self._record(prep, status, outcomes, None))
 
     def _deltas(
@@ -401,24 +405,20 @@ class ChatService:
     ) -> list[dict[str, Any]]:
         if parser is None:
             return [{"content": text}] if text else []
-        events = parser.finish() if final else parser.feed(text)
-        if final and text:
-            events = parser.feed(text) + events
+        events = parser.feed(text) if text else []
+        if final:
+            events += parser.finish()
         deltas: list[dict[str, Any]] = []
         for ev in events:
             if isinstance(ev, TextDelta):
                 if ev.text:
                     deltas.append({"content": ev.text})
             elif isinstance(ev, ToolCallStart):
+                call = {"name": ev.name, "arguments": ""}
                 deltas.append(
                     {
                         "tool_calls": [
-                            {
-                                "index": ev.index,
-                                "id": ev.id,
-                                "type": "function",
-                                "function": {"name": ev.name, "arguments": ""},
-                            }
+                            {"index": ev.index, "id": ev.id, "type": "function", "function": call}
                         ]
                     }
                 )
@@ -429,11 +429,19 @@ class ChatService:
         return deltas
 
     def _stream_outcomes(
-        self, prep: PreparedChat, finished: dict[int, ChoiceFinished]
+        self,
+        prep: PreparedChat,
+        finished: dict[int, ChoiceFinished],
+        parsers: dict[int, ToolCallStreamParser | None],
     ) -> list[ChoiceOutcome]:
+        """The choices as the client saw them (the same tool call ids)."""
         outcomes = []
         for index, fin in sorted(finished.items()):
-            content, calls = self._split_tools(prep, fin.text)
+            parser = parsers[index]
+            if parser is None:
+                content, calls = fin.text, []
+            else:
+                content, calls = parser.content, parser.tool_calls
             outcomes.append(
                 ChoiceOutcome(
                     index=index,

@@ -46,6 +46,7 @@ import torch
 from llguidance import LLMatcher
 
 from proxy.chat_format import ChatFormatError, normalize_tool, tool_parameters
+from proxy.tool_parser import CLOSE_TAG, OPEN_TAG
 
 # JSON layout inside every grammar: no free whitespace, json.dumps separators.
 JSON_OPTIONS: dict[str, Any] = {
@@ -77,7 +78,11 @@ def allocate_bitmask(batch_size: int, info: llguidance.LLTokenizer) -> torch.Ten
     return torch.full((batch_size, (info.vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
-_BIT_INDEX = torch.arange(32, dtype=torch.int32)
+# Byte value -> its 8 bits as additive logit biases (0 = allowed, -inf = banned), lowest bit first:
+# (256, 8). Viewing the int32 words as bytes assumes a little-endian machine (x86, ARM).
+_BYTE_BIAS = torch.where(
+    ((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1).bool(), 0.0, float("-inf")
+)
 
 
 def apply_bitmask(
@@ -85,28 +90,29 @@ def apply_bitmask(
 ) -> None:
     """Set banned tokens' logits to -inf, in place.
 
-    logits (B, V) float; bitmask (B, W) int32 with 32 tokens per word. `rows`, if given, limits
-    the masking to those rows (unconstrained rows stay untouched). V and 32*W need not agree:
-    tokens beyond the bitmask (a padded embedding) are banned, bits beyond V are ignored.
+    logits (B, V) float; bitmask (B, W) int32 with 32 tokens per word, bit set = allowed. `rows`,
+    if given, limits the masking to those rows (unconstrained rows stay untouched). V and 32*W
+    need not agree: tokens beyond the bitmask (a padded embedding) are banned, bits beyond V are
+    ignored. Cost on CPU: about 1 ms for 8 x 49152 (one table lookup and one add).
     """
     if rows is not None:
         if not rows:
             return
-        index = torch.as_tensor(list(rows), dtype=torch.long)
+        index = torch.as_tensor(list(rows), dtype=torch.long, device=logits.device)
         sub = logits.index_select(0, index)
-        apply_bitmask(sub, bitmask.index_select(0, index))
+        apply_bitmask(sub, bitmask.index_select(0, index.to(bitmask.device)))
         logits.index_copy_(0, index, sub)
         return
     batch, vocab = logits.shape
-    # (B, W) -> (B, W, 32) bits -> (B, 32*W) booleans, little-endian within each word.
-    allowed = ((bitmask.unsqueeze(-1) >> _BIT_INDEX) & 1).bool().reshape(batch, -1)
-    width = allowed.shape[1]
+    table = _BYTE_BIAS.to(device=logits.device, dtype=logits.dtype)
+    words = bitmask.to(logits.device).contiguous()
+    bias = table[words.view(torch.uint8).int()].reshape(batch, -1)  # (B, 32*W)
+    width = bias.shape[1]
     if width >= vocab:
-        allowed = allowed[:, :vocab]
+        logits.add_(bias[:, :vocab])
     else:
+        logits[:, :width].add_(bias)
         logits[:, width:] = float("-inf")
-        logits = logits[:, :width]
-    logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,9 @@ class Grammar:
 
     source: str
     kind: str
+    # Tool grammars: end the row when a call repeats an earlier one of the same output (the
+    # small model tends to loop on `required`); the parser drops the repeat.
+    stop_on_repeated_call: bool = False
 
     def new_row(self, info: llguidance.LLTokenizer) -> RowConstraint:
         return RowConstraint(info, self)
@@ -132,6 +141,10 @@ class RowConstraint:
         self.matcher = LLMatcher(info, grammar.source, log_level=0)
         if self.matcher.is_error():
             raise GrammarError(f"{grammar.kind}: {self.matcher.get_error()}")
+        self._info = info
+        self._text = b""  # output so far, only kept when repeated calls stop the row
+        self._calls: set[bytes] = set()
+        self._repeated = False
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write this row's allowed tokens into `bitmask[row]` (bitmask: CPU int32, contiguous)."""
@@ -143,10 +156,26 @@ class RowConstraint:
             raise TokenRejectedError(
                 f"{self.grammar.kind}: token {token_id} rejected: {self.matcher.get_error()}"
             )
+        if self.grammar.stop_on_repeated_call:
+            self._track_calls(token_id)
+
+    def _track_calls(self, token_id: int) -> None:
+        self._text += self._info.decode_bytes([token_id])
+        close = CLOSE_TAG.encode()
+        if not self._text.endswith(close):
+            return
+        start = self._text.rfind(OPEN_TAG.encode())
+        call = self._text[start:]
+        if call in self._calls:
+            self._repeated = True
+        self._calls.add(call)
 
     def is_stopped(self) -> bool:
-        """The grammar is complete and allows nothing but EOS: end the row (finish_reason stop)."""
-        return self.matcher.is_stopped()
+        """The grammar is complete and allows nothing but EOS: end the row (finish_reason stop).
+
+        Also true once a tool call repeats an earlier one of this output.
+        """
+        return self._repeated or self.matcher.is_stopped()
 
     def is_accepting(self) -> bool:
         """The output so far is a complete match (EOS is allowed now)."""
@@ -177,9 +206,23 @@ def _validated(source: str, kind: str) -> Grammar:
     return Grammar(source, kind)
 
 
+def _closed_objects(schema: Any) -> Any:
+    """A copy of `schema` where objects that list `properties` but say nothing about
+    `additionalProperties` allow no others (what OpenAI's strict mode requires). Output stays
+    valid under the original schema; the small model otherwise invents keys without end."""
+    if isinstance(schema, list):
+        return [_closed_objects(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: _closed_objects(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _with_json_options(schema: Mapping[str, Any]) -> dict[str, Any]:
     # The schema's own "x-guidance" options, if any, win over ours.
-    out = dict(schema)
+    out = dict(_closed_objects(schema))
     out["x-guidance"] = {**JSON_OPTIONS, **dict(schema.get("x-guidance") or {})}
     return out
 
@@ -222,6 +265,9 @@ def constraint_for_tools(
         raise GrammarError(str(e)) from e
     if len(params) != len(normalized):
         raise GrammarError("tools: two tools have the same name")
+    for i, (name, parameters) in enumerate(params.items()):
+        # Checked one by one so that an error names the tool, not the generated grammar.
+        constraint_for_json_schema(parameters, kind=f"tools[{i}] ({name}) parameters")
 
     if isinstance(mode, Mapping):
         name = (mode.get("function") or {}).get("name") if mode.get("type") == "function" else None
@@ -259,7 +305,8 @@ def constraint_for_tools(
             *bodies,
         ]
     )
-    return _validated(LLMatcher.grammar_from_lark(lark), kind)
+    grammar = _validated(LLMatcher.grammar_from_lark(lark), kind)
+    return Grammar(grammar.source, grammar.kind, stop_on_repeated_call=parallel)
 
 
 def constraint_for_request(

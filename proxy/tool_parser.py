@@ -22,7 +22,8 @@ content and calls as `parse_complete`:
   for `finish_reason: length`.
 - Anything after `<tool_call>` that cannot become a valid header (unconstrained output, or a name
   outside `tool_names` when that is given) is plain text, tag included. Nothing here raises on
-  model output.
+  model output. One exception: an unfinished tag or header at the very end of the output, right
+  after a complete call, is dropped: it is the next call, cut short by `max_tokens`.
 
 This module knows nothing about tokens, grammars or HTTP; it only sees text.
 """
@@ -148,10 +149,12 @@ class ToolCallStreamParser:
     def __init__(self, tool_names: Collection[str] | None = None) -> None:
         self._tool_names = set(tool_names) if tool_names is not None else None
         self._buf = ""  # text not yet turned into events
-        self._state = "text"  # "text" | "header" | "args"
+        self._state = "text"  # "text" | "header" | "args" | "held"
         self._after_call = False  # drop whitespace that follows a complete call
         self._ws_before_tag = ""  # given back if the tag turns out not to start a call
+        self._text_since_call = False  # any content emitted since the last complete call
         self._index = -1  # index of the current (or last) call
+        self._held_name = ""  # name of a later call being held back (state "held")
         self.tool_calls: list[dict[str, Any]] = []  # the calls so far, in OpenAI's shape
         self.content_parts: list[str] = []
 
@@ -162,9 +165,14 @@ class ToolCallStreamParser:
     def finish(self) -> list[Event]:
         events = self._process(final=True)
         # A final pass leaves the state "text" or "args" (an unfinished header became text).
-        if self._state == "args" and self._buf:
+        if self._state == "held":
+            events.append(self._start_call(self._held_name))
+            if self._buf.strip(_WS):
+                events.append(self._emit_args(self._buf.lstrip(_WS)))
+        elif self._state == "args" and self._buf:
             events.append(self._emit_args(self._buf))
-        elif self._state == "text" and self._buf:
+        elif not (self._right_after_call() and OPEN_TAG.startswith(self._buf)):
+            # (else: the output ends inside the next call's tag, cut by max_tokens)
             events += self._emit_text(self._buf)
         self._buf = ""
         self._state = "text"
@@ -177,11 +185,30 @@ class ToolCallStreamParser:
 
     # -- internals --
 
+    def _right_after_call(self) -> bool:
+        return bool(self.tool_calls) and not self._text_since_call
+
     def _emit_text(self, text: str) -> list[Event]:
         if not text:
             return []
+        self._text_since_call = True
         self.content_parts.append(text)
         return [TextDelta(text)]
+
+    def _start_call(self, name: str) -> ToolCallStart:
+        self._index += 1
+        call_id = new_call_id()
+        self.tool_calls.append(
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
+        )
+        return ToolCallStart(self._index, call_id, name)
+
+    def _is_repeat(self, name: str, arguments: str) -> bool:
+        key = (name, _canonical_args(arguments))
+        return any(
+            (c["function"]["name"], _canonical_args(c["function"]["arguments"])) == key
+            for c in self.tool_calls
+        )
 
     def _emit_args(self, fragment: str) -> ToolCallArgsDelta:
         self.tool_calls[self._index]["function"]["arguments"] += fragment
@@ -216,6 +243,11 @@ class ToolCallStreamParser:
                 return events
             if self._state == "header":
                 header = _match_header(self._buf)
+                if header is None and final and self._right_after_call():
+                    # The output ends inside the next call's header (cut by max_tokens).
+                    self._buf = ""
+                    self._state = "text"
+                    return events
                 if header is None and final:
                     header = False
                 if header is None:
@@ -228,14 +260,28 @@ class ToolCallStreamParser:
                     self._state = "text"
                     continue
                 end, name = header
-                self._index += 1
-                call_id = new_call_id()
-                self.tool_calls.append(
-                    {"id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
-                )
-                events.append(ToolCallStart(self._index, call_id, name))
                 self._buf = self._buf[end:]
+                if self.tool_calls:
+                    # A later call is held back whole until it ends, so that an exact repeat of
+                    # an earlier call (the small model loops on them) can be dropped.
+                    self._held_name = name
+                    self._state = "held"
+                    continue
+                events.append(self._start_call(name))
                 self._state = "args"
+                continue
+            if self._state == "held":
+                m = _CALL_END.search(self._buf)
+                if m is None:
+                    return events  # finish() emits a cut-off call as it is
+                args = self._buf[: m.start()].lstrip(_WS)
+                self._buf = self._buf[m.end() :]
+                self._state = "text"
+                self._after_call = True
+                self._text_since_call = False
+                if not self._is_repeat(self._held_name, args):
+                    events.append(self._start_call(self._held_name))
+                    events.append(self._emit_args(args))
                 continue
             # self._state == "args"
             if not self.tool_calls[self._index]["function"]["arguments"]:
@@ -248,6 +294,7 @@ class ToolCallStreamParser:
                 self._buf = self._buf[m.end() :]
                 self._state = "text"
                 self._after_call = True
+                self._text_since_call = False
                 continue
             if final:
                 return events  # finish() emits the rest
@@ -256,6 +303,13 @@ class ToolCallStreamParser:
                 events.append(self._emit_args(self._buf[:keep]))
                 self._buf = self._buf[keep:]
             return events
+
+
+def _canonical_args(arguments: str) -> str:
+    try:
+        return json.dumps(json.loads(arguments), sort_keys=True)
+    except ValueError:
+        return arguments
 
 
 def parse_complete(

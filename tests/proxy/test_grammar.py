@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from proxy import grammar
 from proxy.chat_format import render_prompt
 from proxy.grammar import (
     Grammar,
@@ -62,6 +63,12 @@ TOOLS = [
     },
 ]
 PARAMS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
+
+
+def _tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
 PERSON = {
     "type": "object",
     "properties": {
@@ -138,17 +145,7 @@ def generate(
     with torch.no_grad():
         past, mask, logits = _prefill(model, tok, [job.prompt for job in jobs])
         positions = mask.sum(-1, keepdim=True)  # (B, 1): position of each row's next token
-        for step in range(max_new_tokens):
-            if step:
-                res = model(
-                    input_ids=next_ids.unsqueeze(-1),
-                    attention_mask=mask,
-                    position_ids=positions,
-                    past_key_values=past,
-                    use_cache=True,
-                )
-                logits = res.logits[:, -1, :]  # (B, V)
-                positions = positions + 1
+        for _ in range(max_new_tokens):
             logits = logits.float()
             live = [i for i, r in enumerate(rows) if r is not None and not done[i]]
             for i in live:
@@ -172,6 +169,15 @@ def generate(
             if all(done):
                 break
             mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype)], dim=-1)
+            res = model(
+                input_ids=next_ids.unsqueeze(-1),
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=past,
+                use_cache=True,
+            )
+            logits = res.logits[:, -1, :]  # (B, V)
+            positions = positions + 1
     return [Row(tok.decode(ids), s) for ids, s in zip(out, stopped, strict=True)]
 
 
@@ -270,6 +276,22 @@ def test_auto_allows_text_and_valid_calls_but_blocks_malformed_ones(tokenizer, i
         _feed(tokenizer, info, auto, '<tool_call>{"name": "get_time", "arguments": {"city": 1}}')
 
 
+def test_tool_schemas_with_refs_are_enforced(tokenizer, info) -> None:
+    # The shape pydantic (and so LangChain) generates for a tool's parameters.
+    params = {
+        "$defs": {"Unit": {"enum": ["c", "f"], "type": "string"}},
+        "properties": {"city": {"type": "string"}, "unit": {"$ref": "#/$defs/Unit"}},
+        "required": ["city", "unit"],
+        "title": "GetWeather",
+        "type": "object",
+    }
+    grammar = constraint_for_tools([_tool("w", params)], "required")
+    ok = '<tool_call>{"name": "w", "arguments": {"city": "Oslo", "unit": "c"}}</tool_call>'
+    assert _feed(tokenizer, info, grammar, ok).is_accepting()
+    with pytest.raises(TokenRejectedError):
+        _feed(tokenizer, info, grammar, ok.replace('"c"', '"k"'))
+
+
 def test_a_single_required_call_stops_the_grammar(tokenizer, info) -> None:
     grammar = constraint_for_tools(TOOLS, "required", parallel_tool_calls=False)
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
@@ -307,6 +329,7 @@ def test_no_constraint_cases() -> None:
         ),
         (lambda: constraint_for_tools(TOOLS, "sometimes"), "sometimes"),
         (lambda: constraint_for_tools([TOOLS[0], TOOLS[0]], "auto"), "same name"),
+        (lambda: constraint_for_tools([*TOOLS, _tool("bad", {"type": "strin"})], "auto"), "bad"),
         (lambda: constraint_for_tools([{"type": "retrieval"}], "auto"), "function"),
         (lambda: constraint_for_request({"type": "xml"}, None, None), "xml"),
     ],
@@ -344,3 +367,37 @@ def test_parallel_fill_matches_per_row_fill(tokenizer, info) -> None:
         row.fill_bitmask(one, i * 2)
     fill_bitmasks(llguidance.LLExecutor(), [(row, i * 2) for i, row in enumerate(rows)], par)
     assert torch.equal(one, par)
+
+
+def test_a_repeated_tool_call_stops_the_row(tokenizer) -> None:
+    """The small model loops on `required`; the row ends once a call repeats an earlier one."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    info = grammar.build_tokenizer_info(tokenizer)
+    row = grammar.constraint_for_tools(tools, "required").new_row(info)
+    one = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    for token in tokenizer.encode(one, add_special_tokens=False):
+        row.consume(token)
+    assert not row.is_stopped()
+    for token in tokenizer.encode("\n" + one, add_special_tokens=False):
+        row.consume(token)
+    assert row.is_stopped()
+
+
+def test_objects_without_additional_properties_are_closed() -> None:
+    closed = grammar._closed_objects(
+        {"type": "object", "properties": {"a": {"type": "object", "properties": {}}}}
+    )
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    kept = grammar._closed_objects(
+        {"type": "object", "additionalProperties": True, "properties": {}}
+    )
+    assert kept["additionalProperties"] is True

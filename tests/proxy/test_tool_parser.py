@@ -40,6 +40,9 @@ CORPUS = [
     '<tool_call>{"name": "a\nb", "arguments": {}}</tool_call>',  # raw newline in name: text
     "x " + CALL_W + " <tool_call>nope " + CALL_T,
     "unicode ✓ café " + CALL_W,
+    CALL_W + "\n<tool",  # cut while starting the next call
+    CALL_W + '\n<tool_call>{"name": "get_ti',
+    CALL_W + " and <tool",
 ]
 
 
@@ -108,6 +111,16 @@ def test_truncated_call_keeps_its_arguments() -> None:
     assert _strip_ids(parse_complete('<tool_call>{"name": "a", "arguments": ')[1]) == [("a", "")]
 
 
+def test_next_call_cut_short_after_a_call_is_dropped() -> None:
+    for tail in ["\n<tool", "\n<tool_call>", '\n<tool_call>{"name": "get_ti']:
+        content, calls = parse_complete(CALL_W + tail)
+        assert content is None
+        assert _strip_ids(calls) == [("get_weather", '{"city": "Paris"}')]
+    # Only right after a call: elsewhere an unfinished tag is text.
+    assert parse_complete("a <tool") == ("a <tool", [])
+    assert parse_complete(CALL_W + " b <tool")[0] == "b <tool"
+
+
 def test_partial_tag_is_held_back_until_disambiguated() -> None:
     parser = ToolCallStreamParser()
     assert parser.feed("Hello <tool") == [TextDelta("Hello")]
@@ -163,3 +176,36 @@ def test_call_ids_are_unique_openai_style() -> None:
     ids = {new_call_id() for _ in range(200)}
     assert len(ids) == 200
     assert all(re.fullmatch(r"call_[A-Za-z0-9]{24}", i) for i in ids)
+
+
+def _call(name: str, args: str) -> str:
+    return f'<tool_call>{{"name": "{name}", "arguments": {args}}}</tool_call>'
+
+
+def test_an_exact_repeat_of_a_call_is_dropped_streamed_or_not() -> None:
+    text = "\n".join(
+        [
+            _call("get_weather", '{"city": "Paris"}'),
+            _call("get_weather", '{"city":  "Paris"}'),  # same call, other whitespace
+            _call("get_weather", '{"city": "London"}'),
+        ]
+    )
+    content, calls = parse_complete(text)
+    assert content is None
+    assert [c["function"]["arguments"] for c in calls] == [
+        '{"city": "Paris"}',
+        '{"city": "London"}',
+    ]
+    parser = ToolCallStreamParser()
+    events = [ev for ch in text for ev in parser.feed(ch)] + parser.finish()
+    streamed_content, streamed = collect(events)
+    assert streamed_content is None
+    assert [c["function"] for c in streamed] == [c["function"] for c in calls]
+    assert [c["id"] for c in streamed] == [c["id"] for c in parser.tool_calls]
+
+
+def test_a_later_call_cut_off_by_max_tokens_is_kept_partial() -> None:
+    text = _call("a", "{}") + "\n" + '<tool_call>{"name": "b", "arguments": {"x": 1'
+    _, calls = parse_complete(text)
+    assert [c["function"]["name"] for c in calls] == ["a", "b"]
+    assert calls[1]["function"]["arguments"] == '{"x": 1'
