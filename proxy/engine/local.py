@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import time
@@ -37,6 +36,7 @@ from proxy.engine.base import (
     GenerationRequest,
     TokenEvent,
 )
+from proxy.engine.kv_batch import KVBatch
 from proxy.engine.loader import LoadedModel
 from proxy.engine.sampling import RowSampler
 
@@ -110,8 +110,7 @@ class LocalEngine:
         self._stopping = False
         self._waiting: list[_Job] = []
         self._rows: list[_Row] = []
-        self._cache: DynamicCache | None = None
-        self._mask: torch.Tensor | None = None  # (B, L) 1 = real token, 0 = left padding
+        self._batch: KVBatch | None = None  # cache and mask of `_rows`, in the same order
         self._grammar_info: Any | None = None  # llguidance's tokenizer view, built on first use
         self.steps = 0
         self.last_error: str | None = None
@@ -265,8 +264,12 @@ class LocalEngine:
             new_rows.extend(self._rows_for(job))
         if not new_rows:
             return
-        logits, cache, mask = self._prefill(new_rows)
-        self._merge(new_rows, cache, mask)
+        logits, batch = self._prefill(new_rows)
+        if self._batch is None:
+            self._batch = batch
+        else:
+            self._batch.stack(batch)
+        self._rows.extend(new_rows)
         self._sample_and_emit(new_rows, logits)
 
     def _drop_if_cancelled(self, job: _Job) -> bool:
@@ -313,7 +316,7 @@ class LocalEngine:
             return {}
         return {"adapter_names": [row.adapter or BASE_NAME for row in rows]}
 
-    def _prefill(self, rows: list[_Row]) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
+    def _prefill(self, rows: list[_Row]) -> tuple[torch.Tensor, KVBatch]:
         """Run the prompts of newcomers together, left-padded. Returns last-position logits."""
         length = max(len(r.prompt_ids) for r in rows)
         pad = self.tokenizer.pad_token_id or 0
@@ -335,41 +338,22 @@ class LocalEngine:
             logits_to_keep=1,
             **self._adapter_names(rows),
         )
-        return out.logits[:, -1, :].float(), out.past_key_values, mask
-
-    def _merge(self, rows: list[_Row], cache: DynamicCache, mask: torch.Tensor) -> None:
-        """Append prefilled rows to the running batch, left-padding the shorter cache."""
-        if self._cache is None or self._mask is None or not self._rows:
-            self._cache, self._mask, self._rows = cache, mask, list(rows)
-            return
-        old_len, new_len = self._mask.shape[1], mask.shape[1]
-        length = max(old_len, new_len)
-        for old_layer, new_layer in zip(self._cache.layers, cache.layers, strict=True):
-            old_layer.keys = torch.cat(
-                [_left_pad(old_layer.keys, length), _left_pad(new_layer.keys, length)], dim=0
-            )
-            old_layer.values = torch.cat(
-                [_left_pad(old_layer.values, length), _left_pad(new_layer.values, length)], dim=0
-            )
-        self._mask = torch.cat([_left_pad(self._mask, length), _left_pad(mask, length)], dim=0)
-        self._rows.extend(rows)
+        return out.logits[:, -1, :].float(), KVBatch(out.past_key_values, mask)
 
     def _step(self) -> None:
         """One decode step for every running row: feed its last sampled token."""
-        assert self._cache is not None and self._mask is not None
+        assert self._batch is not None
         ids = torch.tensor([[row.completion_ids[-1]] for row in self._rows], dtype=torch.long)
-        ones = torch.ones((len(self._rows), 1), dtype=self._mask.dtype, device=self.device)
-        self._mask = torch.cat([self._mask, ones], dim=1)
-        positions = (self._mask.sum(-1, keepdim=True) - 1).to(self.device)
+        positions = self._batch.grow()
         out = self.model(
             input_ids=ids.to(self.device),
-            attention_mask=self._mask,
+            attention_mask=self._batch.mask,
             position_ids=positions,
-            past_key_values=self._cache,
+            past_key_values=self._batch.cache,
             use_cache=True,
             **self._adapter_names(self._rows),
         )
-        self._cache = out.past_key_values
+        self._batch.cache = out.past_key_values
         self.steps += 1
         self._sample_and_emit(self._rows, out.logits[:, -1, :].float())
 
@@ -457,47 +441,21 @@ class LocalEngine:
         if len(keep) == len(self._rows):
             return
         if not keep:
-            self._rows, self._cache, self._mask = [], None, None
+            self._rows, self._batch = [], None
         else:
-            assert self._cache is not None and self._mask is not None
-            index = torch.tensor(keep, dtype=torch.long, device=self.device)
-            self._cache.batch_select_indices(index)
-            self._mask = self._mask[index]
+            assert self._batch is not None
+            self._batch.keep(keep)
             self._rows = [self._rows[i] for i in keep]
-            self._trim_padding()
         for name in list(self._pending_unload):
             if not any(row.adapter == name for row in self._rows):
                 self._delete_adapter(name)
-
-    def _trim_padding(self) -> None:
-        """Drop leading cache columns that are padding for every remaining row."""
-        assert self._cache is not None and self._mask is not None
-        real = self._mask.any(dim=0).nonzero()
-        start = int(real[0]) if len(real) else 0
-        if start == 0:
-            return
-        for layer in self._cache.layers:
-            layer.keys = layer.keys[:, :, start:, :]
-            layer.values = layer.values[:, :, start:, :]
-        self._mask = self._mask[:, start:]
 
     def _fail_all(self, error: BaseException) -> None:
         jobs = {id(r.job): r.job for r in self._rows}
         jobs.update({id(j): j for j in self._waiting})
         for job in jobs.values():
             job.loop.call_soon_threadsafe(job.events.put_nowait, error)
-        self._rows, self._waiting, self._cache, self._mask = [], [], None, None
-
-
-def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
-    """Left-pad dim 2 of a (B, H, L, D) cache tensor, or dim 1 of a (B, L) mask, with zeros."""
-    dim = 2 if tensor.dim() == 4 else 1
-    missing = length - tensor.shape[dim]
-    if missing <= 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+        self._rows, self._waiting, self._batch = [], [], None
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -527,7 +485,3 @@ def _set_result(future: asyncio.Future[Any], result: Any) -> None:
 def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
     if not future.done():
         future.set_exception(exc)
-
-
-def default_threads() -> int:
-    return max(1, (os.cpu_count() or 2))

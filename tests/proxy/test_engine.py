@@ -1,0 +1,100 @@
+"""The local engine on the real model: batching is exact, rows stop and leave cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from proxy.engine.base import ChoiceFinished, GenerationRequest, SamplingParams, TokenEvent
+from proxy.engine.local import LocalEngine
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three colors."]
+
+
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+async def engine(loaded_model):
+    engine = LocalEngine(loaded_model, max_batch_size=8)
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
+async def run(engine: LocalEngine, request: GenerationRequest, delay: float = 0.0):
+    await asyncio.sleep(delay)
+    tokens: dict[int, list[TokenEvent]] = {}
+    finished: dict[int, ChoiceFinished] = {}
+    async for event in engine.generate(request):
+        if isinstance(event, TokenEvent):
+            tokens.setdefault(event.index, []).append(event)
+        else:
+            finished[event.index] = event
+    return tokens, finished
+
+
+async def test_staggered_batch_matches_generate_token_for_token(engine, loaded_model) -> None:
+    """Requests that join a running batch get exactly the tokens of a lone greedy generate."""
+    tok = loaded_model.tokenizer
+    ids = [prompt_ids(tok, p) for p in PROMPTS]
+    expected = []
+    for i in ids:
+        with torch.no_grad():
+            out = loaded_model.model.generate(torch.tensor([i]), max_new_tokens=16, do_sample=False)
+        expected.append(out[0, len(i) :].tolist())
+    params = SamplingParams(max_tokens=16, temperature=0)
+    results = await asyncio.gather(
+        *(run(engine, GenerationRequest(i, params), delay=0.15 * k) for k, i in enumerate(ids))
+    )
+    for (tokens, finished), want in zip(results, expected, strict=True):
+        got = finished[0].completion_token_ids
+        assert got == want[: len(got)]
+        assert [t.token_id for t in tokens[0]] == got
+        assert finished[0].prompt_token_ids
+        assert len(finished[0].completion_logprobs) == len(got)
+        assert all(lp <= 0 for lp in finished[0].completion_logprobs)
+        assert "".join(t.text for t in tokens[0]) == finished[0].text
+
+
+async def test_n_choices_with_a_seed_are_reproducible(engine, tokenizer) -> None:
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=7)
+    request = GenerationRequest(prompt_ids(tokenizer, "Tell me a joke."), params, n=3)
+    _, first = await run(engine, request)
+    _, second = await run(engine, request)
+    assert sorted(first) == [0, 1, 2]
+    assert [first[i].completion_token_ids for i in range(3)] == [
+        second[i].completion_token_ids for i in range(3)
+    ]
+    assert len({tuple(first[i].completion_token_ids) for i in range(3)}) > 1
+
+
+async def test_stop_string_ends_the_row_and_is_not_returned(engine, tokenizer) -> None:
+    params = SamplingParams(max_tokens=30, temperature=0, stop=("Paris",))
+    tokens, finished = await run(
+        engine, GenerationRequest(prompt_ids(tokenizer, PROMPTS[0]), params)
+    )
+    assert finished[0].finish_reason == "stop"
+    assert "Paris" not in finished[0].text
+    assert "".join(t.text for t in tokens[0]) == finished[0].text
+
+
+async def test_closing_the_stream_cancels_the_row(engine, tokenizer) -> None:
+    params = SamplingParams(max_tokens=200, temperature=0)
+    stream = engine.generate(GenerationRequest(prompt_ids(tokenizer, PROMPTS[1]), params))
+    async for _ in stream:
+        break
+    await stream.aclose()
+    steps = engine.steps
+    for _ in range(50):
+        if engine.health().detail["running_rows"] == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert engine.health().detail["running_rows"] == 0
+    assert engine.steps - steps < 50
