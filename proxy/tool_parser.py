@@ -243,13 +243,12 @@ class ToolCallStreamParser:
                 return events
             if self._state == "header":
                 header = _match_header(self._buf)
-                if header is None and final and self._right_after_call():
-                    # The output ends inside the next call's header (cut by max_tokens).
+                if header is None and final:
+                    # The output ends inside a call's header (cut by max_tokens): there is no
+                    # call to return, and the markup is not content.
                     self._buf = ""
                     self._state = "text"
                     return events
-                if header is None and final:
-                    header = False
                 if header is None:
                     return events
                 if header is False or (

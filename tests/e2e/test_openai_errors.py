@@ -179,9 +179,7 @@ BAD_BODIES: dict[str, Any] = {
             }
         ]
     ),
-    "tool message without tool_call_id": _chat(
-        messages=[*HI, {"role": "tool", "content": "5"}]
-    ),
+    "tool message without tool_call_id": _chat(messages=[*HI, {"role": "tool", "content": "5"}]),
     "tool call arguments not a string": _chat(
         messages=[
             *HI,
@@ -207,9 +205,7 @@ BAD_BODIES: dict[str, Any] = {
     "tool_choice unknown word": _chat(
         tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="sometimes"
     ),
-    "tool name with spaces": _chat(
-        tools=[{"type": "function", "function": {"name": "bad name!"}}]
-    ),
+    "tool name with spaces": _chat(tools=[{"type": "function", "function": {"name": "bad name!"}}]),
     "tool parameters a list": _chat(
         tools=[{"type": "function", "function": {"name": "f", "parameters": [1, 2]}}],
         tool_choice="required",
@@ -264,7 +260,9 @@ def test_every_response_has_a_request_id(http: httpx.Client) -> None:
         http.get("/v1/no-such-route"),
         http.post("/v1/chat/completions", json=_chat()),
         http.post("/v1/chat/completions", json=_chat(n=100)),
-        http.post("/v1/chat/completions", content=b"{", headers={"content-type": "application/json"}),
+        http.post(
+            "/v1/chat/completions", content=b"{", headers={"content-type": "application/json"}
+        ),
         http.get("/rl/adapters"),
     ]
     with http.stream("POST", "/v1/chat/completions", json=_chat(stream=True)) as streamed:

@@ -216,9 +216,7 @@ def test_stop_string(client: OpenAI, story: ChatCompletion, stream: bool) -> Non
     assert len(words) >= 4, f"reference too short for this test: {text!r}"
     stop = " " + " ".join(words[2:4])  # spans several tokens: the server must hold back text
     expected = text[: text.index(stop)]
-    kwargs = dict(
-        model="rlproxy", messages=STORY, max_tokens=STORY_TOKENS, temperature=0, seed=0
-    )
+    kwargs = dict(model="rlproxy", messages=STORY, max_tokens=STORY_TOKENS, temperature=0, seed=0)
     if stream:
         chunks = list(client.chat.completions.create(**kwargs, stop=[stop], stream=True))
         per = collect_stream(chunks)

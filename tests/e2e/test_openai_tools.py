@@ -4,17 +4,22 @@ With tool_choice "required" or a named tool, and with response_format json_objec
 the server constrains decoding, so every call and every JSON document must be valid by
 construction: these tests check that with `jsonschema`, along with OpenAI's framing of calls
 (ids, types, finish_reason "tool_calls", streamed argument fragments).
+
+The module's requests are independent, so the `responses` fixture sends them all at once and
+the engine decodes them as one batch of mixed grammars (a realistic load, and many times faster
+than one after another on two cores); each test then checks its own response.
 """
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jsonschema
 import pytest
-from openai import AsyncOpenAI, OpenAI
-from openai.types.chat import ChatCompletion, ChatCompletionMessage
+from openai import OpenAI
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
 
 ADD = {
     "type": "function",
@@ -67,34 +72,123 @@ def assert_no_markup(message: ChatCompletionMessage) -> None:
     assert TAG not in (message.content or ""), f"raw tool-call markup in content: {message}"
 
 
+CITY = {
+    # Every field bounded (no free integers: the model can write digits forever), so that a
+    # constrained answer always ends within the budget.
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "country": {"type": "string", "maxLength": 12},
+        "is_capital": {"type": "boolean"},
+    },
+    "required": ["name", "country", "is_capital"],
+    "additionalProperties": False,
+}
+CAPITAL_QUESTION = 'What is the capital of France? Answer as {"capital": ...}'
+PARALLEL_TOKENS = 72  # two calls and the newline between them
+
+REQUESTS: dict[str, dict[str, Any]] = {
+    "none": dict(messages=ADD_PROMPT, tools=[ADD], tool_choice="none", max_tokens=8),
+    "auto": dict(messages=ADD_PROMPT, tools=[ADD], tool_choice="auto", max_tokens=CALL_TOKENS),
+    "required": dict(
+        messages=ADD_PROMPT,
+        tools=[ADD],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=CALL_TOKENS,
+    ),
+    # A budget that ends inside the first call.
+    "truncated": dict(messages=ADD_PROMPT, tools=[ADD], tool_choice="required", max_tokens=10),
+    "named": dict(
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[ADD, WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=CALL_TOKENS,
+    ),
+    "parallel": dict(
+        messages=WEATHER_PROMPT,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=PARALLEL_TOKENS,
+    ),
+    "parallel_false": dict(
+        messages=WEATHER_PROMPT,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=CALL_TOKENS,
+    ),
+    "tool_result": dict(
+        messages=[
+            *ADD_PROMPT,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+        ],
+        tools=[ADD],
+        max_tokens=CALL_TOKENS,
+    ),
+    "json_schema": dict(
+        messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "city", "schema": CITY, "strict": True},
+        },
+        max_tokens=CALL_TOKENS,
+    ),
+    "json_object": dict(
+        messages=[
+            {"role": "system", "content": "You answer in JSON."},
+            {"role": "user", "content": CAPITAL_QUESTION},
+        ],
+        response_format={"type": "json_object"},
+        max_tokens=CALL_TOKENS,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def responses(client: OpenAI, pool: ThreadPoolExecutor) -> dict[str, Future]:
+    """Every request above, plus two streamed ones, in flight together; futures by name."""
+    create = client.chat.completions.create
+    futures = {
+        name: pool.submit(create, model="rlproxy", temperature=0, **kwargs)
+        for name, kwargs in REQUESTS.items()
+    }
+    futures["parallel_streamed"] = pool.submit(
+        lambda: list(create(model="rlproxy", temperature=0, stream=True, **REQUESTS["parallel"]))
+    )
+    futures["truncated_streamed"] = pool.submit(
+        lambda: list(create(model="rlproxy", temperature=0, stream=True, **REQUESTS["truncated"]))
+    )
+    return futures
+
+
+def response(responses: dict[str, Future], name: str) -> ChatCompletion:
+    return responses[name].result(timeout=300)
+
+
 # ----------------------------------------------------------------------------- tool_choice
 
 
-def test_tool_choice_none(client: OpenAI) -> None:
-    r = client.chat.completions.create(
-        model="rlproxy",
-        messages=ADD_PROMPT,
-        tools=[ADD],
-        tool_choice="none",
-        max_tokens=8,
-        temperature=0,
-    )
-    choice = r.choices[0]
+def test_tool_choice_none(responses: dict[str, Future]) -> None:
+    choice = response(responses, "none").choices[0]
     assert not choice.message.tool_calls
     assert isinstance(choice.message.content, str)
     assert choice.finish_reason in ("stop", "length")
 
 
-def test_tool_choice_auto(client: OpenAI) -> None:
-    r = client.chat.completions.create(
-        model="rlproxy",
-        messages=ADD_PROMPT,
-        tools=[ADD],
-        tool_choice="auto",
-        max_tokens=CALL_TOKENS,
-        temperature=0,
-    )
-    choice = r.choices[0]
+def test_tool_choice_auto(responses: dict[str, Future]) -> None:
+    choice = response(responses, "auto").choices[0]
     calls = assert_valid_calls(choice.message, [ADD])
     assert_no_markup(choice.message)
     if calls:
@@ -104,48 +198,31 @@ def test_tool_choice_auto(client: OpenAI) -> None:
         assert choice.finish_reason in ("stop", "length")
 
 
-def test_tool_choice_required(client: OpenAI) -> None:
-    r = client.chat.completions.create(
-        model="rlproxy",
-        messages=ADD_PROMPT,
-        tools=[ADD],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_tokens=CALL_TOKENS,
-        temperature=0,
-    )
-    choice = r.choices[0]
+def test_tool_choice_required(responses: dict[str, Future]) -> None:
+    choice = response(responses, "required").choices[0]
     calls = assert_valid_calls(choice.message, [ADD])
     assert len(calls) == 1
     assert choice.finish_reason == "tool_calls"
     assert not choice.message.content
 
 
-def test_truncated_tool_call_leaks_no_markup(client: OpenAI) -> None:
+def test_truncated_tool_call_leaks_no_markup(responses: dict[str, Future]) -> None:
     """A budget that ends inside a call: finish_reason "length", and no raw tags in content."""
-    r = client.chat.completions.create(
-        model="rlproxy",
-        messages=ADD_PROMPT,
-        tools=[ADD],
-        tool_choice="required",
-        max_tokens=10,
-        temperature=0,
-    )
-    choice = r.choices[0]
+    choice = response(responses, "truncated").choices[0]
     assert choice.finish_reason == "length"
     assert_no_markup(choice.message)
 
 
-def test_named_tool_choice(client: OpenAI) -> None:
-    r = client.chat.completions.create(
-        model="rlproxy",
-        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-        tools=[ADD, WEATHER],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=CALL_TOKENS,
-        temperature=0,
-    )
-    choice = r.choices[0]
+def test_truncated_streamed_tool_call_leaks_no_markup(responses: dict[str, Future]) -> None:
+    chunks: list[ChatCompletionChunk] = responses["truncated_streamed"].result(timeout=300)
+    content = "".join(c.delta.content or "" for ch in chunks for c in ch.choices)
+    finish = [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason]
+    assert finish == ["length"]
+    assert TAG not in content, f"raw tool-call markup in streamed content: {content!r}"
+
+
+def test_named_tool_choice(responses: dict[str, Future]) -> None:
+    choice = response(responses, "named").choices[0]
     calls = assert_valid_calls(choice.message, [ADD, WEATHER])
     assert [c.function.name for c in calls] == ["get_weather"]
     assert choice.finish_reason == "tool_calls"
@@ -154,55 +231,27 @@ def test_named_tool_choice(client: OpenAI) -> None:
 # ----------------------------------------------------------------------------- parallel calls
 
 
-@pytest.fixture(scope="module")
-def parallel(client: OpenAI) -> ChatCompletion:
-    return client.chat.completions.create(
-        model="rlproxy",
-        messages=WEATHER_PROMPT,
-        tools=[WEATHER],
-        tool_choice="required",
-        max_tokens=72,
-        temperature=0,
-    )
-
-
-def test_parallel_tool_calls(parallel: ChatCompletion) -> None:
-    choice = parallel.choices[0]
+def test_parallel_tool_calls(responses: dict[str, Future]) -> None:
+    choice = response(responses, "parallel").choices[0]
     calls = assert_valid_calls(choice.message, [WEATHER])
     assert len(calls) >= 2, f"expected one call per city, got {choice.message}"
     assert choice.finish_reason == "tool_calls"
     assert_no_markup(choice.message)
 
 
-def test_parallel_tool_calls_false(client: OpenAI) -> None:
-    r = client.chat.completions.create(
-        model="rlproxy",
-        messages=WEATHER_PROMPT,
-        tools=[WEATHER],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_tokens=CALL_TOKENS,
-        temperature=0,
-    )
-    calls = assert_valid_calls(r.choices[0].message, [WEATHER])
+def test_parallel_tool_calls_false(responses: dict[str, Future]) -> None:
+    choice = response(responses, "parallel_false").choices[0]
+    calls = assert_valid_calls(choice.message, [WEATHER])
     assert len(calls) == 1
-    assert r.choices[0].finish_reason == "tool_calls"
+    assert choice.finish_reason == "tool_calls"
 
 
-async def test_streamed_tool_calls(aclient: AsyncOpenAI, parallel: ChatCompletion) -> None:
-    stream = await aclient.chat.completions.create(
-        model="rlproxy",
-        messages=WEATHER_PROMPT,
-        tools=[WEATHER],
-        tool_choice="required",
-        max_tokens=72,
-        temperature=0,
-        stream=True,
-    )
+def test_streamed_tool_calls(responses: dict[str, Future]) -> None:
+    chunks: list[ChatCompletionChunk] = responses["parallel_streamed"].result(timeout=300)
     calls: dict[int, dict[str, Any]] = {}
     finish: list[str] = []
     content = ""
-    async for chunk in stream:
+    for chunk in chunks:
         for choice in chunk.choices:
             content += choice.delta.content or ""
             if choice.finish_reason is not None:
@@ -221,13 +270,14 @@ async def test_streamed_tool_calls(aclient: AsyncOpenAI, parallel: ChatCompletio
     assert finish == ["tool_calls"]
     assert TAG not in content
     assert sorted(calls) == list(range(len(calls)))
+    assert len({c["id"] for c in calls.values()}) == len(calls)
     schema = WEATHER["function"]["parameters"]
     for call in calls.values():
         jsonschema.validate(json.loads(call["args"]), schema)
     # Temperature 0: the same calls as the non-streamed response.
     expected = [
         (c.function.name, json.loads(c.function.arguments))
-        for c in parallel.choices[0].message.tool_calls or []
+        for c in response(responses, "parallel").choices[0].message.tool_calls or []
     ]
     assert [(c["name"], json.loads(c["args"])) for _, c in sorted(calls.items())] == expected
 
@@ -235,29 +285,9 @@ async def test_streamed_tool_calls(aclient: AsyncOpenAI, parallel: ChatCompletio
 # ----------------------------------------------------------------------------- conversations
 
 
-def test_conversation_with_tool_result(client: OpenAI) -> None:
-    r = client.chat.completions.create(
-        model="rlproxy",
-        messages=[
-            *ADD_PROMPT,
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {
-                        "id": "call_1",
-                        "type": "function",
-                        "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'},
-                    }
-                ],
-            },
-            {"role": "tool", "tool_call_id": "call_1", "content": "5"},
-        ],
-        tools=[ADD],
-        max_tokens=CALL_TOKENS,
-        temperature=0,
-    )
-    choice = r.choices[0]
+def test_conversation_with_tool_result(responses: dict[str, Future]) -> None:
+    """History with an assistant message (content None + tool_calls) and a tool result."""
+    choice = response(responses, "tool_result").choices[0]
     calls = assert_valid_calls(choice.message, [ADD])
     assert_no_markup(choice.message)
     assert calls or choice.message.content
@@ -265,47 +295,14 @@ def test_conversation_with_tool_result(client: OpenAI) -> None:
 
 # ----------------------------------------------------------------------------- response_format
 
-# Every field bounded (no free integers: the model can write digits forever), so that a
-# constrained answer always ends within the budget.
-CITY = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "country": {"type": "string", "maxLength": 12},
-        "is_capital": {"type": "boolean"},
-    },
-    "required": ["name", "country", "is_capital"],
-    "additionalProperties": False,
-}
 
-
-def test_json_schema_response_format(client: OpenAI) -> None:
-    r = client.chat.completions.create(
-        model="rlproxy",
-        messages=[{"role": "user", "content": "Describe Paris as JSON."}],
-        response_format={
-            "type": "json_schema",
-            "json_schema": {"name": "city", "schema": CITY, "strict": True},
-        },
-        max_tokens=CALL_TOKENS,
-        temperature=0,
-    )
-    choice = r.choices[0]
+def test_json_schema_response_format(responses: dict[str, Future]) -> None:
+    choice = response(responses, "json_schema").choices[0]
     assert choice.finish_reason == "stop"
     jsonschema.validate(json.loads(choice.message.content), CITY)
 
 
-def test_json_object_response_format(client: OpenAI) -> None:
-    r = client.chat.completions.create(
-        model="rlproxy",
-        messages=[
-            {"role": "system", "content": "You answer in JSON."},
-            {"role": "user", "content": 'What is the capital of France? Answer as {"capital": ...}'},
-        ],
-        response_format={"type": "json_object"},
-        max_tokens=CALL_TOKENS,
-        temperature=0,
-    )
-    choice = r.choices[0]
+def test_json_object_response_format(responses: dict[str, Future]) -> None:
+    choice = response(responses, "json_object").choices[0]
     assert choice.finish_reason == "stop"
     assert isinstance(json.loads(choice.message.content), dict)

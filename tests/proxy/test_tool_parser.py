@@ -92,9 +92,20 @@ def test_malformed_call_is_plain_text() -> None:
     for text in [
         "Hi <tool_call>junk",
         '<tool_call>{"arguments": {}, "name": "a"}</tool_call>',
-        '<tool_call>{"name": "a", "argu',
     ]:
         assert parse_complete(text) == (text, [])
+
+
+def test_a_call_cut_off_inside_its_header_is_neither_call_nor_content() -> None:
+    """max_tokens can end the output inside `<tool_call>{"name": ...`: no markup leaks."""
+    for text, content in [
+        ('<tool_call>{"name": "a", "argu', ""),
+        ('Let me check. <tool_call>{"name', "Let me check."),
+    ]:
+        assert parse_complete(text) == (content, [])
+        parser = ToolCallStreamParser()
+        events = [ev for ch in text for ev in parser.feed(ch)] + parser.finish()
+        assert collect(events) == (content, [])
 
 
 def test_unknown_tool_name_is_text_when_names_are_given() -> None:
