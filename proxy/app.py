@@ -27,7 +27,9 @@ from proxy.registry import ServedModels
 from proxy.routes import adapters as adapter_routes
 from proxy.routes import chat as chat_routes
 from proxy.routes import models as model_routes
+from proxy.routes import rl as rl_routes
 from proxy.settings import Settings
+from proxy.upstream import UpstreamEngine
 from storage.store import Store
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,15 @@ def create_app(settings: Settings) -> FastAPI:
             sink=CallRecorder(store),
         )
         app.state.store = store
+        app.state.upstream = None
+        if settings.upstream_models:
+            app.state.upstream = UpstreamEngine(
+                settings.upstream_models,
+                sink=store.record_call,
+                timeout_s=settings.upstream_timeout_s,
+            )
+            app.state.upstream.start()
+            logger.info("upstream models: %s", ", ".join(settings.upstream_models))
         logger.info(
             "serving %s (aliases: %s) on the local engine; data directory %s",
             settings.model_name,
@@ -78,6 +89,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(chat_routes.router)
     app.include_router(model_routes.router)
     app.include_router(adapter_routes.router)
+    app.include_router(rl_routes.router)
     install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)
     return app

@@ -1,39 +1,61 @@
-"""The `rlproxy` command line: `rlproxy serve` starts the OpenAI-compatible server."""
+"""The `rlproxy` command line.
+
+rlproxy serve                       start the OpenAI-compatible server
+rlproxy export --format jsonl       write stored trajectories in OpenAI's chat fine-tuning
+                                    format (one {"messages", "tools"} object per line)
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import logging
 import sys
 from pathlib import Path
+from typing import TextIO
 
 from proxy.settings import Settings
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlproxy", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="rlproxy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the policy over the OpenAI API")
     serve.add_argument("--host", help="bind address (RLPROXY_HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (RLPROXY_PORT, default 8000)")
     serve.add_argument("--data-dir", type=Path, help="data directory (RLPROXY_DATA_DIR)")
     serve.add_argument("--model-name", help="served policy name (RLPROXY_MODEL_NAME)")
+    export = sub.add_parser("export", help="write stored trajectories for fine-tuning elsewhere")
+    export.add_argument("--format", choices=["jsonl"], default="jsonl", help="output format")
+    export.add_argument("--out", type=Path, help="output file (default: standard output)")
+    export.add_argument(
+        "--status", choices=["closed", "open", "all"], default="closed", help="which trajectories"
+    )
+    export.add_argument("--model", help="only trajectories of this requested model name")
+    export.add_argument("--group-key", help="only trajectories of this group")
+    export.add_argument("--data-dir", type=Path, help="data directory (RLPROXY_DATA_DIR)")
+    export.add_argument("--database-url", help="database URL (RLPROXY_DATABASE_URL)")
     args = parser.parse_args(argv)
 
     overrides = {
         k: v
         for k, v in {
-            "host": args.host,
-            "port": args.port,
+            "host": getattr(args, "host", None),
+            "port": getattr(args, "port", None),
             "data_dir": args.data_dir,
-            "model_name": args.model_name,
+            "model_name": getattr(args, "model_name", None),
+            "database_url": getattr(args, "database_url", None),
         }.items()
         if v is not None
     }
     settings = Settings(**overrides)
     logging.basicConfig(
-        level=settings.log_level.upper(),
+        level=settings.log_level.upper() if args.command == "serve" else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
     )
     if args.command == "serve":
         import uvicorn
@@ -47,7 +69,45 @@ def main(argv: list[str] | None = None) -> int:
             log_level=settings.log_level.lower(),
             timeout_graceful_shutdown=5,
         )
+        return 0
+    if settings.database_url is None and not settings.sqlite_path.exists():
+        print(f"rlproxy export: no database at {settings.sqlite_path}", file=sys.stderr)
+        return 1
+    status = None if args.status == "all" else args.status
+    if args.out is None:
+        count = asyncio.run(export_jsonl(settings, sys.stdout, status, args.model, args.group_key))
+    else:
+        with args.out.open("w", encoding="utf-8") as out:
+            count = asyncio.run(export_jsonl(settings, out, status, args.model, args.group_key))
+    print(f"rlproxy export: wrote {count} trajectories", file=sys.stderr)
     return 0
+
+
+async def export_jsonl(
+    settings: Settings,
+    out: TextIO,
+    status: str | None,
+    model: str | None = None,
+    group_key: str | None = None,
+) -> int:
+    """Write one fine-tuning line per trajectory with a completed answer; return the count."""
+    from storage.export import to_finetune_line
+    from storage.store import Store
+    from trainer.linking import PrefixLinker
+
+    count = 0
+    store = await Store.open(settings.resolved_database_url, linker=PrefixLinker())
+    try:
+        async for detail in store.iter_trajectories_for_export(
+            status=status, model=model, group_key=group_key
+        ):
+            line = to_finetune_line(detail)
+            if line is not None:
+                out.write(json.dumps(line, ensure_ascii=False) + "\n")
+                count += 1
+    finally:
+        await store.close()
+    return count
 
 
 if __name__ == "__main__":

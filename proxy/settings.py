@@ -9,8 +9,22 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class UpstreamTarget(BaseModel):
+    """Where one upstream model name is forwarded (through litellm)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="litellm target, `provider/model` (e.g. `openai/gpt-4o-mini`).")
+    api_base: str | None = Field(None, description="Base URL of an OpenAI-compatible server.")
+    api_key_env: str | None = Field(
+        None,
+        description="Name of the server's environment variable that holds the provider key "
+        "(default: the provider's usual one, e.g. OPENAI_API_KEY). Never taken from a request.",
+    )
 
 
 class Settings(BaseSettings):
@@ -45,6 +59,14 @@ class Settings(BaseSettings):
     default_max_tokens: int = Field(
         512, ge=1, description="Completion budget when the request sets none."
     )
+    upstream_models: dict[str, UpstreamTarget] = Field(
+        default_factory=dict,
+        description="Served name -> upstream target, forwarded through litellm and stored like "
+        'local calls, e.g. {"openai/gpt-4o-mini": {"model": "openai/gpt-4o-mini"}}.',
+    )
+    upstream_timeout_s: float = Field(
+        600.0, gt=0, description="Timeout of one upstream provider call, in seconds."
+    )
     admin_key: str | None = Field(None, description="Key required for admin routes, when set.")
     log_level: str = Field("INFO", description="Python logging level.")
 
@@ -54,6 +76,17 @@ class Settings(BaseSettings):
             raise ValueError(
                 "RLPROXY_ADMIN_KEY is the placeholder 'changeme' on a public bind; set a real key"
             )
+        for name in self.upstream_models:
+            if name == self.model_name or name.startswith(f"{self.model_name}@"):
+                raise ValueError(
+                    f"upstream model {name!r} clashes with the policy name {self.model_name!r}; "
+                    "rename it in RLPROXY_UPSTREAM_MODELS"
+                )
+            if name in self.aliases:
+                raise ValueError(
+                    f"{name!r} is both an alias of the policy and an upstream model; remove it "
+                    "from RLPROXY_ALIASES or from RLPROXY_UPSTREAM_MODELS"
+                )
         return self
 
     @property

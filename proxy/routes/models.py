@@ -1,4 +1,7 @@
-"""`GET /v1/models`, `GET /v1/models/{id}` and `GET /health`."""
+"""`GET /v1/models`, `GET /v1/models/{id}` and `GET /health`.
+
+The list holds the policy's names (the registry) and then the upstream names, if any.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +13,24 @@ router = APIRouter()
 
 
 @router.get("/v1/models")
-async def list_models(registry: Registry) -> dict[str, object]:
-    return {"object": "list", "data": [registry.model_object(m) for m in registry.model_ids()]}
+async def list_models(request: Request, registry: Registry) -> dict[str, object]:
+    data = [registry.model_object(m) for m in registry.model_ids()]
+    upstream = getattr(request.app.state, "upstream", None)
+    if upstream is not None:
+        data += [_upstream_object(m, registry.created) for m in upstream.model_ids()]
+    return {"object": "list", "data": data}
 
 
 @router.get("/v1/models/{model_id:path}")
-async def get_model(model_id: str, registry: Registry) -> dict[str, object]:
+async def get_model(model_id: str, request: Request, registry: Registry) -> dict[str, object]:
+    upstream = getattr(request.app.state, "upstream", None)
+    if upstream is not None and upstream.serves(model_id):
+        return _upstream_object(model_id, registry.created)
     return registry.model_object(model_id)
+
+
+def _upstream_object(model_id: str, created: int) -> dict[str, object]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "upstream"}
 
 
 @router.get("/health")

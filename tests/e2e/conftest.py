@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,7 +99,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, model_data_dir: Path) -> It
 def client(server: Server):  # -> openai.OpenAI
     from openai import OpenAI
 
-    with OpenAI(base_url=server.base_url, api_key="sk-test", max_retries=0, timeout=120) as c:
+    with OpenAI(base_url=server.base_url, api_key="sk-test", max_retries=0, timeout=280) as c:
         yield c
 
 
@@ -107,6 +108,13 @@ async def aclient(server: Server):  # -> openai.AsyncOpenAI
     from openai import AsyncOpenAI
 
     async with AsyncOpenAI(
-        base_url=server.base_url, api_key="sk-test", max_retries=0, timeout=120
+        base_url=server.base_url, api_key="sk-test", max_retries=0, timeout=280
     ) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def pool() -> Iterator[ThreadPoolExecutor]:
+    """Threads for sending a module's independent requests at once (one engine batch, not N)."""
+    with ThreadPoolExecutor(max_workers=16, thread_name_prefix="e2e") as executor:
+        yield executor

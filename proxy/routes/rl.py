@@ -1,0 +1,137 @@
+"""`/rl/trajectories`: read stored trajectories, reward them, end them (JSON).
+
+    GET  /rl/trajectories                 list, newest first: ?status=&group_key=&model=&since=
+                                          &until=&limit=&cursor= (since/until: epoch seconds)
+    GET  /rl/trajectories/{id}            one trajectory: its turns in order, its rewards
+    POST /rl/trajectories/{id}/reward     {"reward": float, "source": str}; closes it
+    POST /rl/trajectories/{id}/end        closes it
+
+Thin routes over `storage.Store` (on `app.state.store`): the store owns the SQL and the linking,
+this module only parses, maps store errors to OpenAI-shaped ones, and shapes the JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from pydantic import BaseModel, Field, field_validator
+
+from proxy.errors import InvalidRequestError, NotFoundError
+from storage.errors import TrajectoryNotFound
+from storage.records import TrajectoryDetail, TrajectorySummary
+from storage.store import Store
+
+router = APIRouter(prefix="/rl/trajectories")
+
+
+def get_store(request: Request) -> Store:
+    return request.app.state.store
+
+
+StoreDep = Annotated[Store, Depends(get_store)]
+
+
+class RewardBody(BaseModel):
+    reward: float = Field(allow_inf_nan=False, description="The trajectory's reward.")
+    source: str = Field("api", min_length=1, max_length=200, description="Who gave it.")
+    explanation: str | None = Field(None, description="Why (optional).")
+
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _not_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError("reward must be a number, not a boolean")
+        return value
+
+
+@router.get("")
+async def list_trajectories(
+    store: StoreDep,
+    status: Literal["open", "closed"] | None = None,
+    group_key: str | None = None,
+    model: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    cursor: str | None = None,
+) -> dict[str, Any]:
+    try:
+        page = await store.list_trajectories(
+            status=status,
+            group_key=group_key,
+            model=model,
+            since=since,
+            until=until,
+            limit=limit,
+            cursor=cursor,
+        )
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param="cursor") from exc
+    return {
+        "object": "list",
+        "data": [summary_json(s) for s in page.items],
+        "next_cursor": page.next_cursor,
+        "has_more": page.next_cursor is not None,
+    }
+
+
+@router.get("/{trajectory_id}")
+async def get_trajectory(trajectory_id: str, store: StoreDep) -> dict[str, Any]:
+    detail = await store.get_trajectory(trajectory_id)
+    if detail is None:
+        raise _not_found(trajectory_id)
+    return detail_json(detail)
+
+
+@router.post("/{trajectory_id}/reward")
+async def add_reward(trajectory_id: str, body: RewardBody, store: StoreDep) -> dict[str, Any]:
+    try:
+        reward_id = await store.add_reward(
+            trajectory_id, body.reward, body.source, body.explanation
+        )
+    except TrajectoryNotFound as exc:
+        raise _not_found(trajectory_id) from exc
+    return {
+        "object": "rl.reward",
+        "id": reward_id,
+        "trajectory_id": trajectory_id,
+        "reward": body.reward,
+        "source": body.source,
+        "status": "closed",
+    }
+
+
+@router.post("/{trajectory_id}/end")
+async def end_trajectory(trajectory_id: str, store: StoreDep) -> dict[str, Any]:
+    try:
+        was_open = await store.end_trajectory(trajectory_id)
+    except TrajectoryNotFound as exc:
+        raise _not_found(trajectory_id) from exc
+    return {
+        "object": "rl.trajectory",
+        "id": trajectory_id,
+        "status": "closed",
+        "was_open": was_open,
+    }
+
+
+def summary_json(summary: TrajectorySummary) -> dict[str, Any]:
+    return {"object": "rl.trajectory", **asdict(summary)}
+
+
+def detail_json(detail: TrajectoryDetail) -> dict[str, Any]:
+    return {
+        **summary_json(detail.summary),
+        "turns": [asdict(t) for t in detail.turns],
+        "rewards": [asdict(r) for r in detail.rewards],
+    }
+
+
+def _not_found(trajectory_id: str) -> NotFoundError:
+    return NotFoundError(
+        f"No trajectory with id '{trajectory_id}'.",
+        param="trajectory_id",
+        code="trajectory_not_found",
+    )

@@ -1,0 +1,82 @@
+"""Helpers shared by the storage-facing end-to-end tests: own servers, the /rl API, the database.
+
+Each test module that needs special settings (an idle timeout, upstream models) starts its own
+`rlproxy serve` through `tests/e2e/conftest.py`'s `start_server`, so its trajectories never mix
+with other modules' and its settings stay its own.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.e2e.conftest import Server, start_server, stop_server
+
+
+@contextmanager
+def own_server(
+    data_dir: Path, model_dir: Path, env_extra: dict[str, str] | None = None
+) -> Iterator[Server]:
+    proc, url, log = start_server(data_dir, model_dir, env_extra)
+    try:
+        yield Server(url=url, data_dir=data_dir, model_name="rlproxy", log=log)
+    finally:
+        stop_server(proc)
+
+
+def list_trajectories(server: Server, **params: Any) -> list[dict[str, Any]]:
+    """Every page of GET /rl/trajectories with these filters."""
+    items: list[dict[str, Any]] = []
+    cursor = None
+    while True:
+        query = {k: v for k, v in {**params, "cursor": cursor}.items() if v is not None}
+        r = httpx.get(f"{server.url}/rl/trajectories", params=query, timeout=60)
+        r.raise_for_status()
+        page = r.json()
+        items += page["data"]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            return items
+
+
+def get_trajectory(server: Server, trajectory_id: str) -> dict[str, Any]:
+    r = httpx.get(f"{server.url}/rl/trajectories/{trajectory_id}", timeout=60)
+    r.raise_for_status()
+    return r.json()
+
+
+def db_rows(data_dir: Path, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+    """Rows straight from the server's SQLite file (read-only, beside the running server)."""
+    uri = f"file:{data_dir / 'rlproxy.db'}?mode=ro"
+    with closing(sqlite3.connect(uri, uri=True, timeout=30)) as conn:
+        conn.row_factory = sqlite3.Row
+        return conn.execute(sql, params).fetchall()
+
+
+def calls_of(data_dir: Path, trajectory_id: str) -> list[dict[str, Any]]:
+    """The stored calls of a trajectory in turn order, with their choices' token ids."""
+    calls = db_rows(
+        data_dir,
+        "SELECT * FROM calls WHERE trajectory_id = ? ORDER BY turn_index, recorded_at",
+        (trajectory_id,),
+    )
+    out = []
+    for row in calls:
+        call = dict(row)
+        choices = db_rows(
+            data_dir,
+            "SELECT * FROM call_choices WHERE call_id = ? ORDER BY choice_index",
+            (row["id"],),
+        )
+        call["choices"] = [dict(c) for c in choices]
+        call["prompt_token_ids"] = json.loads(call["prompt_token_ids"] or "null")
+        for c in call["choices"]:
+            c["completion_token_ids"] = json.loads(c["completion_token_ids"] or "null")
+        out.append(call)
+    return out
