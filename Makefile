@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve test test-slow test-all lint bench clean
+.PHONY: setup serve test test-slow test-all lint bench bench-overhead clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,6 +39,10 @@ lint: setup
 
 bench: setup
 	$(BIN)/python bench/bench_serving.py
+
+bench-overhead: setup
+	$(BIN)/pip install -q -e ".[dev,bench]"
+	$(BIN)/python bench/bench_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

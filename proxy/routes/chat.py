@@ -6,18 +6,21 @@ every other request to the local `ChatService`. Both produce the same JSON and c
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from proxy.protocol import ChatCompletionRequest
 from proxy.routes.deps import Chat, request_id
 from proxy.upstream import UpstreamEngine
 
 router = APIRouter()
+T = TypeVar("T")
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -29,10 +32,34 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         return await _upstream(upstream, body, request)
     prepared = chat.prepare(body, request_id(request), headers=dict(request.headers))
     if not body.stream:
-        return JSONResponse(await chat.complete(prepared))
+        body_ = await _unless_disconnected(request, chat.complete(prepared))
+        if body_ is None:  # nobody is listening any more; the call is stored as disconnected
+            return Response(status_code=499)
+        return JSONResponse(body_)
     return StreamingResponse(
         _sse(chat.stream(prepared)), media_type="text/event-stream", headers=_SSE_HEADERS
     )
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """Run `work`; if the client goes away first, cancel it (its generation stops): None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _upstream(upstream: UpstreamEngine, body: ChatCompletionRequest, request: Request):

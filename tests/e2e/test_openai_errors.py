@@ -281,3 +281,47 @@ def test_sdk_success_carries_the_request_id(client: OpenAI) -> None:
     assert rid
     completion = raw.parse()
     assert completion._request_id == rid
+
+
+def test_a_client_that_disconnects_stops_its_generation(server) -> None:
+    """Non-streamed: the server notices the closed connection and the rows leave the batch."""
+    import time
+
+    payload = {
+        "model": "rlproxy",
+        "messages": [{"role": "user", "content": "Write a very long story about the sea."}],
+        "max_tokens": 2000,
+        "temperature": 0,
+    }
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/chat/completions", json=payload, timeout=3)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        engine = httpx.get(f"{server.url}/health", timeout=10).json()["engine"]
+        if engine["running_rows"] == 0:
+            break
+        time.sleep(0.5)
+    assert engine["running_rows"] == 0
+
+
+def test_a_streaming_client_that_disconnects_stops_its_generation(server) -> None:
+    import time
+
+    payload = {
+        "model": "rlproxy",
+        "messages": [{"role": "user", "content": "Write a very long story about the sea."}],
+        "max_tokens": 2000,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{server.base_url}/chat/completions", json=payload, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                break
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        engine = httpx.get(f"{server.url}/health", timeout=10).json()["engine"]
+        if engine["running_rows"] == 0:
+            break
+        time.sleep(0.5)
+    assert engine["running_rows"] == 0
