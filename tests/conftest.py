@@ -17,8 +17,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session")
 def model_data_dir() -> Path:
-    """Data directory that holds the cached fp32 model (shared, read-mostly)."""
-    return Path(os.environ.get("RLPROXY_TEST_MODEL_DIR", REPO / "rlproxy-data"))
+    """Data directory that holds the cached fp32 model (shared, read-mostly).
+
+    The GGUF is converted here once, before any test starts a server on it."""
+    from proxy.engine.loader import ensure_fp32_cache
+
+    path = Path(os.environ.get("RLPROXY_TEST_MODEL_DIR", REPO / "rlproxy-data"))
+    ensure_fp32_cache(path)
+    return path
 
 
 @pytest.fixture(scope="session")

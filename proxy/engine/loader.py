@@ -7,6 +7,7 @@ converts and loads weights; it knows nothing about batching, adapters or HTTP.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import logging
 import os
@@ -62,8 +63,22 @@ def pick_device() -> torch.device:
 def ensure_fp32_cache(data_dir: Path) -> Path:
     """Convert the bundled GGUF into an fp32 checkpoint once; return the checkpoint folder."""
     target = data_dir / "models" / CACHE_NAME
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    if _complete(target):
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Several processes may start at once on one data directory: one converts, the others wait.
+    with open(target.parent / ".convert.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _complete(target):
+            _convert(target)
+    return target
+
+
+def _complete(target: Path) -> bool:
+    return (target / "config.json").is_file() and (target / "model.safetensors").is_file()
+
+
+def _convert(target: Path) -> None:
     gguf = bundled_gguf_path()
     logger.info("first start: converting %s to an fp32 checkpoint at %s", gguf, target)
     model = AutoModelForCausalLM.from_pretrained(
@@ -75,7 +90,6 @@ def ensure_fp32_cache(data_dir: Path) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
@@ -89,7 +103,6 @@ def ensure_fp32_cache(data_dir: Path) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def load_model(data_dir: Path, device: torch.device | None = None) -> LoadedModel:
