@@ -84,6 +84,12 @@ def create_app(settings: Settings) -> FastAPI:
             await engine.stop()
             await store.close()
 
+    if settings.public_bind:
+        logger.warning(
+            "listening on %s: rlproxy has no authentication yet, so anyone who can reach this "
+            "address can call the model and the /rl admin routes",
+            settings.host,
+        )
     app = FastAPI(title="rlproxy", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.include_router(chat_routes.router)

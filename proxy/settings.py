@@ -67,15 +67,10 @@ class Settings(BaseSettings):
     upstream_timeout_s: float = Field(
         600.0, gt=0, description="Timeout of one upstream provider call, in seconds."
     )
-    admin_key: str | None = Field(None, description="Key required for admin routes, when set.")
     log_level: str = Field("INFO", description="Python logging level.")
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
-        if self.admin_key == "changeme" and not _is_loopback(self.host):
-            raise ValueError(
-                "RLPROXY_ADMIN_KEY is the placeholder 'changeme' on a public bind; set a real key"
-            )
         for name in self.upstream_models:
             if name == self.model_name or name.startswith(f"{self.model_name}@"):
                 raise ValueError(
@@ -88,6 +83,11 @@ class Settings(BaseSettings):
                     "from RLPROXY_ALIASES or from RLPROXY_UPSTREAM_MODELS"
                 )
         return self
+
+    @property
+    def public_bind(self) -> bool:
+        """True when the server listens beyond loopback (rlproxy has no authentication yet)."""
+        return not _is_loopback(self.host)
 
     @property
     def sqlite_path(self) -> Path:
