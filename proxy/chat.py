@@ -438,6 +438,7 @@ class ChatService:
         outcomes = []
         for index, fin in sorted(finished.items()):
             parser = parsers[index]
+            content: str | None
             if parser is None:
                 content, calls = fin.text, []
             else:

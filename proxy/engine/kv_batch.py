@@ -8,14 +8,14 @@ padding for every remaining row are trimmed. Pure tensor bookkeeping: no model, 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 
 @dataclass
 class KVBatch:
-    cache: DynamicCache
+    cache: Any  # a transformers DynamicCache (its layers hold .keys / .values)
     mask: torch.Tensor  # (B, L): 1 = real token, 0 = left padding
 
     @property

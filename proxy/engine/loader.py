@@ -87,7 +87,7 @@ def _convert(target: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # A dequantised model still carries its GGUF quantisation marker; drop it so that
     # save_pretrained writes plain fp32 weights that load without the gguf package.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
@@ -110,7 +110,7 @@ def load_model(data_dir: Path, device: torch.device | None = None) -> LoadedMode
     source = ensure_fp32_cache(data_dir)
     device = device or pick_device()
     model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(str(source))
     logger.info(

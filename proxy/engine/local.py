@@ -360,14 +360,15 @@ class LocalEngine:
     def _sample_and_emit(self, rows: list[_Row], logits: torch.Tensor) -> None:
         """Sample one token per row from `logits` (B, V), emit events, retire finished rows."""
         logprobs_all = torch.log_softmax(logits, dim=-1)  # raw policy logprobs, (B, V)
-        bitmask = None
         constrained = [b for b, row in enumerate(rows) if row.constraint is not None]
         if constrained:
             from proxy.grammar import allocate_bitmask, apply_bitmask
 
-            bitmask = allocate_bitmask(len(rows), self._grammar_info)
+            info: Any = self._grammar_info  # built by _new_constraint for these rows
+            bitmask = allocate_bitmask(len(rows), info)
             for b in constrained:
-                rows[b].constraint.fill_bitmask(bitmask, b)
+                constraint: Any = rows[b].constraint
+                constraint.fill_bitmask(bitmask, b)
             logits = logits.clone()
             apply_bitmask(logits, bitmask, rows=constrained)
         by_job: dict[int, tuple[_Job, list[EngineEvent]]] = {}
@@ -401,7 +402,7 @@ class LocalEngine:
         grammar_done = row.constraint is not None and row.constraint.is_stopped()
         if token in row.stop_token_ids or grammar_done:
             row.finish_reason = "stop"
-        text = self.tokenizer.decode(row.completion_ids, skip_special_tokens=True)
+        text = str(self.tokenizer.decode(row.completion_ids, skip_special_tokens=True))
         if text.endswith("\ufffd") and row.finish_reason is None:
             text = text[: len(row.text)]  # an incomplete UTF-8 sequence: wait for more bytes
         row.text = text
