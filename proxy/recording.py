@@ -100,10 +100,11 @@ def api_key_id(authorization: str | None) -> str | None:
 
 
 def _params(req: Any) -> dict[str, Any]:
-    skip = {"messages", "tools", "model"}
-    return {
-        k: v for k, v in req.model_dump(exclude_none=True, by_alias=True).items() if k not in skip
-    }
+    """The request's parameters; messages, tools and model have columns of their own."""
+    params: dict[str, Any] = req.model_dump(
+        exclude_none=True, by_alias=True, exclude={"messages", "tools", "model"}
+    )
+    return params
 
 
 def _int(value: str | None) -> int:
