@@ -68,6 +68,7 @@ def _m001_initial(conn: Connection) -> None:
         Column("last_call_id", String),
         Column("last_call_created_at", Double),
         Column("last_call_finished_at", Double),
+        Column("last_call_status", String),
         Index("ix_trajectories_status_next_prefix_hash", "status", "next_prefix_hash"),
         Index("ix_trajectories_status_last_request_hash", "status", "last_request_hash"),
         Index("ix_trajectories_status_updated_at", "status", "updated_at"),

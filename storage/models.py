@@ -67,6 +67,7 @@ class Trajectory(Base):
     last_call_id: Mapped[str | None] = mapped_column(String)
     last_call_created_at: Mapped[float | None] = mapped_column(Double)
     last_call_finished_at: Mapped[float | None] = mapped_column(Double)
+    last_call_status: Mapped[str | None] = mapped_column(String)
 
     __table_args__ = (
         Index("ix_trajectories_status_next_prefix_hash", "status", "next_prefix_hash"),

@@ -200,6 +200,8 @@ class TrajectoryState:
     last_call_id: str | None
     last_call_created_at: float | None
     last_call_finished_at: float | None
+    last_call_status: str | None = None
+    """How the last call ended ("completed", "error", "client_disconnected")."""
 
 
 @dataclass(frozen=True)

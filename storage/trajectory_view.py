@@ -45,6 +45,7 @@ class Trajectory:
     last_call_id: str | None
     last_call_created_at: float | None
     last_call_finished_at: float | None
+    last_call_status: str | None
 
     def state(self) -> TrajectoryState:
         return TrajectoryState(
@@ -58,6 +59,7 @@ class Trajectory:
             last_call_id=self.last_call_id,
             last_call_created_at=self.last_call_created_at,
             last_call_finished_at=self.last_call_finished_at,
+            last_call_status=self.last_call_status,
         )
 
 

@@ -97,6 +97,7 @@ async def record_calls(
                 last_call_id=record.id,
                 last_call_created_at=record.created_at,
                 last_call_finished_at=record.finished_at,
+                last_call_status=record.status,
             )
             view.add(t)
             turn = 0
@@ -121,6 +122,7 @@ async def record_calls(
                     last_call_id=record.id,
                     last_call_created_at=record.created_at,
                     last_call_finished_at=record.finished_at,
+                    last_call_status=record.status,
                 )
                 if k.next_prefix_hash is not None:  # a failed call keeps the continuation point
                     changes["next_prefix_hash"] = k.next_prefix_hash

@@ -158,7 +158,8 @@ class PrefixLinker:
 
     retry_window_s: float = 10.0
     """A same-request call that starts within this many seconds after the last call finished
-    is a retry of it. 0 disables the time rule (the retry-count header still counts)."""
+    is a retry of it, unless that call completed (then it is a new sample of the same task).
+    0 disables the time rule (the retry-count header still counts)."""
 
     def __post_init__(self) -> None:
         if self.retry_window_s < 0:
@@ -188,6 +189,8 @@ class PrefixLinker:
             return "stale" if record.status != "completed" else None
         if record.retry_count > 0:
             return "retry"
+        if t.last_call_status == "completed":
+            return None  # the client got its answer: asking again is a new run, not a retry
         if self.retry_window_s > 0 and t.last_call_finished_at is not None:
             gap = record.created_at - t.last_call_finished_at
             if 0 <= gap <= self.retry_window_s:

@@ -179,16 +179,23 @@ def test_retried_call_does_not_fork(traj_server: Server) -> None:
     second = [*first, answer, {"role": "user", "content": "And a vegetable?"}]
     _chat(client, second)
     # The SDK marks its own retries with x-stainless-retry-count; send one by hand.
-    _chat(client, second, extra_headers={"x-stainless-retry-count": "1"})
-    # The same messages resent right after, with no header, are a retry too.
-    _chat(client, second)
+    answer2 = _chat(client, second, extra_headers={"x-stainless-retry-count": "1"})
+    third = [*second, answer2, {"role": "user", "content": "And a colour?"}]
+    # A client without that header gives up (timeout) and resends right away: a retry too.
+    slow = {"model": "rlproxy", "messages": third, "max_tokens": 2000, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{traj_server.base_url}/chat/completions", json=slow, timeout=1.0)
+    _chat(client, third)
 
     items = list_trajectories(traj_server, since=since)
     assert len(items) == 1, items
-    assert items[0]["turn_count"] == 2 and items[0]["call_count"] == 4
+    assert items[0]["turn_count"] == 3 and items[0]["call_count"] == 5
     turns = get_trajectory(traj_server, items[0]["id"])["turns"]
-    assert [t["attempts"] for t in turns] == [1, 3]
-    assert turns[1]["retry_of"] is not None
+    assert [t["attempts"] for t in turns] == [1, 2, 2]
+    assert turns[1]["retry_of"] is not None and turns[2]["retry_of"] is not None
     calls = calls_of(traj_server.data_dir, items[0]["id"])
-    assert [c["turn_index"] for c in calls] == [0, 1, 1, 1]
-    assert [c["retry_count"] for c in calls] == [0, 0, 1, 0]
+    assert [c["turn_index"] for c in calls] == [0, 1, 1, 2, 2]
+    assert sorted(c["status"] for c in calls if c["turn_index"] == 2) == [
+        "client_disconnected",
+        "completed",
+    ]

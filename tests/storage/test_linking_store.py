@@ -177,15 +177,18 @@ async def test_retry_header_does_not_fork(store: Store, make_call: Any) -> None:
 
 async def test_same_messages_within_window_is_a_retry(store: Store, make_call: Any) -> None:
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "q"}]
-    first = make_call(msgs, "a", created_at=1000.0, duration_s=1.0)
+    first = make_call(msgs, None, created_at=1000.0, duration_s=1.0, status="error")
     tid = await store.record_call(first)
-    again = make_call(msgs, "a'", created_at=1003.0)  # 2 s after it finished, no header
+    again = make_call(msgs, "a'", created_at=1003.0)  # 2 s after it failed, no header
     assert await store.record_call(again) == tid
-    later = make_call(msgs, "a''", created_at=1100.0)  # outside the window: a new run
-    assert await store.record_call(later) != tid
     detail = await store.get_trajectory(tid)
     assert detail is not None and detail.summary.turn_count == 1
     assert detail.turns[0].call_id == again.id and detail.turns[0].attempts == 2
+    # `again` completed: the same request right after it is a new sample of the task.
+    sample = make_call(msgs, "b", created_at=1004.0)
+    assert await store.record_call(sample) != tid
+    later = make_call(msgs, None, created_at=1100.0, status="error")
+    assert await store.record_call(later) not in (tid, None)
 
 
 async def test_late_recorded_failed_attempt_goes_to_same_turn(store: Store, make_call: Any) -> None:

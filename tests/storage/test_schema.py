@@ -47,6 +47,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
             "last_call_id str null",
             "last_call_created_at float null",
             "last_call_finished_at float null",
+            "last_call_status str null",
         ],
         "pk": ["id"],
         "unique": [],

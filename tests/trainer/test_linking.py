@@ -194,6 +194,10 @@ def test_retry_rules() -> None:
     # Started before the last call finished: overlapping calls are parallel runs.
     overlapping = replace(last, last_call_finished_at=1000.5)
     assert linker.choose(record, keys, None, [overlapping]).action == "new"
+    # The last call completed: the same request again is a new sample, not a retry.
+    answered = replace(last, last_call_status="completed")
+    assert linker.choose(record, keys, None, [answered]).action == "new"
+    assert linker.choose(replace(record, retry_count=1), keys, None, [answered]).action == "retry"
     # Window 0 turns the time rule off.
     assert PrefixLinker(retry_window_s=0).choose(record, keys, None, [last]).action == "new"
     # A failed attempt that started before the standing call is a late-recorded attempt.
