@@ -54,7 +54,7 @@ class Settings(BaseSettings):
     retry_window_s: float = Field(
         10.0,
         ge=0,
-        description="The same messages again within this window after a failed attempt are a retry.",
+        description="The same messages within this window after a failed attempt are a retry.",
     )
     max_batch_size: int = Field(16, ge=1, description="Rows decoded together by the local engine.")
     max_n: int = Field(8, ge=1, description="Largest `n` (choices per request) accepted.")
