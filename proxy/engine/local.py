@@ -69,6 +69,7 @@ class _Row:
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     text: str = ""  # visible text decoded so far (stop strings removed at the end)
+    decoded: int = 0  # completion ids whose text is already in `text`
     emitted: int = 0  # characters of `text` already sent
     finish_reason: str | None = None
 
@@ -402,17 +403,25 @@ class LocalEngine:
         grammar_done = row.constraint is not None and row.constraint.is_stopped()
         if token in row.stop_token_ids or grammar_done:
             row.finish_reason = "stop"
-        text = str(self.tokenizer.decode(row.completion_ids, skip_special_tokens=True))
-        if text.endswith("\ufffd") and row.finish_reason is None:
-            text = text[: len(row.text)]  # an incomplete UTF-8 sequence: wait for more bytes
-        row.text = text
+        elif len(row.completion_ids) >= params.max_tokens:
+            row.finish_reason = "length"  # (a stop string found below still wins)
+        # Decode only the ids not yet in `text` (byte-level BPE: pieces concatenate exactly),
+        # unless they end inside a UTF-8 sequence: then wait for the next token's bytes (or, if
+        # the row ends here, drop the incomplete character).
+        piece = str(
+            self.tokenizer.decode(row.completion_ids[row.decoded :], skip_special_tokens=True)
+        )
+        if row.finish_reason is not None:
+            piece = piece.rstrip("\ufffd")
+        if not piece.endswith("\ufffd"):
+            row.text += piece
+            row.decoded = len(row.completion_ids)
+        text = row.text
         for stop in params.stop:
             at = text.find(stop, max(0, row.emitted - len(stop)))
             if at != -1:
                 row.text = text[:at]
                 row.finish_reason = "stop"
-        if row.finish_reason is None and len(row.completion_ids) >= params.max_tokens:
-            row.finish_reason = "length"
         visible = len(row.text)
         if row.finish_reason is None:
             visible -= _held_back(row.text, params.stop)

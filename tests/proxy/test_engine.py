@@ -61,6 +61,7 @@ async def test_staggered_batch_matches_generate_token_for_token(engine, loaded_m
         assert len(finished[0].completion_logprobs) == len(got)
         assert all(lp <= 0 for lp in finished[0].completion_logprobs)
         assert "".join(t.text for t in tokens[0]) == finished[0].text
+        assert finished[0].text == tok.decode(got, skip_special_tokens=True).rstrip("\ufffd")
 
 
 async def test_n_choices_with_a_seed_are_reproducible(engine, tokenizer) -> None:
