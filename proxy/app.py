@@ -194,10 +194,6 @@ class RequestIdMiddleware:
             if message["type"] == "http.response.start":
                 message.setdefault("headers", [])
                 message["headers"] = [*message["headers"], (b"x-request-id", raw)]
-            await self.app_send(message, send)
+            await send(message)
 
         await self.app(scope, receive, send_with_id)
-
-    @staticmethod
-    async def app_send(message: Message, send: Send) -> None:
-        await send(message)

@@ -15,8 +15,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-BASE_ADAPTER = None  # the adapter value that means "no adapter: the base model"
-
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -36,7 +34,7 @@ class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams
     n: int = 1
-    adapter: str | None = BASE_ADAPTER
+    adapter: str | None = None  # None: the base model, no adapter
     # A compiled grammar (proxy.grammar.Grammar) every choice must follow; None = free text.
     grammar: Any | None = None
     request_id: str = ""
