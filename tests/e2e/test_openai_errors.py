@@ -290,7 +290,9 @@ def test_a_client_that_disconnects_stops_its_generation(server) -> None:
         "model": "rlproxy",
         "messages": [{"role": "user", "content": "Write a very long story about the sea."}],
         "max_tokens": 2000,
-        "temperature": 0,
+        # Temperature 2 all but never samples the end token: the generation runs long.
+        "temperature": 2.0,
+        "seed": 1,
     }
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.base_url}/chat/completions", json=payload, timeout=3)
@@ -302,7 +304,9 @@ def test_a_streaming_client_that_disconnects_stops_its_generation(server) -> Non
         "model": "rlproxy",
         "messages": [{"role": "user", "content": "Write a very long story about the sea."}],
         "max_tokens": 2000,
-        "temperature": 0,
+        # Temperature 2 all but never samples the end token: the generation runs long.
+        "temperature": 2.0,
+        "seed": 1,
         "stream": True,
     }
     with httpx.stream("POST", f"{server.base_url}/chat/completions", json=payload, timeout=60) as r:

@@ -182,7 +182,14 @@ def test_retried_call_does_not_fork(traj_server: Server) -> None:
     answer2 = _chat(client, second, extra_headers={"x-stainless-retry-count": "1"})
     third = [*second, answer2, {"role": "user", "content": "And a colour?"}]
     # A client without that header gives up (timeout) and resends right away: a retry too.
-    slow = {"model": "rlproxy", "messages": third, "max_tokens": 2000, "temperature": 0}
+    # Temperature 2 all but never samples the end token: this generation outlasts the timeout.
+    slow = {
+        "model": "rlproxy",
+        "messages": third,
+        "max_tokens": 2000,
+        "temperature": 2.0,
+        "seed": 1,
+    }
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{traj_server.base_url}/chat/completions", json=slow, timeout=1.0)
     _chat(client, third)
