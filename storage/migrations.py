@@ -138,8 +138,85 @@ def _m001_initial(conn: Connection) -> None:
     md.create_all(conn)
 
 
+def _m002_groups(conn: Connection) -> None:
+    md = MetaData()
+    # Stand-ins for tables that exist already, so the foreign keys below resolve.
+    existing = [
+        Table("calls", md, Column("id", String, primary_key=True)),
+        Table("trajectories", md, Column("id", String, primary_key=True)),
+    ]
+    Table(
+        "call_samples",
+        md,
+        Column("call_id", String, ForeignKey("calls.id"), primary_key=True),
+        Column("sample_index", Integer, primary_key=True, autoincrement=False),
+        Column("message", Text, nullable=False),
+        Column("finish_reason", String),
+        Column("completion_token_ids", Text),
+        Column("completion_logprobs", Text),
+    )
+    Table(
+        "groups",
+        md,
+        Column("id", String, primary_key=True),
+        Column("source", String, nullable=False),
+        Column("key", String, nullable=False),
+        Column("status", String, nullable=False),
+        Column("created_at", Double, nullable=False),
+        Column("updated_at", Double, nullable=False),
+        Column("ready_at", Double),
+        Column("scored_at", Double),
+        Column("member_count", Integer, nullable=False),
+        Column("rubric_hash", String),
+        Column("judge_model", String),
+        Column("judge_latency_s", Double),
+        Column("judge_attempts", Integer),
+        Column("judge_prompt_tokens", Integer),
+        Column("judge_completion_tokens", Integer),
+        Column("judge_cost_usd", Double),
+        Column("failure", Text),
+        Column("trained_step", Integer),
+        Column("trained_at", Double),
+        Index("ix_groups_source_key_status", "source", "key", "status"),
+        Index("ix_groups_status_created_at", "status", "created_at"),
+        Index("ix_groups_created_at_id", "created_at", "id"),
+    )
+    Table(
+        "group_members",
+        md,
+        Column("group_id", String, ForeignKey("groups.id"), primary_key=True),
+        Column("member_id", String, primary_key=True),
+        Column("position", Integer, nullable=False),
+        Column("trajectory_id", String, ForeignKey("trajectories.id"), nullable=False),
+        Column("call_id", String),
+        Column("choice_index", Integer),
+        Column("sample_index", Integer),
+        Column("added_at", Double, nullable=False),
+        Index("ix_group_members_trajectory_id", "trajectory_id"),
+    )
+    Table(
+        "scores",
+        md,
+        Column("id", Integer, primary_key=True, autoincrement=True),
+        Column("group_id", String, ForeignKey("groups.id"), nullable=False),
+        Column("member_id", String, nullable=False),
+        Column("score", Double, nullable=False),
+        Column("explanation", Text),
+        Column("judge_model", String, nullable=False),
+        Column("rubric_hash", String),
+        Column("latency_s", Double),
+        Column("prompt_tokens", Integer),
+        Column("completion_tokens", Integer),
+        Column("cost_usd", Double),
+        Column("created_at", Double, nullable=False),
+        Index("ix_scores_group_id", "group_id"),
+    )
+    md.create_all(conn, tables=[t for t in md.sorted_tables if t not in existing])
+
+
 MIGRATIONS: list[Migration] = [
     Migration(1, "m001_initial", _m001_initial),
+    Migration(2, "m002_groups", _m002_groups),
 ]
 
 

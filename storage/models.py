@@ -145,8 +145,93 @@ class Reward(Base):
     __table_args__ = (Index("ix_rewards_trajectory_id", "trajectory_id"),)
 
 
+class CallSample(Base):
+    """A shadow sample: an alternative completion generated beside the returned one."""
+
+    __tablename__ = "call_samples"
+
+    call_id: Mapped[str] = mapped_column(String, ForeignKey("calls.id"), primary_key=True)
+    sample_index: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    message: Mapped[Any] = mapped_column(JSONText, nullable=False)
+    finish_reason: Mapped[str | None] = mapped_column(String)
+    completion_token_ids: Mapped[Any] = mapped_column(JSONText, nullable=True)
+    completion_logprobs: Mapped[Any] = mapped_column(JSONText, nullable=True)
+
+
+class Group(Base):
+    __tablename__ = "groups"
+
+    id: Mapped[str] = mapped_column(String, primary_key=True)
+    source: Mapped[str] = mapped_column(String)  # "explicit" | "task" | "shadow" | "cohort"
+    key: Mapped[str] = mapped_column(String)
+    status: Mapped[str] = mapped_column(String)  # forming|ready|scoring|scored|failed|expired
+    created_at: Mapped[float] = mapped_column(Double)
+    updated_at: Mapped[float] = mapped_column(Double)
+    ready_at: Mapped[float | None] = mapped_column(Double)
+    scored_at: Mapped[float | None] = mapped_column(Double)
+    member_count: Mapped[int] = mapped_column(Integer)
+    rubric_hash: Mapped[str | None] = mapped_column(String)
+    judge_model: Mapped[str | None] = mapped_column(String)
+    judge_latency_s: Mapped[float | None] = mapped_column(Double)
+    judge_attempts: Mapped[int | None] = mapped_column(Integer)
+    judge_prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    judge_completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    judge_cost_usd: Mapped[float | None] = mapped_column(Double)
+    failure: Mapped[str | None] = mapped_column(Text)
+    trained_step: Mapped[int | None] = mapped_column(Integer)
+    trained_at: Mapped[float | None] = mapped_column(Double)
+
+    __table_args__ = (
+        Index("ix_groups_source_key_status", "source", "key", "status"),
+        Index("ix_groups_status_created_at", "status", "created_at"),
+        Index("ix_groups_created_at_id", "created_at", "id"),
+    )
+
+
+class GroupMember(Base):
+    """A trajectory (call_id None) or one sampled answer at a turn (call_id + an index)."""
+
+    __tablename__ = "group_members"
+
+    group_id: Mapped[str] = mapped_column(String, ForeignKey("groups.id"), primary_key=True)
+    member_id: Mapped[str] = mapped_column(String, primary_key=True)
+    position: Mapped[int] = mapped_column(Integer)
+    trajectory_id: Mapped[str] = mapped_column(String, ForeignKey("trajectories.id"))
+    call_id: Mapped[str | None] = mapped_column(String)
+    choice_index: Mapped[int | None] = mapped_column(Integer)
+    sample_index: Mapped[int | None] = mapped_column(Integer)
+    added_at: Mapped[float] = mapped_column(Double)
+
+    __table_args__ = (Index("ix_group_members_trajectory_id", "trajectory_id"),)
+
+
+class Score(Base):
+    """A judge's score of one group member."""
+
+    __tablename__ = "scores"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    group_id: Mapped[str] = mapped_column(String, ForeignKey("groups.id"))
+    member_id: Mapped[str] = mapped_column(String)
+    score: Mapped[float] = mapped_column(Double)
+    explanation: Mapped[str | None] = mapped_column(Text)
+    judge_model: Mapped[str] = mapped_column(String)
+    rubric_hash: Mapped[str | None] = mapped_column(String)
+    latency_s: Mapped[float | None] = mapped_column(Double)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    cost_usd: Mapped[float | None] = mapped_column(Double)
+    created_at: Mapped[float] = mapped_column(Double)
+
+    __table_args__ = (Index("ix_scores_group_id", "group_id"),)
+
+
 trajectories_table = cast(Table, Trajectory.__table__)
 calls_table = cast(Table, Call.__table__)
 call_choices_table = cast(Table, CallChoice.__table__)
 rewards_table = cast(Table, Reward.__table__)
 migrations_table = cast(Table, Migration.__table__)
+call_samples_table = cast(Table, CallSample.__table__)
+groups_table = cast(Table, Group.__table__)
+group_members_table = cast(Table, GroupMember.__table__)
+scores_table = cast(Table, Score.__table__)

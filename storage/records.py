@@ -73,6 +73,9 @@ class CallRecord:
     explicit_group_key: str | None = None
     retry_count: int = 0
     """From the x-stainless-retry-count header; 0 when absent."""
+    shadow_samples: list[ChoiceRecord] = field(default_factory=list)
+    """Alternatives sampled beside the returned choice and never shown to the client (shadow
+    sampling). Stored in their own table; together with choice 0 they form a "shadow" group."""
 
     def token_counts(self) -> tuple[int | None, int | None]:
         """(prompt, completion) tokens: from `usage`, else from the stored token ids."""
@@ -220,3 +223,148 @@ class LinkDecision:
     action: Literal["new", "append", "retry", "stale"]
     trajectory_id: str | None = None
     same_turn_as: str | None = None
+
+
+# --- groups and scores ---------------------------------------------------------------------
+
+GroupSource = Literal["explicit", "task", "shadow", "cohort"]
+GroupStatus = Literal["forming", "ready", "scoring", "scored", "failed", "expired"]
+GROUP_STATUSES: frozenset[str] = frozenset(
+    {"forming", "ready", "scoring", "scored", "failed", "expired"}
+)
+
+
+@dataclass(frozen=True)
+class GroupCandidate:
+    """A closed trajectory not yet in a trajectory group, as a `Grouper` sees it."""
+
+    trajectory_id: str
+    closed_at: float
+    group_key: str | None
+    """The explicit group key the client sent, if any."""
+    task_signature: str | None
+    first_messages: list[dict[str, Any]]
+    """The request messages of the trajectory's first turn."""
+    tools: list[dict[str, Any]] | None
+
+
+@dataclass(frozen=True)
+class GroupKey:
+    source: GroupSource
+    key: str
+
+
+@dataclass(frozen=True)
+class GroupState:
+    """A forming group, as a `Grouper` sees it when deciding whether it is ready."""
+
+    id: str
+    source: GroupSource
+    key: str
+    created_at: float
+    member_count: int
+
+
+@dataclass
+class GroupSummary:
+    id: str
+    source: GroupSource
+    key: str
+    status: GroupStatus
+    created_at: float
+    updated_at: float
+    ready_at: float | None
+    scored_at: float | None
+    member_count: int
+    judge_model: str | None
+    rubric_hash: str | None
+    judge_latency_s: float | None
+    judge_attempts: int | None
+    judge_prompt_tokens: int | None
+    judge_completion_tokens: int | None
+    judge_cost_usd: float | None
+    failure: str | None
+    trained_step: int | None
+
+
+@dataclass
+class ScoreRecord:
+    member_id: str
+    score: float
+    explanation: str | None
+    judge_model: str
+    rubric_hash: str | None = None
+    latency_s: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cost_usd: float | None = None
+    created_at: float = 0.0
+
+
+@dataclass
+class TrainingTurn:
+    """One assistant turn of a member, as sampled: exact prompt and completion token ids."""
+
+    call_id: str
+    prompt_token_ids: list[int] | None
+    completion_token_ids: list[int] | None
+    completion_logprobs: list[float] | None
+    adapter_version: int | None
+
+
+@dataclass
+class GroupMemberView:
+    member_id: str
+    position: int
+    trajectory_id: str
+    call_id: str | None
+    """Set for a member that is one sampled answer at a turn (shadow groups)."""
+    choice_index: int | None
+    sample_index: int | None
+    returned: bool
+    """False for a shadow sample the client never saw."""
+    messages: list[dict[str, Any]]
+    """The member's conversation: the last request's messages plus the answer."""
+    tools: list[dict[str, Any]] | None
+    ruler: ScoreRecord | None
+    """The latest judge score of this member in this group."""
+    explicit_reward: float | None
+    """The latest reward the environment posted for the member's trajectory (trajectory
+    members only: an explicit reward rewards the whole trajectory, not a shadow sample)."""
+    reward: float | None
+    """The reward used for training, chosen by the reward policy."""
+    reward_source: Literal["explicit", "ruler"] | None
+    turns: list[TrainingTurn]
+    """What training sees: the member's assistant turns with their exact token ids."""
+
+
+@dataclass
+class GroupDetail:
+    summary: GroupSummary
+    members: list[GroupMemberView]
+
+    @property
+    def id(self) -> str:
+        return self.summary.id
+
+
+@dataclass
+class GroupPage:
+    items: list[GroupSummary]
+    next_cursor: str | None
+
+
+@dataclass
+class JudgeOutcome:
+    """What scoring a group produced, to store with `Store.finish_scoring`."""
+
+    status: Literal["scored", "failed"]
+    scores: list[ScoreRecord]
+    judge_model: str
+    rubric_hash: str | None = None
+    latency_s: float | None = None
+    attempts: int | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cost_usd: float | None = None
+    failure: str | None = None

@@ -18,19 +18,25 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from storage import read_ops, write_ops
+from storage import group_ops, read_ops, write_ops
 from storage.engines import Engines, SqliteSynchronous, create_engines
 from storage.errors import InvalidRecord, TrajectoryNotFound
+from storage.group_ops import FormResult
+from storage.grouper import Grouper
 from storage.linker import ExplicitIdsOnly, Linker
 from storage.migrations import migrate
 from storage.read_ops import TrajectoryFilter
 from storage.records import (
     CALL_STATUSES,
     CallRecord,
+    GroupDetail,
+    GroupPage,
+    JudgeOutcome,
     StoredCall,
     TrajectoryDetail,
     TrajectoryPage,
@@ -139,7 +145,98 @@ class Store:
         closed: list[str] = await self._writer.submit(self._write_idle, (older_than_s, now))
         return closed
 
+    # --- groups and scores ------------------------------------------------------------------
+
+    async def form_groups(self, grouper: Grouper, *, now: float | None = None) -> FormResult:
+        """Group closed trajectories that are in no group yet; mark forming groups ready.
+
+        `grouper` decides which group each joins and when a group is ready (pass
+        `trainer.grouping.SignatureGrouper(...)`). Shadow groups need no call: they are formed,
+        ready, when their call is recorded.
+        """
+        t = time.time() if now is None else now
+        result: FormResult = await self._writer.submit(
+            self._run_ops, lambda conn: group_ops.form_groups(conn, grouper, t)
+        )
+        return result
+
+    async def claim_group(self, group_id: str | None = None) -> str | None:
+        """Mark a group "scoring" and return its id, or None when there is nothing to claim.
+
+        Without an id: the oldest ready group. With one: that group, if it has at least two
+        members and is not being scored already (a failed or scored group is scored again).
+        """
+        claimed: str | None = await self._writer.submit(
+            self._run_ops, lambda conn: group_ops.claim_group(conn, group_id, time.time())
+        )
+        return claimed
+
+    async def finish_scoring(self, group_id: str, outcome: JudgeOutcome) -> None:
+        """Store a claimed group's scores (or its failure) and set its status."""
+        if outcome.status not in ("scored", "failed"):
+            raise InvalidRecord(f"JudgeOutcome.status must be scored or failed: {outcome.status}")
+        await self._writer.submit(
+            self._run_ops,
+            lambda conn: group_ops.finish_scoring(conn, group_id, outcome, time.time()),
+        )
+
+    async def release_scoring(self) -> int:
+        """Put groups a dead scorer left "scoring" back to "ready"; return how many."""
+        n: int = await self._writer.submit(
+            self._run_ops, lambda conn: group_ops.release_scoring(conn, time.time())
+        )
+        return n
+
+    async def mark_trained(self, group_ids: list[str], step: int) -> None:
+        """Record that a training step used these groups."""
+        await self._writer.submit(
+            self._run_ops,
+            lambda conn: group_ops.mark_trained(conn, list(group_ids), step, time.time()),
+        )
+
+    async def list_groups(
+        self,
+        *,
+        status: str | None = None,
+        source: str | None = None,
+        untrained: bool = False,
+        limit: int = 50,
+        cursor: str | None = None,
+        oldest_first: bool = False,
+    ) -> GroupPage:
+        """Newest first (or oldest first), keyset-paged on (created_at, id)."""
+        async with self._engines.read.connect() as conn:
+            return await group_ops.list_groups(
+                conn,
+                status=status,
+                source=source,
+                untrained=untrained,
+                limit=limit,
+                cursor=cursor,
+                oldest_first=oldest_first,
+            )
+
+    async def get_group(
+        self, group_id: str, *, reward_policy: str = "explicit"
+    ) -> GroupDetail | None:
+        """A group with its members' conversations, token ids, scores and rewards.
+
+        `reward_policy` picks each member's training reward: "explicit" (the environment's
+        reward when there is one, else the judge's score) or "ruler" (the other way round).
+        """
+        async with self._engines.read.connect() as conn:
+            return await group_ops.get_group(conn, group_id, reward_policy)
+
+    async def group_ids_of_trajectory(self, trajectory_id: str) -> list[str]:
+        async with self._engines.read.connect() as conn:
+            return await group_ops.group_ids_of_trajectory(conn, trajectory_id)
+
     # Writer handlers: each gets every consecutive payload of its kind in the batch.
+
+    async def _run_ops(
+        self, conn: AsyncConnection, ops: list[Callable[[AsyncConnection], Awaitable[Any]]]
+    ) -> list[Any]:
+        return [await op(conn) for op in ops]
 
     async def _write_calls(self, conn: AsyncConnection, records: list[CallRecord]) -> list[str]:
         return await write_ops.record_calls(conn, records, self._linker, time.time())

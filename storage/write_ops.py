@@ -18,13 +18,19 @@ from typing import Any
 from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from storage.group_ops import shadow_group_rows
 from storage.linker import Linker
 from storage.models import call_choices_table as CC
+from storage.models import call_samples_table as CS
 from storage.models import calls_table as C
+from storage.models import group_members_table as GM
+from storage.models import groups_table as G
 from storage.models import rewards_table as R
 from storage.models import trajectories_table as T
 from storage.records import CallRecord, LinkDecision, LinkKeys
 from storage.trajectory_view import TRAJECTORY_FIELDS, Trajectory, TrajectoryView, load_view
+
+_SKIP = frozenset({"choices", "shadow_samples"})
 
 
 async def _turn_of(conn: AsyncConnection, call_id: str, pending: dict[str, dict[str, Any]]) -> int:
@@ -40,7 +46,7 @@ def _call_row(
     record: CallRecord, keys: LinkKeys, tid: str, turn: int, now: float
 ) -> dict[str, Any]:
     prompt_tokens, completion_tokens = record.token_counts()
-    row = {f.name: getattr(record, f.name) for f in fields(CallRecord) if f.name != "choices"}
+    row = {f.name: getattr(record, f.name) for f in fields(CallRecord) if f.name not in _SKIP}
     row.update(
         recorded_at=now,
         prompt_tokens=prompt_tokens,
@@ -141,7 +147,38 @@ async def record_calls(
         tids.append(t.id)
 
     await _write(conn, view, records, pending, supersede)
+    await _write_shadow_samples(conn, records, tids, now)
     return tids
+
+
+async def _write_shadow_samples(
+    conn: AsyncConnection, records: list[CallRecord], tids: list[str], now: float
+) -> None:
+    """Store shadow samples; a completed call with samples also forms a ready "shadow" group."""
+    samples, groups, members = [], [], []
+    for record, tid in zip(records, tids, strict=True):
+        if not record.shadow_samples:
+            continue
+        samples += [
+            {
+                "call_id": record.id,
+                "sample_index": c.index,
+                "message": c.message,
+                "finish_reason": c.finish_reason,
+                "completion_token_ids": c.completion_token_ids,
+                "completion_logprobs": c.completion_logprobs,
+            }
+            for c in record.shadow_samples
+        ]
+        if record.status == "completed" and record.choices:
+            group, rows = shadow_group_rows(record, tid, now)
+            groups.append(group)
+            members += rows
+    if samples:
+        await conn.execute(insert(CS), samples)
+    if groups:
+        await conn.execute(insert(G), groups)
+        await conn.execute(insert(GM), members)
 
 
 async def _write(

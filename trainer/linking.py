@@ -152,6 +152,13 @@ def task_signature(messages: Sequence[dict[str, Any]], tools: Sequence[Any] | No
     return hashlib.sha256(_canonical_json([head, schemas]).encode()).hexdigest()
 
 
+def agent_signature(messages: Sequence[dict[str, Any]], tools: Sequence[Any] | None) -> str:
+    """Hash of the system prompt(s) and the tool schemas: the same agent, whatever its task."""
+    head = [canonical_message(m) for m in messages if m.get("role") in ("system", "developer")]
+    schemas = sorted(_canonical_json(t) for t in tools or [])
+    return hashlib.sha256(_canonical_json([head, schemas]).encode()).hexdigest()
+
+
 @dataclass
 class PrefixLinker:
     """Links calls by explicit id, retry detection, then longest assistant-ending prefix."""

@@ -1,0 +1,558 @@
+"""The SQL of groups and scores: forming groups, claiming them for the judge, storing scores.
+
+Write functions run inside the group-commit writer's transaction (they never commit); read
+functions take a connection on the read engine. Which group a trajectory joins and when a group
+is ready is decided by a `storage.grouper.Grouper` (policy in `trainer.grouping`). Shadow groups
+are written by `shadow_group_rows`, called from `storage.write_ops` in the same transaction as
+their call. Callers go through `storage.store.Store`; nothing else should import this module.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Row, and_, delete, exists, insert, or_, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from storage.grouper import Grouper
+from storage.models import call_choices_table as CC
+from storage.models import call_samples_table as CS
+from storage.models import calls_table as C
+from storage.models import group_members_table as GM
+from storage.models import groups_table as G
+from storage.models import rewards_table as R
+from storage.models import scores_table as S
+from storage.models import trajectories_table as T
+from storage.read_ops import decode_cursor, encode_cursor
+from storage.records import (
+    CallRecord,
+    GroupCandidate,
+    GroupDetail,
+    GroupKey,
+    GroupMemberView,
+    GroupPage,
+    GroupState,
+    GroupSummary,
+    JudgeOutcome,
+    ScoreRecord,
+    TrainingTurn,
+)
+
+_CANDIDATE_BATCH = 500
+CLAIMABLE = ("ready", "failed", "scored", "forming")
+
+
+@dataclass
+class FormResult:
+    """What one pass of `form_groups` did."""
+
+    assigned: int = 0
+    """Trajectories added to a group."""
+    ready: list[str] = field(default_factory=list)
+    """Groups that became ready."""
+    moved: int = 0
+    """Members moved out of a group that would not fill (to a fallback such as a cohort)."""
+
+
+# --- writes -------------------------------------------------------------------------------
+
+
+def shadow_group_rows(
+    record: CallRecord, trajectory_id: str, now: float
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The group row and member rows for a call with shadow samples.
+
+    Members are ordered by the row each sample had in the batched generation, so the position of
+    the returned answer among them is as random as the choice of which one to return.
+    """
+    group_id = uuid.uuid4().hex
+    k = 1 + len(record.shadow_samples)
+    sampled = {s.index for s in record.shadow_samples}
+    returned_row = min(set(range(k)) - sampled, default=0)
+    entries: list[tuple[int, dict[str, Any]]] = [
+        (
+            returned_row,
+            {"member_id": f"{record.id}:c0", "choice_index": 0, "sample_index": None},
+        )
+    ]
+    for s in record.shadow_samples:
+        entries.append(
+            (
+                s.index,
+                {
+                    "member_id": f"{record.id}:s{s.index}",
+                    "choice_index": None,
+                    "sample_index": s.index,
+                },
+            )
+        )
+    entries.sort(key=lambda e: e[0])
+    members = [
+        {
+            "group_id": group_id,
+            "position": position,
+            "trajectory_id": trajectory_id,
+            "call_id": record.id,
+            "added_at": now,
+            **entry,
+        }
+        for position, (_, entry) in enumerate(entries)
+    ]
+    group = _group_row(group_id, GroupKey("shadow", record.id), now)
+    group.update(status="ready", ready_at=now, member_count=len(members))
+    return group, members
+
+
+def _group_row(group_id: str, gk: GroupKey, now: float) -> dict[str, Any]:
+    return {
+        "id": group_id,
+        "source": gk.source,
+        "key": gk.key,
+        "status": "forming",
+        "created_at": now,
+        "updated_at": now,
+        "ready_at": None,
+        "scored_at": None,
+        "member_count": 0,
+        "rubric_hash": None,
+        "judge_model": None,
+        "judge_latency_s": None,
+        "judge_attempts": None,
+        "judge_prompt_tokens": None,
+        "judge_completion_tokens": None,
+        "judge_cost_usd": None,
+        "failure": None,
+        "trained_step": None,
+        "trained_at": None,
+    }
+
+
+async def _candidates(conn: AsyncConnection, trajectory_ids: list[str]) -> list[GroupCandidate]:
+    if not trajectory_ids:
+        return []
+    rows = (await conn.execute(select(T).where(T.c.id.in_(trajectory_ids)))).all()
+    first: dict[str, Any] = {}
+    calls = await conn.execute(
+        select(C.c.trajectory_id, C.c.request_messages, C.c.tools)
+        .where(C.c.trajectory_id.in_(trajectory_ids), C.c.turn_index == 0)
+        .order_by(C.c.recorded_at)
+    )
+    for c in calls:
+        first.setdefault(c.trajectory_id, c)
+    out = []
+    for r in rows:
+        call = first.get(r.id)
+        out.append(
+            GroupCandidate(
+                trajectory_id=r.id,
+                closed_at=r.closed_at if r.closed_at is not None else r.updated_at,
+                group_key=r.group_key,
+                task_signature=r.task_signature,
+                first_messages=call.request_messages if call is not None else [],
+                tools=call.tools if call is not None else None,
+            )
+        )
+    return sorted(out, key=lambda c: (c.closed_at, c.trajectory_id))
+
+
+class _Forming:
+    """The forming parts touched by one pass, so a batch fills parts in memory."""
+
+    def __init__(self, conn: AsyncConnection, max_size: int, now: float) -> None:
+        self.conn = conn
+        self.max_size = max_size
+        self.now = now
+        self.open: dict[GroupKey, dict[str, Any]] = {}
+
+    async def add(self, gk: GroupKey, trajectory_id: str) -> None:
+        group = self.open.get(gk)
+        if group is None or group["member_count"] >= self.max_size:
+            group = await self._find(gk)
+        await self.conn.execute(
+            insert(GM).values(
+                group_id=group["id"],
+                member_id=trajectory_id,
+                position=group["member_count"],
+                trajectory_id=trajectory_id,
+                call_id=None,
+                choice_index=None,
+                sample_index=None,
+                added_at=self.now,
+            )
+        )
+        group["member_count"] += 1
+        await self.conn.execute(
+            update(G)
+            .where(G.c.id == group["id"])
+            .values(member_count=group["member_count"], updated_at=self.now)
+        )
+        self.open[gk] = group
+
+    async def _find(self, gk: GroupKey) -> dict[str, Any]:
+        row = (
+            await self.conn.execute(
+                select(G.c.id, G.c.member_count)
+                .where(
+                    G.c.source == gk.source,
+                    G.c.key == gk.key,
+                    G.c.status == "forming",
+                    G.c.member_count < self.max_size,
+                )
+                .order_by(G.c.created_at)
+                .limit(1)
+            )
+        ).first()
+        if row is not None:
+            return {"id": row.id, "member_count": row.member_count}
+        group = _group_row(uuid.uuid4().hex, gk, self.now)
+        await self.conn.execute(insert(G).values(**group))
+        return {"id": group["id"], "member_count": 0}
+
+
+async def form_groups(conn: AsyncConnection, grouper: Grouper, now: float) -> FormResult:
+    """Put closed, ungrouped trajectories into groups; mark forming groups ready."""
+    result = FormResult()
+    forming = _Forming(conn, grouper.max_size, now)
+    in_trajectory_group = exists().where(GM.c.trajectory_id == T.c.id, GM.c.call_id.is_(None))
+    ids = [
+        r.id
+        for r in await conn.execute(
+            select(T.c.id)
+            .where(T.c.status == "closed", ~in_trajectory_group)
+            .order_by(T.c.closed_at, T.c.id)
+            .limit(_CANDIDATE_BATCH)
+        )
+    ]
+    for candidate in await _candidates(conn, ids):
+        gk = grouper.assign(candidate)
+        if gk is not None:
+            await forming.add(gk, candidate.trajectory_id)
+            result.assigned += 1
+
+    groups = (await conn.execute(select(G).where(G.c.status == "forming"))).all()
+    for g in groups:
+        state = GroupState(g.id, g.source, g.key, g.created_at, g.member_count)
+        if g.member_count and grouper.is_ready(state, now):
+            await conn.execute(
+                update(G).where(G.c.id == g.id).values(status="ready", ready_at=now, updated_at=now)
+            )
+            result.ready.append(g.id)
+            continue
+        members = [
+            r.trajectory_id
+            for r in await conn.execute(select(GM.c.trajectory_id).where(GM.c.group_id == g.id))
+        ]
+        here = GroupKey(g.source, g.key)
+        moves = [
+            (c, gk)
+            for c in await _candidates(conn, members)
+            if (gk := grouper.fallback(state, c, now)) is not None and gk != here
+        ]
+        if moves and len(moves) == len(members):
+            await conn.execute(delete(GM).where(GM.c.group_id == g.id))
+            await conn.execute(
+                update(G)
+                .where(G.c.id == g.id)
+                .values(status="expired", member_count=0, updated_at=now)
+            )
+            for c, gk in moves:
+                await forming.add(gk, c.trajectory_id)
+                result.moved += 1
+    return result
+
+
+async def claim_group(conn: AsyncConnection, group_id: str | None, now: float) -> str | None:
+    """Mark a group "scoring" and return its id: the given one, else the oldest ready one."""
+    if group_id is None:
+        row = (
+            await conn.execute(
+                select(G.c.id).where(G.c.status == "ready").order_by(G.c.ready_at, G.c.id).limit(1)
+            )
+        ).first()
+        if row is None:
+            return None
+        group_id = row.id
+        allowed: tuple[str, ...] = ("ready",)
+    else:
+        allowed = CLAIMABLE
+    result = await conn.execute(
+        update(G)
+        .where(G.c.id == group_id, G.c.status.in_(allowed), G.c.member_count >= 2)
+        .values(status="scoring", updated_at=now)
+    )
+    return group_id if result.rowcount == 1 else None
+
+
+async def finish_scoring(
+    conn: AsyncConnection, group_id: str, outcome: JudgeOutcome, now: float
+) -> None:
+    if outcome.scores:
+        await conn.execute(
+            insert(S),
+            [
+                {
+                    "group_id": group_id,
+                    "member_id": s.member_id,
+                    "score": s.score,
+                    "explanation": s.explanation,
+                    "judge_model": s.judge_model,
+                    "rubric_hash": s.rubric_hash,
+                    "latency_s": s.latency_s,
+                    "prompt_tokens": s.prompt_tokens,
+                    "completion_tokens": s.completion_tokens,
+                    "cost_usd": s.cost_usd,
+                    "created_at": now,
+                }
+                for s in outcome.scores
+            ],
+        )
+    await conn.execute(
+        update(G)
+        .where(G.c.id == group_id)
+        .values(
+            status=outcome.status,
+            scored_at=now,
+            updated_at=now,
+            judge_model=outcome.judge_model,
+            rubric_hash=outcome.rubric_hash,
+            judge_latency_s=outcome.latency_s,
+            judge_attempts=outcome.attempts,
+            judge_prompt_tokens=outcome.prompt_tokens,
+            judge_completion_tokens=outcome.completion_tokens,
+            judge_cost_usd=outcome.cost_usd,
+            failure=outcome.failure,
+        )
+    )
+
+
+async def release_scoring(conn: AsyncConnection, now: float) -> int:
+    """Groups left "scoring" by a process that died go back to "ready"."""
+    result = await conn.execute(
+        update(G).where(G.c.status == "scoring").values(status="ready", updated_at=now)
+    )
+    return int(result.rowcount or 0)
+
+
+async def mark_trained(conn: AsyncConnection, group_ids: list[str], step: int, now: float) -> None:
+    if group_ids:
+        await conn.execute(
+            update(G).where(G.c.id.in_(group_ids)).values(trained_step=step, trained_at=now)
+        )
+
+
+# --- reads --------------------------------------------------------------------------------
+
+
+def _summary(row: Row[Any]) -> GroupSummary:
+    return GroupSummary(
+        id=row.id,
+        source=row.source,
+        key=row.key,
+        status=row.status,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        ready_at=row.ready_at,
+        scored_at=row.scored_at,
+        member_count=row.member_count,
+        judge_model=row.judge_model,
+        rubric_hash=row.rubric_hash,
+        judge_latency_s=row.judge_latency_s,
+        judge_attempts=row.judge_attempts,
+        judge_prompt_tokens=row.judge_prompt_tokens,
+        judge_completion_tokens=row.judge_completion_tokens,
+        judge_cost_usd=row.judge_cost_usd,
+        failure=row.failure,
+        trained_step=row.trained_step,
+    )
+
+
+async def list_groups(
+    conn: AsyncConnection,
+    *,
+    status: str | None,
+    source: str | None,
+    untrained: bool,
+    limit: int,
+    cursor: str | None,
+    oldest_first: bool = False,
+) -> GroupPage:
+    if limit < 1:
+        raise ValueError("limit must be at least 1")
+    stmt = select(G)
+    if status is not None:
+        stmt = stmt.where(G.c.status == status)
+    if source is not None:
+        stmt = stmt.where(G.c.source == source)
+    if untrained:
+        stmt = stmt.where(G.c.trained_step.is_(None))
+    if cursor is not None:
+        c_at, c_id = decode_cursor(cursor)
+        if oldest_first:
+            after = or_(G.c.created_at > c_at, and_(G.c.created_at == c_at, G.c.id > c_id))
+        else:
+            after = or_(G.c.created_at < c_at, and_(G.c.created_at == c_at, G.c.id < c_id))
+        stmt = stmt.where(after)
+    if oldest_first:
+        stmt = stmt.order_by(G.c.created_at, G.c.id)
+    else:
+        stmt = stmt.order_by(G.c.created_at.desc(), G.c.id.desc())
+    rows = (await conn.execute(stmt.limit(limit + 1))).all()
+    items = [_summary(r) for r in rows[:limit]]
+    next_cursor = None
+    if len(rows) > limit:
+        next_cursor = encode_cursor(items[-1].created_at, items[-1].id)
+    return GroupPage(items=items, next_cursor=next_cursor)
+
+
+async def get_group(
+    conn: AsyncConnection, group_id: str, reward_policy: str = "explicit"
+) -> GroupDetail | None:
+    row = (await conn.execute(select(G).where(G.c.id == group_id))).first()
+    if row is None:
+        return None
+    members = (
+        await conn.execute(select(GM).where(GM.c.group_id == group_id).order_by(GM.c.position))
+    ).all()
+    scores: dict[str, ScoreRecord] = {}
+    for s in await conn.execute(select(S).where(S.c.group_id == group_id).order_by(S.c.id)):
+        scores[s.member_id] = ScoreRecord(
+            member_id=s.member_id,
+            score=s.score,
+            explanation=s.explanation,
+            judge_model=s.judge_model,
+            rubric_hash=s.rubric_hash,
+            latency_s=s.latency_s,
+            prompt_tokens=s.prompt_tokens,
+            completion_tokens=s.completion_tokens,
+            cost_usd=s.cost_usd,
+            created_at=s.created_at,
+        )
+    trajectory_ids = sorted({m.trajectory_id for m in members if m.call_id is None})
+    explicit: dict[str, float] = {}
+    if trajectory_ids:
+        for r in await conn.execute(
+            select(R.c.trajectory_id, R.c.reward)
+            .where(R.c.trajectory_id.in_(trajectory_ids))
+            .order_by(R.c.id)
+        ):
+            explicit[r.trajectory_id] = r.reward
+    views = []
+    for m in members:
+        if m.call_id is None:
+            messages, tools, turns = await _trajectory_member(conn, m.trajectory_id)
+        else:
+            messages, tools, turns = await _sample_member(conn, m)
+        ruler = scores.get(m.member_id)
+        ex = explicit.get(m.trajectory_id) if m.call_id is None else None
+        reward, reward_source = _pick_reward(reward_policy, ex, ruler)
+        views.append(
+            GroupMemberView(
+                member_id=m.member_id,
+                position=m.position,
+                trajectory_id=m.trajectory_id,
+                call_id=m.call_id,
+                choice_index=m.choice_index,
+                sample_index=m.sample_index,
+                returned=m.sample_index is None,
+                messages=messages,
+                tools=tools,
+                ruler=ruler,
+                explicit_reward=ex,
+                reward=reward,
+                reward_source=reward_source,  # type: ignore[arg-type]
+                turns=turns,
+            )
+        )
+    return GroupDetail(summary=_summary(row), members=views)
+
+
+def _pick_reward(
+    policy: str, explicit: float | None, ruler: ScoreRecord | None
+) -> tuple[float | None, str | None]:
+    order = ("explicit", "ruler") if policy == "explicit" else ("ruler", "explicit")
+    for source in order:
+        if source == "explicit" and explicit is not None:
+            return explicit, "explicit"
+        if source == "ruler" and ruler is not None:
+            return ruler.score, "ruler"
+    return None, None
+
+
+async def _trajectory_member(
+    conn: AsyncConnection, trajectory_id: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, list[TrainingTurn]]:
+    """The trajectory's conversation and, per turn, the standing call's exact token ids."""
+    calls = (
+        await conn.execute(
+            select(C)
+            .where(C.c.trajectory_id == trajectory_id)
+            .order_by(C.c.turn_index, C.c.recorded_at, C.c.id)
+        )
+    ).all()
+    by_turn: dict[int, list[Row[Any]]] = defaultdict(list)
+    for c in calls:
+        by_turn[c.turn_index].append(c)
+    standing = []
+    for index in sorted(by_turn):
+        attempts = by_turn[index]
+        standing.append(([c for c in attempts if c.superseded_by is None] or attempts)[-1])
+    choices: dict[str, Row[Any]] = {}
+    if standing:
+        for ch in await conn.execute(
+            select(CC).where(CC.c.call_id.in_([c.id for c in standing]), CC.c.choice_index == 0)
+        ):
+            choices[ch.call_id] = ch
+    turns = []
+    for c in standing:
+        answer = choices.get(c.id)
+        turns.append(
+            TrainingTurn(
+                call_id=c.id,
+                prompt_token_ids=c.prompt_token_ids,
+                completion_token_ids=answer.completion_token_ids if answer is not None else None,
+                completion_logprobs=answer.completion_logprobs if answer is not None else None,
+                adapter_version=c.adapter_version,
+            )
+        )
+    if not standing:
+        return [], None, turns
+    last = standing[-1]
+    messages = list(last.request_messages)
+    answer = choices.get(last.id)
+    if answer is not None:
+        messages.append({"role": "assistant", **answer.message})
+    return messages, last.tools, turns
+
+
+async def _sample_member(
+    conn: AsyncConnection, m: Row[Any]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, list[TrainingTurn]]:
+    call = (await conn.execute(select(C).where(C.c.id == m.call_id))).first()
+    if call is None:
+        return [], None, []
+    if m.sample_index is None:
+        table, where = CC, and_(CC.c.call_id == m.call_id, CC.c.choice_index == m.choice_index)
+    else:
+        table, where = CS, and_(CS.c.call_id == m.call_id, CS.c.sample_index == m.sample_index)
+    answer = (await conn.execute(select(table).where(where))).first()
+    messages = list(call.request_messages)
+    if answer is not None:
+        messages.append({"role": "assistant", **answer.message})
+    turn = TrainingTurn(
+        call_id=call.id,
+        prompt_token_ids=call.prompt_token_ids,
+        completion_token_ids=answer.completion_token_ids if answer is not None else None,
+        completion_logprobs=answer.completion_logprobs if answer is not None else None,
+        adapter_version=call.adapter_version,
+    )
+    return messages, call.tools, [turn]
+
+
+async def group_ids_of_trajectory(conn: AsyncConnection, trajectory_id: str) -> list[str]:
+    rows = await conn.execute(
+        select(GM.c.group_id).where(GM.c.trajectory_id == trajectory_id).distinct()
+    )
+    return sorted(r.group_id for r in rows)

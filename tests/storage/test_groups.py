@@ -1,0 +1,200 @@
+"""Groups on both backends: forming by source, readiness, splitting, shadow groups, scoring."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from storage import ChoiceRecord, Store
+from storage.records import JudgeOutcome, ScoreRecord
+from trainer.grouping import SignatureGrouper
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+SYSTEM = {"role": "system", "content": "You solve tasks."}
+
+
+def _task(text: str, system: dict[str, Any] = SYSTEM) -> list[dict[str, Any]]:
+    return [system, {"role": "user", "content": text}]
+
+
+async def _run(store: Store, make_call: Any, messages: list[dict[str, Any]], **kw: Any) -> str:
+    """One single-turn run of a task, closed with an end."""
+    tid = await store.record_call(make_call(messages, **kw))
+    await store.end_trajectory(tid)
+    return tid
+
+
+async def test_repeated_runs_of_a_task_form_a_ready_group(store: Store, make_call: Any) -> None:
+    grouper = SignatureGrouper(min_size=4, max_size=8, window_s=600)
+    runs = [await _run(store, make_call, _task("add 2 and 3")) for _ in range(3)]
+    other = await _run(store, make_call, _task("a different task"))
+    result = await store.form_groups(grouper)
+    assert result.assigned == 4 and result.ready == []
+    page = await store.list_groups(source="task")
+    assert sorted(g.member_count for g in page.items) == [1, 3]
+    assert all(g.status == "forming" for g in page.items)
+
+    runs.append(await _run(store, make_call, _task("add 2 and 3")))
+    result = await store.form_groups(grouper)
+    assert result.assigned == 1 and len(result.ready) == 1
+    group = await store.get_group(result.ready[0])
+    assert group is not None
+    assert group.summary.status == "ready" and group.summary.source == "task"
+    assert [m.trajectory_id for m in group.members] == runs
+    assert other not in [m.trajectory_id for m in group.members]
+    member = group.members[0]
+    assert member.messages[-1] == {"role": "assistant", "content": "ok"}
+    assert member.turns[0].completion_token_ids == [11, 22, 33]
+    assert member.turns[0].prompt_token_ids == [1, 2, 3, 4]
+    # A second pass adds nothing: every closed trajectory is grouped once.
+    again = await store.form_groups(grouper)
+    assert again.assigned == 0 and again.ready == []
+
+
+async def test_open_trajectories_are_not_grouped(store: Store, make_call: Any) -> None:
+    await store.record_call(make_call(_task("still running")))
+    result = await store.form_groups(SignatureGrouper(min_size=2))
+    assert result.assigned == 0
+
+
+async def test_explicit_key_wins_over_task_signature(store: Store, make_call: Any) -> None:
+    grouper = SignatureGrouper(min_size=2)
+    a = await _run(store, make_call, _task("one"), explicit_group_key="exp-1")
+    b = await _run(store, make_call, _task("two"), explicit_group_key="exp-1")
+    c = await _run(store, make_call, _task("one"))
+    result = await store.form_groups(grouper)
+    assert len(result.ready) == 1
+    group = await store.get_group(result.ready[0])
+    assert group is not None and group.summary.source == "explicit"
+    assert group.summary.key == "exp-1"
+    assert {m.trajectory_id for m in group.members} == {a, b}
+    singles = await store.list_groups(source="task")
+    assert [g.member_count for g in singles.items] == [1]
+    assert c in [m.trajectory_id for m in (await store.get_group(singles.items[0].id)).members]  # type: ignore[union-attr]
+
+
+async def test_window_readiness_and_split(store: Store, make_call: Any) -> None:
+    grouper = SignatureGrouper(min_size=4, max_size=5, window_s=60)
+    for _ in range(7):
+        await _run(store, make_call, _task("big task"))
+    result = await store.form_groups(grouper)
+    # 7 members, parts of at most 5: one ready part of 5, one forming part of 2.
+    assert len(result.ready) == 1
+    groups = sorted((await store.list_groups(source="task")).items, key=lambda g: -g.member_count)
+    assert [(g.member_count, g.status) for g in groups] == [(5, "ready"), (2, "forming")]
+    later = await store.form_groups(grouper, now=time.time() + 61)
+    assert later.ready == [groups[1].id]
+
+
+async def test_lonely_task_moves_to_a_cohort_when_enabled(store: Store, make_call: Any) -> None:
+    grouper = SignatureGrouper(min_size=2, window_s=60, cohort=True)
+    a = await _run(store, make_call, _task("task a"))
+    b = await _run(store, make_call, _task("task b"))
+    other_agent = await _run(store, make_call, _task("task c", {"role": "system", "content": "x"}))
+    await store.form_groups(grouper)
+    assert (await store.list_groups(status="ready")).items == []
+    result = await store.form_groups(grouper, now=time.time() + 61)
+    assert result.moved == 3
+    ready = (await store.list_groups(status="ready")).items
+    assert len(ready) == 0  # cohort parts start their own window
+    result = await store.form_groups(grouper, now=time.time() + 200)
+    cohort = await store.get_group(result.ready[0])
+    assert cohort is not None and cohort.summary.source == "cohort"
+    assert {m.trajectory_id for m in cohort.members} == {a, b}
+    assert other_agent not in {m.trajectory_id for m in cohort.members}
+    expired = (await store.list_groups(status="expired")).items
+    assert len(expired) == 3
+
+
+async def test_shadow_samples_form_a_ready_group(store: Store, make_call: Any) -> None:
+    record = make_call(_task("shadow me"), answer="picked")
+    record.shadow_samples = [
+        ChoiceRecord(
+            index=i,
+            message={"role": "assistant", "content": f"alt {i}"},
+            finish_reason="stop",
+            completion_token_ids=[100 + i, 7],
+            completion_logprobs=[-0.25, -0.5],
+        )
+        for i in (0, 1, 3)  # the returned answer was row 2 of the batched generation
+    ]
+    tid = await store.record_call(record)
+    groups = (await store.list_groups(source="shadow")).items
+    assert len(groups) == 1 and groups[0].status == "ready" and groups[0].member_count == 4
+    group = await store.get_group(groups[0].id)
+    assert group is not None
+    assert [m.member_id for m in group.members] == [
+        f"{record.id}:s0",
+        f"{record.id}:s1",
+        f"{record.id}:c0",
+        f"{record.id}:s3",
+    ]
+    assert [m.returned for m in group.members] == [False, False, True, False]
+    assert all(m.trajectory_id == tid for m in group.members)
+    assert group.members[2].turns[0].completion_token_ids == [11, 22, 33]
+    assert group.members[3].turns[0].completion_token_ids == [103, 7]
+    assert group.members[3].messages[-1]["content"] == "alt 3"
+    # The trajectory itself shows only what the client saw.
+    detail = await store.get_trajectory(tid)
+    assert detail is not None
+    assert detail.turns[0].response_messages == [{"role": "assistant", "content": "picked"}]
+
+
+async def test_claim_score_and_rewards(store: Store, make_call: Any) -> None:
+    grouper = SignatureGrouper(min_size=2)
+    a = await _run(store, make_call, _task("scored task"))
+    b = await _run(store, make_call, _task("scored task"))
+    (gid,) = (await store.form_groups(grouper)).ready
+    assert await store.claim_group() == gid
+    assert await store.claim_group() is None  # nothing else ready; no double claim
+    await store.finish_scoring(
+        gid,
+        JudgeOutcome(
+            status="scored",
+            judge_model="judge-x",
+            rubric_hash="abc",
+            latency_s=1.5,
+            attempts=1,
+            prompt_tokens=10,
+            completion_tokens=5,
+            scores=[
+                ScoreRecord(a, 0.9, "good", "judge-x", "abc", 1.5, 10, 5),
+                ScoreRecord(b, 0.2, "bad", "judge-x", "abc", 1.5, 10, 5),
+            ],
+        ),
+    )
+    await store.add_reward(b, 1.0, "env")
+    group = await store.get_group(gid)
+    assert group is not None and group.summary.status == "scored"
+    assert group.summary.judge_model == "judge-x" and group.summary.judge_attempts == 1
+    first, second = group.members
+    assert first.ruler is not None and first.ruler.explanation == "good"
+    assert (first.reward, first.reward_source) == (0.9, "ruler")
+    assert (second.reward, second.reward_source) == (1.0, "explicit")
+    assert second.ruler is not None and second.ruler.score == 0.2  # both stay visible
+    by_ruler = await store.get_group(gid, reward_policy="ruler")
+    assert by_ruler is not None and by_ruler.members[1].reward == 0.2
+
+    # A scored group can be claimed again by id (rescoring); a failure keeps its reason.
+    assert await store.claim_group(gid) == gid
+    await store.finish_scoring(
+        gid, JudgeOutcome(status="failed", scores=[], judge_model="judge-x", failure="nope")
+    )
+    failed = await store.get_group(gid)
+    assert failed is not None and failed.summary.status == "failed"
+    assert failed.summary.failure == "nope"
+
+    await store.mark_trained([gid], 3)
+    assert (await store.list_groups(untrained=True)).items == []
+
+
+async def test_release_scoring_after_a_crash(store: Store, make_call: Any) -> None:
+    await _run(store, make_call, _task("crash"))
+    await _run(store, make_call, _task("crash"))
+    (gid,) = (await store.form_groups(SignatureGrouper(min_size=2))).ready
+    assert await store.claim_group() == gid
+    assert await store.release_scoring() == 1
+    assert await store.claim_group() == gid
