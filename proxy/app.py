@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,15 +23,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from proxy.adapters import AdapterManager
 from proxy.chat import ChatService
 from proxy.errors import APIError, error_body
+from proxy.local_judge import LocalJudge
 from proxy.recording import CallRecorder
 from proxy.registry import ServedModels
 from proxy.routes import adapters as adapter_routes
 from proxy.routes import chat as chat_routes
+from proxy.routes import groups as group_routes
 from proxy.routes import models as model_routes
 from proxy.routes import rl as rl_routes
 from proxy.settings import Settings
 from proxy.upstream import UpstreamEngine
 from storage.store import Store
+from trainer.ruler import Judge
+from trainer.scoring import Scorer
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +65,14 @@ def create_app(settings: Settings) -> FastAPI:
             max_n=settings.max_n,
             default_max_tokens=settings.default_max_tokens,
             sink=CallRecorder(store),
+            shadow_samples=settings.shadow_samples,
+            shadow_turns=settings.shadow_turns,
         )
+        judge_chat = ChatService(engine, registry, loaded.tokenizer, max_n=1)
+        app.state.scorer = build_scorer(settings, store, judge_chat)
+        scoring = None
+        if settings.scoring:
+            scoring = asyncio.create_task(app.state.scorer.run(settings.scoring_interval_s))
         app.state.store = store
         app.state.upstream = None
         if settings.upstream_models:
@@ -81,6 +93,9 @@ def create_app(settings: Settings) -> FastAPI:
             yield
         finally:
             idle_closer.cancel()
+            if scoring is not None:
+                scoring.cancel()
+                await asyncio.gather(scoring, return_exceptions=True)
             await engine.stop()
             await store.close()
 
@@ -96,6 +111,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(model_routes.router)
     app.include_router(adapter_routes.router)
     app.include_router(rl_routes.router)
+    app.include_router(group_routes.router)
     install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)
     return app
@@ -108,6 +124,46 @@ async def open_store(settings: Settings) -> Store:
     store = await Store.open(url, linker=PrefixLinker(retry_window_s=settings.retry_window_s))
     logger.info("storing every call in %s (%s)", _redact(url), store.dialect)
     return store
+
+
+def build_scorer(settings: Settings, store: Store, judge_chat: ChatService | None) -> Scorer:
+    """RULER's scorer with the configured judge (the local model when none is configured)."""
+    from trainer.grouping import SignatureGrouper
+    from trainer.ruler import DEFAULT_RUBRIC, LiteLLMJudge
+    from trainer.scoring import Scorer, ScoringConfig
+
+    judge: Judge
+    if settings.judge_model:
+        key_env = settings.judge_api_key_env
+        judge = LiteLLMJudge(
+            settings.judge_model,
+            api_base=settings.judge_api_base,
+            api_key=os.environ.get(key_env) if key_env else None,
+            timeout_s=settings.judge_timeout_s,
+        )
+        logger.info("RULER judge: %s", settings.judge_model)
+    else:
+        if judge_chat is None:
+            raise ValueError("no judge model is configured and no local model to judge with")
+        judge = LocalJudge(judge_chat, settings.model_name)
+        logger.warning(
+            "RULER judge: the local model (%s). A 135M judge is a placeholder for trying the "
+            "loop out, not a useful judge: set RLPROXY_JUDGE_MODEL for real scores",
+            judge.model,
+        )
+    grouper = SignatureGrouper(
+        min_size=settings.group_min_size,
+        max_size=settings.group_max_size,
+        window_s=settings.group_window_s,
+        cohort=settings.group_cohort,
+    )
+    config = ScoringConfig(
+        rubric=settings.judge_rubric or DEFAULT_RUBRIC,
+        rubrics=dict(settings.judge_rubrics),
+        judge_explicit_groups=settings.judge_explicit_groups,
+        reward_policy=settings.reward_policy,
+    )
+    return Scorer(store, judge, grouper, config)
 
 
 async def close_idle_trajectories(store: Store, settings: Settings) -> None:

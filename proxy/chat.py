@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 from proxy.chat_request import PreparedChat, prepare_chat
 from proxy.engine.base import (
@@ -65,6 +66,23 @@ class ChatOutcome:
     usage: dict[str, Any] | None
     latency_s: float
     error: str | None = None
+    shadow: list[ChoiceOutcome] = field(default_factory=list)
+    """Shadow samples: answers generated beside the returned one, never sent to the client."""
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Which engine rows the client sees: `visible[i]` is the row behind client choice i."""
+
+    rows: int
+    visible: tuple[int, ...]
+
+    def client_index(self, row: int) -> int | None:
+        return self.visible.index(row) if row in self.visible else None
+
+    @property
+    def shadow_rows(self) -> list[int]:
+        return [r for r in range(self.rows) if r not in self.visible]
 
 
 CallSink = Callable[[ChatOutcome], Awaitable[None]]
@@ -80,6 +98,8 @@ class ChatService:
         max_n: int = 8,
         default_max_tokens: int = 512,
         sink: CallSink | None = None,
+        shadow_samples: int = 0,
+        shadow_turns: Literal["first", "every"] = "first",
     ) -> None:
         self.engine = engine
         self.registry = registry
@@ -87,6 +107,9 @@ class ChatService:
         self.max_n = max_n
         self.default_max_tokens = default_max_tokens
         self.sink = sink
+        self.shadow_samples = shadow_samples
+        self.shadow_turns = shadow_turns
+        self._rng = random.Random()
         self._token_text: dict[int, str] = {}
 
     # ----------------------------------------------------------------- validation
@@ -108,25 +131,69 @@ class ChatService:
             default_max_tokens=self.default_max_tokens,
         )
 
-    def _engine_request(self, prep: PreparedChat) -> GenerationRequest:
+    def _plan(self, prep: PreparedChat) -> _Plan:
+        """Shadow sampling: k rows in one batched generation, one of them (at random) returned.
+
+        Off for n > 1 (the client already gets several samples), at temperature 0 (the samples
+        would be identical), and on later turns unless `shadow_turns` is "every".
+        """
+        k = self.shadow_samples
+        if (
+            k < 2
+            or prep.n != 1
+            or prep.params.temperature == 0
+            or (
+                self.shadow_turns == "first"
+                and any(m.get("role") == "assistant" for m in prep.messages)
+            )
+        ):
+            return _Plan(prep.n, tuple(range(prep.n)))
+        return _Plan(k, (self._rng.randrange(k),))
+
+    def _engine_request(self, prep: PreparedChat, plan: _Plan) -> GenerationRequest:
+        params = prep.params
+        if plan.rows != prep.n and params.seed is not None:
+            # Row i is seeded with seed + i: give the returned row the client's seed, so a
+            # seeded request returns what it would without shadow sampling.
+            params = replace(params, seed=params.seed - plan.visible[0])
         return GenerationRequest(
             prompt_ids=prep.prompt_ids,
-            params=prep.params,
-            n=prep.n,
+            params=params,
+            n=plan.rows,
             adapter=prep.resolved.adapter,
             grammar=prep.grammar,
             request_id=prep.request_id,
         )
 
+    def _shadow_outcomes(
+        self, prep: PreparedChat, plan: _Plan, finished: dict[int, ChoiceFinished]
+    ) -> list[ChoiceOutcome]:
+        """The shadow rows as choices (index = engine row), once every row has finished."""
+        rows = plan.shadow_rows
+        if not rows or any(r not in finished for r in rows):
+            return []
+        return [self._outcome(prep, r, finished[r]) for r in rows]
+
+    def _outcome(self, prep: PreparedChat, index: int, fin: ChoiceFinished) -> ChoiceOutcome:
+        content, calls = self._split_tools(prep, fin.text)
+        return ChoiceOutcome(
+            index=index,
+            message=assistant_message(content, calls),
+            finish_reason=_finish_reason(fin.finish_reason, calls),
+            completion_token_ids=fin.completion_token_ids,
+            completion_logprobs=fin.completion_logprobs,
+        )
+
     # ----------------------------------------------------------------- non-streamed
 
     async def complete(self, prep: PreparedChat) -> dict[str, Any]:
-        logprobs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(prep.n)}
+        plan = self._plan(prep)
+        logprobs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(plan.rows)}
         finished: dict[int, ChoiceFinished] = {}
         try:
-            async for event in self.engine.generate(self._engine_request(prep)):
+            async for event in self.engine.generate(self._engine_request(prep, plan)):
                 if isinstance(event, TokenEvent):
-                    if prep.params.logprobs:
+                    if prep.params.logprobs and event.index in plan.visible:
                         logprobs[event.index].append(self._logprob_entry(event))
                 else:
                     finished[event.index] = event
@@ -137,22 +204,14 @@ class ChatService:
             await asyncio.shield(self._record(prep, "client_disconnected", [], None))
             raise
         outcomes, choices = [], []
-        for index in range(prep.n):
-            fin = finished[index]
-            content, calls = self._split_tools(prep, fin.text)
-            outcome = ChoiceOutcome(
-                index=index,
-                message=assistant_message(content, calls),
-                finish_reason=_finish_reason(fin.finish_reason, calls),
-                completion_token_ids=fin.completion_token_ids,
-                completion_logprobs=fin.completion_logprobs,
-            )
+        for index, row in enumerate(plan.visible):
+            outcome = self._outcome(prep, index, finished[row])
             outcomes.append(outcome)
             choices.append(
                 {
                     "index": index,
                     "message": outcome.message,
-                    "logprobs": {"content": logprobs[index], "refusal": None}
+                    "logprobs": {"content": logprobs[row], "refusal": None}
                     if prep.params.logprobs
                     else None,
                     "finish_reason": outcome.finish_reason,
@@ -165,7 +224,9 @@ class ChatService:
             choices=choices,
             usage_=self._usage(prep, outcomes),
         )
-        await self._record(prep, "completed", outcomes, body)
+        await self._record(
+            prep, "completed", outcomes, body, shadow=self._shadow_outcomes(prep, plan, finished)
+        )
         return body
 
     def _split_tools(self, prep: PreparedChat, text: str) -> tuple[str | None, list[dict]]:
@@ -180,10 +241,11 @@ class ChatService:
 
         On an engine failure after the first chunk, yields an `{"error": ...}` dict last.
         """
+        plan = self._plan(prep)
         parsers = {i: ToolCallStreamParser() if prep.parse_tools else None for i in range(prep.n)}
-        texts: dict[int, list[str]] = {i: [] for i in range(prep.n)}
         made_calls: dict[int, bool] = {i: False for i in range(prep.n)}
-        finished: dict[int, ChoiceFinished] = {}
+        finished: dict[int, ChoiceFinished] = {}  # by client index
+        shadow_finished: dict[int, ChoiceFinished] = {}  # by engine row
         usage_field = prep.include_usage
 
         def make(choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -201,8 +263,13 @@ class ChatService:
                 yield make(
                     [_stream_choice(i, {"role": "assistant", "content": "", "refusal": None})]
                 )
-            async for event in self.engine.generate(self._engine_request(prep)):
-                i = event.index
+            async for event in self.engine.generate(self._engine_request(prep, plan)):
+                client = plan.client_index(event.index)
+                if client is None:  # a shadow row: kept, never streamed
+                    if isinstance(event, ChoiceFinished):
+                        shadow_finished[event.index] = event
+                    continue
+                i = client
                 if isinstance(event, TokenEvent):
                     deltas = self._deltas(parsers[i], event.text, final=False)
                     lp = [self._logprob_entry(event)] if prep.params.logprobs else None
@@ -213,8 +280,6 @@ class ChatService:
                 for delta in deltas:
                     if "tool_calls" in delta:
                         made_calls[i] = True
-                    if "content" in delta:
-                        texts[i].append(delta["content"])
                     yield make([_stream_choice(i, delta, logprobs=lp)])
                     lp = None
                 if lp:
@@ -237,7 +302,8 @@ class ChatService:
                     usage_=self._usage(prep, outcomes),
                     include_usage_field=True,
                 )
-            await self._record(prep, status, outcomes, None)
+            shadow = self._shadow_outcomes(prep, plan, shadow_finished)
+            await self._record(prep, status, outcomes, None, shadow=shadow)
         except EngineError as exc:
             status, error = "error", str(exc)
             await self._record(
@@ -341,6 +407,8 @@ class ChatService:
         outcomes: list[ChoiceOutcome],
         body: dict[str, Any] | None,
         error: str | None = None,
+        *,
+        shadow: list[ChoiceOutcome] | None = None,
     ) -> None:
         if self.sink is None:
             return
@@ -352,6 +420,7 @@ class ChatService:
             usage=self._usage(prep, outcomes) if outcomes else None,
             latency_s=time.monotonic() - prep.started,
             error=error,
+            shadow=shadow or [],
         )
         await self.sink(outcome)
 

@@ -3,6 +3,8 @@
 rlproxy serve                       start the OpenAI-compatible server
 rlproxy export --format jsonl       write stored trajectories in OpenAI's chat fine-tuning
                                     format (one {"messages", "tools"} object per line)
+rlproxy score [--group ID] [--pending]
+                                    form groups and score them with RULER now; print a table
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--group-key", help="only trajectories of this group")
     export.add_argument("--data-dir", type=Path, help="data directory (RLPROXY_DATA_DIR)")
     export.add_argument("--database-url", help="database URL (RLPROXY_DATABASE_URL)")
+    score = sub.add_parser("score", help="form groups and score them with RULER now")
+    which = score.add_mutually_exclusive_group()
+    which.add_argument("--group", help="score (or rescore) this group")
+    which.add_argument(
+        "--pending", action="store_true", help="score every ready group (the default)"
+    )
+    score.add_argument("--data-dir", type=Path, help="data directory (RLPROXY_DATA_DIR)")
+    score.add_argument("--database-url", help="database URL (RLPROXY_DATABASE_URL)")
     args = parser.parse_args(argv)
 
     overrides = {
@@ -71,8 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     if settings.database_url is None and not settings.sqlite_path.exists():
-        print(f"rlproxy export: no database at {settings.sqlite_path}", file=sys.stderr)
+        print(f"rlproxy {args.command}: no database at {settings.sqlite_path}", file=sys.stderr)
         return 1
+    if args.command == "score":
+        from proxy.score_cli import score_command
+
+        return asyncio.run(score_command(settings, args.group))
     status = None if args.status == "all" else args.status
     if args.out is None:
         count = asyncio.run(export_jsonl(settings, sys.stdout, status, args.model, args.group_key))

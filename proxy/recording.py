@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Any
 
-from proxy.chat import ChatOutcome
+from proxy.chat import ChatOutcome, ChoiceOutcome
 from storage.records import CallRecord, ChoiceRecord
 from storage.store import Store
 
@@ -51,16 +51,8 @@ def to_record(outcome: ChatOutcome, engine_kind: str = "local") -> CallRecord:
         tools=prep.tools,
         params=_params(req),
         response=outcome.response,
-        choices=[
-            ChoiceRecord(
-                index=c.index,
-                message=c.message,
-                finish_reason=c.finish_reason,
-                completion_token_ids=c.completion_token_ids,
-                completion_logprobs=c.completion_logprobs,
-            )
-            for c in outcome.choices
-        ],
+        choices=[_choice(c) for c in outcome.choices],
+        shadow_samples=[_choice(c) for c in outcome.shadow],
         prompt_token_ids=prep.prompt_ids,
         usage=outcome.usage,
         latency_s=outcome.latency_s,
@@ -71,6 +63,16 @@ def to_record(outcome: ChatOutcome, engine_kind: str = "local") -> CallRecord:
         explicit_trajectory_id=explicit_id(headers, req.metadata, req.rlproxy, "trajectory"),
         explicit_group_key=explicit_id(headers, req.metadata, req.rlproxy, "group"),
         retry_count=_int(headers.get(RETRY_HEADER)),
+    )
+
+
+def _choice(c: ChoiceOutcome) -> ChoiceRecord:
+    return ChoiceRecord(
+        index=c.index,
+        message=c.message,
+        finish_reason=c.finish_reason,
+        completion_token_ids=c.completion_token_ids,
+        completion_logprobs=c.completion_logprobs,
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -71,8 +72,76 @@ class Settings(BaseSettings):
     )
     log_level: str = Field("INFO", description="Python logging level.")
 
+    # --- groups and RULER ----------------------------------------------------------------
+    shadow_samples: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="Shadow sampling: generate this many answers per eligible turn in one "
+        "batch, return one at random, store all as a group (0 or 1: off).",
+    )
+    shadow_turns: Literal["first", "every"] = Field(
+        "first", description="Which turns get shadow samples: the first of a trajectory, or every."
+    )
+    group_min_size: int = Field(
+        4, ge=2, description="A group with this many closed members is ready to be scored."
+    )
+    group_max_size: int = Field(
+        8, ge=2, description="Larger groups are split into parts of at most this many members."
+    )
+    group_window_s: float = Field(
+        600.0, gt=0, description="After this long, a group with at least 2 members is ready."
+    )
+    group_cohort: bool = Field(
+        False,
+        description="Last resort: a trajectory whose task group stays alone past the window joins "
+        "a cohort of the same agent (same system prompt and tools).",
+    )
+    scoring: bool = Field(
+        True, description="Score ready groups with RULER in the background while serving."
+    )
+    scoring_interval_s: float = Field(
+        5.0, gt=0, description="How often the background scorer looks for ready groups."
+    )
+    judge_model: str | None = Field(
+        None,
+        description="RULER's judge: any litellm model (`openai/o3`, `anthropic/...`). Unset: the "
+        "local model judges, a placeholder for trying things out, not a useful judge.",
+    )
+    judge_api_base: str | None = Field(
+        None, description="Base URL of an OpenAI-compatible judge server (with `openai/<name>`)."
+    )
+    judge_api_key_env: str | None = Field(
+        None,
+        description="Environment variable holding the judge provider's key (default: the "
+        "provider's usual one, e.g. OPENAI_API_KEY).",
+    )
+    judge_timeout_s: float = Field(120.0, gt=0, description="Timeout of one judge call.")
+    judge_rubric: str | None = Field(
+        None, description="RULER's rubric for every group (default: the built-in rubric)."
+    )
+    judge_rubrics: dict[str, str] = Field(
+        default_factory=dict,
+        description="Rubric per group: keyed by explicit group key, or by `agent:<system prompt>`.",
+    )
+    judge_explicit_groups: bool = Field(
+        False,
+        description="Also call the judge for groups whose members all have explicit rewards "
+        "(by default those are used as they are, with no judge call).",
+    )
+    reward_policy: Literal["explicit", "ruler"] = Field(
+        "explicit",
+        description="Which reward training uses when a trajectory has both: the explicit one "
+        "posted by the environment, or RULER's score. Both stay stored and visible.",
+    )
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
+        if self.group_max_size < self.group_min_size:
+            raise ValueError(
+                f"RLPROXY_GROUP_MAX_SIZE ({self.group_max_size}) must be at least "
+                f"RLPROXY_GROUP_MIN_SIZE ({self.group_min_size})"
+            )
         for name in self.upstream_models:
             if name == self.model_name or name.startswith(f"{self.model_name}@"):
                 raise ValueError(

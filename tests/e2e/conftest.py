@@ -50,6 +50,9 @@ def start_server(data_dir: Path, model_dir: Path, env_extra: dict[str, str] | No
         "RLPROXY_MODEL_DIR": str(model_dir),
         "RLPROXY_PORT": str(port),
         "RLPROXY_HOST": "127.0.0.1",
+        # Background scoring is tested by the suites that turn it on; elsewhere the local judge
+        # would compete with the requests under test for the two CPU cores.
+        "RLPROXY_SCORING": "false",
         **(env_extra or {}),
     }
     proc = subprocess.Popen(
