@@ -1,14 +1,17 @@
 """The local engine as RULER's judge, for when no judge model is configured.
 
-It runs the judge prompt on the served model's base weights (`NAME@base`), greedy, with the reply
-held to RULER's JSON schema by the engine's grammar, through a `ChatService` that has no call
-sink: judge calls are never stored as calls, so they never become training data. A 135M model is
+It runs the judge prompt on the served model's base weights (`NAME@base`), greedy, through a
+`ChatService` that has no call sink: judge calls are never stored as calls, so they never become
+training data. The reply is held by the engine's grammar to a keyed form of RULER's schema,
+`{"scores": {"1": {"explanation", "score"}, ...}}`, in which every member id appears exactly
+once by construction, and is handed back to RULER in its list form. (A small model asked for
+the list form repeats or skips ids; an object with required keys cannot.) A 135M model is
 a placeholder judge for trying the loop out, not a useful one; the server says so when it starts.
 """
 
 from __future__ import annotations
 
-import copy
+import json
 import logging
 import uuid
 from typing import Any
@@ -36,15 +39,14 @@ class LocalJudge:
     async def complete(
         self, messages: list[dict[str, Any]], response_format: dict[str, Any]
     ) -> JudgeReply:
-        response_format = _cap_explanations(response_format)
-        members = _member_count(response_format)
+        ids = _member_ids(response_format)
         request = ChatCompletionRequest.model_validate(
             {
                 "model": self.base_model,
                 "messages": messages,
-                "response_format": response_format,
+                "response_format": _keyed_format(ids) if ids else response_format,
                 "temperature": 0,
-                "max_tokens": 32 + self.tokens_per_member * max(members, 1),
+                "max_tokens": 32 + self.tokens_per_member * max(len(ids), 1),
             }
         )
         try:
@@ -54,29 +56,53 @@ class LocalJudge:
             raise JudgeError(f"local judge refused the request: {exc.message}") from exc
         choice = body["choices"][0]
         usage = body.get("usage") or {}
+        content = choice["message"].get("content") or ""
         return JudgeReply(
-            content=choice["message"].get("content") or "",
+            content=_as_list_form(content) if ids else content,
             prompt_tokens=usage.get("prompt_tokens"),
             completion_tokens=usage.get("completion_tokens"),
             cost_usd=0.0,
         )
 
 
-def _schema(response_format: dict[str, Any]) -> dict[str, Any] | None:
-    schema = (response_format.get("json_schema") or {}).get("schema")
-    return schema if isinstance(schema, dict) else None
+def _member_ids(response_format: dict[str, Any]) -> list[str]:
+    """The member ids RULER's schema allows (the enum of `trajectory_id`)."""
+    schema = (response_format.get("json_schema") or {}).get("schema") or {}
+    scores = (schema.get("properties") or {}).get("scores") or {}
+    entry = ((scores.get("items") or {}).get("properties") or {}).get("trajectory_id") or {}
+    return [str(i) for i in entry.get("enum") or []]
 
 
-def _member_count(response_format: dict[str, Any]) -> int:
-    scores = ((_schema(response_format) or {}).get("properties") or {}).get("scores") or {}
-    count = scores.get("maxItems") or scores.get("minItems") or 0
-    return int(count)
+def _keyed_format(ids: list[str]) -> dict[str, Any]:
+    entry = {
+        "type": "object",
+        "properties": {
+            "explanation": {"type": "string", "maxLength": EXPLANATION_MAX_CHARS},
+            "score": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+        "required": ["explanation", "score"],
+        "additionalProperties": False,
+    }
+    scores = {
+        "type": "object",
+        "properties": {i: entry for i in ids},
+        "required": ids,
+        "additionalProperties": False,
+    }
+    schema = {
+        "type": "object",
+        "properties": {"scores": scores},
+        "required": ["scores"],
+        "additionalProperties": False,
+    }
+    return {"type": "json_schema", "json_schema": {"name": "ruler_scores", "schema": schema}}
 
 
-def _cap_explanations(response_format: dict[str, Any]) -> dict[str, Any]:
-    capped = copy.deepcopy(response_format)
-    scores = ((_schema(capped) or {}).get("properties") or {}).get("scores") or {}
-    explanation = ((scores.get("items") or {}).get("properties") or {}).get("explanation")
-    if isinstance(explanation, dict):
-        explanation.setdefault("maxLength", EXPLANATION_MAX_CHARS)
-    return capped
+def _as_list_form(content: str) -> str:
+    """`{"scores": {"1": {...}}}` -> `{"scores": [{"trajectory_id": "1", ...}]}`; else as is."""
+    try:
+        scores = json.loads(content)["scores"]
+        entries = [{"trajectory_id": k, **v} for k, v in scores.items()]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return content  # RULER reports what is wrong with it
+    return json.dumps({"scores": entries})
