@@ -63,6 +63,7 @@ def to_record(outcome: ChatOutcome, engine_kind: str = "local") -> CallRecord:
         explicit_trajectory_id=explicit_id(headers, req.metadata, req.rlproxy, "trajectory"),
         explicit_group_key=explicit_id(headers, req.metadata, req.rlproxy, "group"),
         retry_count=_int(headers.get(RETRY_HEADER)),
+        completion_id=prep.id,
     )
 
 

@@ -228,6 +228,7 @@ class _Call:
         return CallRecord(
             id=uuid.uuid4().hex,
             request_id=self.request_id,
+            completion_id=make_completion_id(self.request_id),
             created_at=self.started,
             finished_at=finished,
             model_requested=req.model,

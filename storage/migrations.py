@@ -138,7 +138,9 @@ def _m001_initial(conn: Connection) -> None:
     md.create_all(conn)
 
 
-def _m002_groups(conn: Connection) -> None:
+def _m002_groups_and_adapters(conn: Connection) -> None:
+    conn.execute(text("ALTER TABLE calls ADD COLUMN completion_id VARCHAR"))
+    conn.execute(text("CREATE INDEX ix_calls_completion_id ON calls (completion_id)"))
     md = MetaData()
     # Stand-ins for tables that exist already, so the foreign keys below resolve.
     existing = [
@@ -211,12 +213,26 @@ def _m002_groups(conn: Connection) -> None:
         Column("created_at", Double, nullable=False),
         Index("ix_scores_group_id", "group_id"),
     )
+    Table(
+        "adapters",
+        md,
+        Column("policy", String, primary_key=True),
+        Column("version", Integer, primary_key=True, autoincrement=False),
+        Column("path", Text, nullable=False),
+        Column("status", String, nullable=False),
+        Column("created_at", Double, nullable=False),
+        Column("updated_at", Double, nullable=False),
+        Column("loaded_at", Double),
+        Column("activated_at", Double),
+        Column("error", Text),
+        Column("metrics", Text),
+    )
     md.create_all(conn, tables=[t for t in md.sorted_tables if t not in existing])
 
 
 MIGRATIONS: list[Migration] = [
     Migration(1, "m001_initial", _m001_initial),
-    Migration(2, "m002_groups", _m002_groups),
+    Migration(2, "m002_groups_and_adapters", _m002_groups_and_adapters),
 ]
 
 

@@ -113,11 +113,13 @@ class Call(Base):
     turn_index: Mapped[int] = mapped_column(Integer)
     retry_of: Mapped[str | None] = mapped_column(String)
     superseded_by: Mapped[str | None] = mapped_column(String)
+    completion_id: Mapped[str | None] = mapped_column(String)
 
     __table_args__ = (
         Index("ix_calls_trajectory_id_turn_index", "trajectory_id", "turn_index"),
         Index("ix_calls_created_at", "created_at"),
         Index("ix_calls_request_id", "request_id"),
+        Index("ix_calls_completion_id", "completion_id"),
     )
 
 
@@ -226,6 +228,23 @@ class Score(Base):
     __table_args__ = (Index("ix_scores_group_id", "group_id"),)
 
 
+class Adapter(Base):
+    """An adapter version the trainer wrote, and what serving made of it."""
+
+    __tablename__ = "adapters"
+
+    policy: Mapped[str] = mapped_column(String, primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    path: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String)  # written | loaded | rejected
+    created_at: Mapped[float] = mapped_column(Double)
+    updated_at: Mapped[float] = mapped_column(Double)
+    loaded_at: Mapped[float | None] = mapped_column(Double)
+    activated_at: Mapped[float | None] = mapped_column(Double)
+    error: Mapped[str | None] = mapped_column(Text)
+    metrics: Mapped[Any] = mapped_column(JSONText, nullable=True)
+
+
 trajectories_table = cast(Table, Trajectory.__table__)
 calls_table = cast(Table, Call.__table__)
 call_choices_table = cast(Table, CallChoice.__table__)
@@ -235,3 +254,4 @@ call_samples_table = cast(Table, CallSample.__table__)
 groups_table = cast(Table, Group.__table__)
 group_members_table = cast(Table, GroupMember.__table__)
 scores_table = cast(Table, Score.__table__)
+adapters_table = cast(Table, Adapter.__table__)

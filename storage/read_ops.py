@@ -139,6 +139,7 @@ def _call(row: Row[Any], choices: list[ChoiceRecord]) -> StoredCall:
         explicit_trajectory_id=row.explicit_trajectory_id,
         explicit_group_key=row.explicit_group_key,
         retry_count=row.retry_count,
+        completion_id=row.completion_id,
     )
     return StoredCall(
         record=record,
@@ -246,3 +247,12 @@ async def count_trajectories(conn: AsyncConnection, status: str | None = None) -
     if status is not None:
         stmt = stmt.where(T.c.status == status)
     return int((await conn.execute(stmt)).scalar_one())
+
+
+async def trajectory_of_completion(conn: AsyncConnection, completion_id: str) -> str | None:
+    row = (
+        await conn.execute(
+            select(C.c.trajectory_id).where(C.c.completion_id == completion_id).limit(1)
+        )
+    ).first()
+    return None if row is None else str(row.trajectory_id)

@@ -73,6 +73,8 @@ class CallRecord:
     explicit_group_key: str | None = None
     retry_count: int = 0
     """From the x-stainless-retry-count header; 0 when absent."""
+    completion_id: str | None = None
+    """The `chatcmpl-...` id the client received (a reward can name the trajectory by it)."""
     shadow_samples: list[ChoiceRecord] = field(default_factory=list)
     """Alternatives sampled beside the returned choice and never shown to the client (shadow
     sampling). Stored in their own table; together with choice 0 they form a "shadow" group."""
@@ -368,3 +370,21 @@ class JudgeOutcome:
     completion_tokens: int | None = None
     cost_usd: float | None = None
     failure: str | None = None
+
+
+@dataclass
+class AdapterRecord:
+    """An adapter version: written by the trainer, then loaded (or rejected) by serving."""
+
+    policy: str
+    version: int
+    path: str
+    status: Literal["written", "loaded", "rejected"]
+    created_at: float
+    updated_at: float
+    loaded_at: float | None = None
+    activated_at: float | None = None
+    """When the policy name last started serving this version."""
+    error: str | None = None
+    metrics: dict[str, Any] | None = None
+    """The training step's figures (loss, tokens/s, groups used, mean reward, ...)."""

@@ -23,7 +23,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from storage import group_ops, read_ops, write_ops
+from storage import adapter_ops, group_ops, read_ops, write_ops
 from storage.engines import Engines, SqliteSynchronous, create_engines
 from storage.errors import InvalidRecord, TrajectoryNotFound
 from storage.group_ops import FormResult
@@ -33,6 +33,7 @@ from storage.migrations import migrate
 from storage.read_ops import TrajectoryFilter
 from storage.records import (
     CALL_STATUSES,
+    AdapterRecord,
     CallRecord,
     GroupDetail,
     GroupPage,
@@ -230,6 +231,31 @@ class Store:
     async def group_ids_of_trajectory(self, trajectory_id: str) -> list[str]:
         async with self._engines.read.connect() as conn:
             return await group_ops.group_ids_of_trajectory(conn, trajectory_id)
+
+    # --- adapters ----------------------------------------------------------------------------
+
+    async def record_adapter(self, record: AdapterRecord) -> None:
+        """Record an adapter version the trainer wrote (overwrites a same-numbered one)."""
+        await self._writer.submit(
+            self._run_ops, lambda conn: adapter_ops.record_adapter(conn, record)
+        )
+
+    async def update_adapter(self, policy: str, version: int, **changes: Any) -> bool:
+        """Change an adapter's status, error, load or activation time; False if unknown."""
+        ok: bool = await self._writer.submit(
+            self._run_ops,
+            lambda conn: adapter_ops.update_adapter(conn, policy, version, changes, time.time()),
+        )
+        return ok
+
+    async def list_adapters(self, policy: str) -> list[AdapterRecord]:
+        async with self._engines.read.connect() as conn:
+            return await adapter_ops.list_adapters(conn, policy)
+
+    async def trajectory_of_completion(self, completion_id: str) -> str | None:
+        """The trajectory of the call that returned this `chatcmpl-...` id, if any."""
+        async with self._engines.read.connect() as conn:
+            return await read_ops.trajectory_of_completion(conn, completion_id)
 
     # Writer handlers: each gets every consecutive payload of its kind in the batch.
 

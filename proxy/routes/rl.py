@@ -6,6 +6,9 @@
     POST /rl/trajectories/{id}/reward     {"reward": float, "source": str}; closes it
     POST /rl/trajectories/{id}/end        closes it
 
+Where a route takes a trajectory id it also takes the `chatcmpl-...` id of any completion in it,
+so an agent that knows nothing of rlproxy can reward the run behind a response it received.
+
 Thin routes over `storage.Store` (on `app.state.store`): the store owns the SQL and the linking,
 this module only parses, maps store errors to OpenAI-shaped ones, and shapes the JSON.
 """
@@ -79,14 +82,24 @@ async def list_trajectories(
 
 @router.get("/{trajectory_id}")
 async def get_trajectory(trajectory_id: str, store: StoreDep) -> dict[str, Any]:
-    detail = await store.get_trajectory(trajectory_id)
+    detail = await store.get_trajectory(await resolve(store, trajectory_id))
     if detail is None:
         raise _not_found(trajectory_id)
     return detail_json(detail)
 
 
+async def resolve(store: Store, trajectory_id: str) -> str:
+    """A trajectory id as given, or the trajectory of a `chatcmpl-...` completion id."""
+    if trajectory_id.startswith("chatcmpl-"):
+        found = await store.trajectory_of_completion(trajectory_id)
+        if found is not None:
+            return found
+    return trajectory_id
+
+
 @router.post("/{trajectory_id}/reward")
 async def add_reward(trajectory_id: str, body: RewardBody, store: StoreDep) -> dict[str, Any]:
+    trajectory_id = await resolve(store, trajectory_id)
     try:
         reward_id = await store.add_reward(
             trajectory_id, body.reward, body.source, body.explanation
@@ -105,6 +118,7 @@ async def add_reward(trajectory_id: str, body: RewardBody, store: StoreDep) -> d
 
 @router.post("/{trajectory_id}/end")
 async def end_trajectory(trajectory_id: str, store: StoreDep) -> dict[str, Any]:
+    trajectory_id = await resolve(store, trajectory_id)
     try:
         was_open = await store.end_trajectory(trajectory_id)
     except TrajectoryNotFound as exc:

@@ -300,3 +300,23 @@ def test_export_writes_finetuning_lines(rl_server: Server, client: OpenAI, tmp_p
     assert len(all_lines) >= len(closed_lines) + 1
     for ln in all_lines:
         assert ln["messages"][-1]["role"] == "assistant"
+
+
+def test_reward_by_completion_id(rl_server: Server, client: OpenAI) -> None:
+    """An agent that knows nothing of rlproxy rewards the run behind the response it got."""
+    completion = client.chat.completions.create(
+        model="rlproxy",
+        messages=[{"role": "user", "content": f"Say hi ({uuid.uuid4().hex[:6]})"}],
+        max_tokens=3,
+    )
+    r = httpx.post(f"{rl_server.url}/rl/trajectories/{completion.id}/reward", json={"reward": 0.75})
+    assert r.status_code == 200, r.text
+    tid = r.json()["trajectory_id"]
+    assert tid != completion.id
+    detail = get_trajectory(rl_server, completion.id)
+    assert detail["id"] == tid and detail["status"] == "closed"
+    assert [w["reward"] for w in detail["rewards"]] == [0.75]
+    missing = httpx.post(
+        f"{rl_server.url}/rl/trajectories/chatcmpl-nope/reward", json={"reward": 1}
+    )
+    assert missing.status_code == 404

@@ -94,10 +94,12 @@ EXPECTED: dict[str, dict[str, Any]] = {
             "turn_index int",
             "retry_of str null",
             "superseded_by str null",
+            "completion_id str null",
         ],
         "pk": ["id"],
         "unique": [],
         "indexes": {
+            "ix_calls_completion_id": ["completion_id"],
             "ix_calls_created_at": ["created_at"],
             "ix_calls_request_id": ["request_id"],
             "ix_calls_trajectory_id_turn_index": ["trajectory_id", "turn_index"],
@@ -215,6 +217,24 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "unique": [],
         "indexes": {"ix_scores_group_id": ["group_id"]},
         "fks": [(["group_id"], "groups", ["id"])],
+    },
+    "adapters": {
+        "columns": [
+            "policy str",
+            "version int",
+            "path text",
+            "status str",
+            "created_at float",
+            "updated_at float",
+            "loaded_at float null",
+            "activated_at float null",
+            "error text null",
+            "metrics text null",
+        ],
+        "pk": ["policy", "version"],
+        "unique": [],
+        "indexes": {},
+        "fks": [],
     },
 }
 
