@@ -24,6 +24,7 @@ from proxy.adapters import AdapterManager
 from proxy.chat import ChatService
 from proxy.errors import APIError, error_body
 from proxy.local_judge import LocalJudge
+from proxy.publisher import Publisher
 from proxy.recording import CallRecorder
 from proxy.registry import ServedModels
 from proxy.routes import adapters as adapter_routes
@@ -32,6 +33,7 @@ from proxy.routes import groups as group_routes
 from proxy.routes import models as model_routes
 from proxy.routes import rl as rl_routes
 from proxy.settings import Settings
+from proxy.trainer_process import TrainerProcess
 from proxy.upstream import UpstreamEngine
 from storage.store import Store
 from trainer.ruler import Judge
@@ -55,9 +57,7 @@ def create_app(settings: Settings) -> FastAPI:
         idle_closer = asyncio.create_task(close_idle_trajectories(store, settings))
         app.state.engine = engine
         app.state.registry = registry
-        app.state.adapters = AdapterManager(
-            engine, registry, settings.data_dir / "checkpoints" / settings.model_name
-        )
+        app.state.adapters = AdapterManager(engine, registry, settings.checkpoints_dir)
         app.state.chat = ChatService(
             engine,
             registry,
@@ -74,6 +74,16 @@ def create_app(settings: Settings) -> FastAPI:
         if settings.scoring:
             scoring = asyncio.create_task(app.state.scorer.run(settings.scoring_interval_s))
         app.state.store = store
+        app.state.publisher = Publisher(app.state.adapters, store)
+        background = [idle_closer]
+        if scoring is not None:
+            background.append(scoring)
+        if settings.publish_adapters:
+            await app.state.publisher.check()  # a restart serves the newest good version
+            background.append(asyncio.create_task(app.state.publisher.run(settings.adapter_poll_s)))
+        trainer = TrainerProcess(settings) if settings.train else None
+        if trainer is not None:
+            trainer.start()
         app.state.upstream = None
         if settings.upstream_models:
             app.state.upstream = UpstreamEngine(
@@ -92,10 +102,11 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             yield
         finally:
-            idle_closer.cancel()
-            if scoring is not None:
-                scoring.cancel()
-                await asyncio.gather(scoring, return_exceptions=True)
+            if trainer is not None:
+                await asyncio.to_thread(trainer.stop)
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
             await engine.stop()
             await store.close()
 

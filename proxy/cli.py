@@ -5,6 +5,7 @@ rlproxy export --format jsonl       write stored trajectories in OpenAI's chat f
                                     format (one {"messages", "tools"} object per line)
 rlproxy score [--group ID] [--pending]
                                     form groups and score them with RULER now; print a table
+rlproxy train [--steps N]           the GRPO training loop alone (serve runs it by default)
 """
 
 from __future__ import annotations
@@ -30,6 +31,18 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, help="port (RLPROXY_PORT, default 8000)")
     serve.add_argument("--data-dir", type=Path, help="data directory (RLPROXY_DATA_DIR)")
     serve.add_argument("--model-name", help="served policy name (RLPROXY_MODEL_NAME)")
+    serve.add_argument(
+        "--no-train",
+        dest="train",
+        action="store_false",
+        default=None,
+        help="serve only: no background trainer (RLPROXY_TRAIN=false)",
+    )
+    train = sub.add_parser("train", help="run the GRPO training loop alone")
+    train.add_argument("--steps", type=int, help="stop after this many steps")
+    train.add_argument("--data-dir", type=Path, help="data directory (RLPROXY_DATA_DIR)")
+    train.add_argument("--database-url", help="database URL (RLPROXY_DATABASE_URL)")
+    train.add_argument("--model-name", help="policy name (RLPROXY_MODEL_NAME)")
     export = sub.add_parser("export", help="write stored trajectories for fine-tuning elsewhere")
     export.add_argument("--format", choices=["jsonl"], default="jsonl", help="output format")
     export.add_argument("--out", type=Path, help="output file (default: standard output)")
@@ -58,12 +71,13 @@ def main(argv: list[str] | None = None) -> int:
             "data_dir": args.data_dir,
             "model_name": getattr(args, "model_name", None),
             "database_url": getattr(args, "database_url", None),
+            "train": getattr(args, "train", None),
         }.items()
         if v is not None
     }
     settings = Settings(**overrides)
     logging.basicConfig(
-        level=settings.log_level.upper() if args.command == "serve" else logging.WARNING,
+        level=settings.log_level.upper() if args.command in ("serve", "train") else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
@@ -80,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
             timeout_graceful_shutdown=5,
         )
         return 0
+    if args.command == "train":
+        from proxy.train_cli import train_command
+
+        return asyncio.run(train_command(settings, args.steps))
     if settings.database_url is None and not settings.sqlite_path.exists():
         print(f"rlproxy {args.command}: no database at {settings.sqlite_path}", file=sys.stderr)
         return 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -129,6 +129,25 @@ class Settings(BaseSettings):
         description="Also call the judge for groups whose members all have explicit rewards "
         "(by default those are used as they are, with no judge call).",
     )
+    train: bool = Field(
+        True,
+        description="Run the GRPO trainer in its own process beside the server (`rlproxy serve "
+        "--no-train` or false: serve only).",
+    )
+    trainer: dict[str, Any] = Field(
+        default_factory=dict,
+        description='Trainer configuration overrides, e.g. {"learning_rate": 1e-4}; the fields of '
+        "trainer.config.TrainerConfig.",
+    )
+    train_poll_s: float = Field(5.0, gt=0, description="How often the trainer looks for groups.")
+    publish_adapters: bool = Field(
+        True,
+        description="Serve each new adapter version the trainer writes as soon as it loads "
+        "(false: versions are only loaded and activated through /rl/adapters).",
+    )
+    adapter_poll_s: float = Field(
+        2.0, gt=0, description="How often serving looks for new adapter versions to publish."
+    )
     reward_policy: Literal["explicit", "ruler"] = Field(
         "explicit",
         description="Which reward training uses when a trajectory has both: the explicit one "
@@ -159,6 +178,10 @@ class Settings(BaseSettings):
     def public_bind(self) -> bool:
         """True when the server listens beyond loopback (rlproxy has no authentication yet)."""
         return not _is_loopback(self.host)
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.data_dir / "checkpoints" / self.model_name
 
     @property
     def sqlite_path(self) -> Path:

@@ -1,8 +1,18 @@
-"""`/rl/adapters`: list adapter versions, load one, make one current (roll back or forward)."""
+"""`/rl/adapters`: adapter versions (status, step metrics), load one, make one current.
+
+GET  /rl/adapters                  every version: loaded/active, status, error, metrics
+POST /rl/adapters/{version}/load   load into the engine (validated first)
+POST /rl/adapters/{version}/activate
+                                   serve it under the policy name (roll back or forward);
+                                   version 0 goes back to the base model
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import APIRouter, Request
 
 from proxy.routes.deps import Adapters
 
@@ -10,8 +20,32 @@ router = APIRouter(prefix="/rl/adapters")
 
 
 @router.get("")
-async def list_adapters(adapters: Adapters) -> dict[str, object]:
-    return {"object": "list", "data": adapters.describe()}
+async def list_adapters(adapters: Adapters, request: Request) -> dict[str, object]:
+    store = request.app.state.store
+    records = {a.version: a for a in await store.list_adapters(adapters.registry.policy)}
+    data: list[dict[str, Any]] = []
+    for item in adapters.describe():
+        record = records.pop(int(item["version"]), None)  # type: ignore[call-overload]
+        data.append({**item, **_record_fields(record)})
+    for version, record in sorted(records.items()):  # recorded, but the folder is gone
+        data.append(
+            {
+                "version": version,
+                "id": f"{adapters.registry.policy}@{version}",
+                "path": record.path,
+                "loaded": False,
+                "active": False,
+                **_record_fields(record),
+            }
+        )
+    return {"object": "list", "data": sorted(data, key=lambda d: d["version"])}
+
+
+def _record_fields(record: Any) -> dict[str, Any]:
+    if record is None:
+        return {"status": "written", "error": None, "metrics": None, "activated_at": None}
+    fields = asdict(record)
+    return {k: fields[k] for k in ("status", "error", "metrics", "created_at", "activated_at")}
 
 
 @router.post("/{version}/load")
@@ -21,6 +55,7 @@ async def load_adapter(version: int, adapters: Adapters) -> dict[str, object]:
 
 
 @router.post("/{version}/activate")
-async def activate_adapter(version: int, adapters: Adapters) -> dict[str, object]:
-    await adapters.activate(version)
+async def activate_adapter(version: int, adapters: Adapters, request: Request) -> dict[str, object]:
+    await adapters.activate(version or None)
+    await request.app.state.publisher.note_activation(version or None)
     return {"version": version, "active": True}

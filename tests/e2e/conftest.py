@@ -53,6 +53,9 @@ def start_server(data_dir: Path, model_dir: Path, env_extra: dict[str, str] | No
         # Background scoring is tested by the suites that turn it on; elsewhere the local judge
         # would compete with the requests under test for the two CPU cores.
         "RLPROXY_SCORING": "false",
+        # Likewise training and auto-publishing adapters: the suites about them turn them on.
+        "RLPROXY_TRAIN": "false",
+        "RLPROXY_PUBLISH_ADAPTERS": "false",
         **(env_extra or {}),
     }
     proc = subprocess.Popen(

@@ -1,0 +1,59 @@
+"""`rlproxy serve` runs the trainer beside it: `rlproxy train` as a child process.
+
+On CPU the trainer needs its own copy of the model and its own interpreter, so serving never
+waits on a training step (the GIL and torch's threads would otherwise make every request wait).
+The child gets the server's settings through the environment and shares its database and
+checkpoint folder; its output goes to `<data-dir>/trainer.log`. It is stopped with the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+from proxy.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerProcess:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        s = self.settings
+        env = {
+            **os.environ,
+            "RLPROXY_DATA_DIR": str(s.data_dir),
+            "RLPROXY_MODEL_NAME": s.model_name,
+            "RLPROXY_DATABASE_URL": s.resolved_database_url,
+        }
+        if s.model_dir is not None:
+            env["RLPROXY_MODEL_DIR"] = str(s.model_dir)
+        log = (s.data_dir / "trainer.log").open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy.cli", "train"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a Ctrl-C on the server's terminal reaches us, not it
+        )
+        log.close()
+        logger.info(
+            "trainer started (pid %d); its log is %s", self.proc.pid, s.data_dir / "trainer.log"
+        )
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("trainer did not stop in %.0f s; killing it", timeout_s)
+            self.proc.kill()
+            self.proc.wait()

@@ -1,0 +1,206 @@
+"""Adapter checkpoints on disk: written atomically, found again after a crash.
+
+Layout under one root (the serving side's `<data-dir>/checkpoints/<policy>/`):
+
+    <root>/0001/adapter_config.json        PEFT's adapter config     } exactly what the engine
+    <root>/0001/adapter_model.safetensors  PEFT's adapter weights    } loads (proxy/adapters.py)
+    <root>/0001/trainer_state.json         step, config, metrics, group ids used, seed
+    <root>/0001/optimizer.safetensors      optimizer state as named tensors
+    <root>/.tmp-0002-k3j9x/                a write in progress (or one a crash interrupted)
+
+The folder name is the version: the training step that produced it, four digits, from 0001.
+A write builds everything in a `.tmp-NNNN-*` sibling, fsyncs every file and the folder, renames
+it into place and fsyncs the root, so a numbered folder is either complete or absent. Nothing
+is pickled. Leftover `.tmp-*` folders are never read; `write_checkpoint` and
+`remove_incomplete` delete them, which assumes one writer (one trainer) per root.
+
+Validation (`is_complete`) reads every tensor of both safetensors files, as
+`proxy.adapters.validate_adapter_dir` does: a header alone does not reveal a truncated file,
+and the files are a few MB. A numbered folder that fails it (a disk that lied about fsync,
+a hand edit) is skipped by `latest_checkpoint`, which falls back to the previous version.
+
+This module stores and finds files; it knows nothing about models or how the dicts are made.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+TRAINER_STATE = "trainer_state.json"
+OPTIMIZER_STATE = "optimizer.safetensors"
+FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, TRAINER_STATE, OPTIMIZER_STATE)
+TMP_PREFIX = ".tmp-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder is missing, incomplete or corrupt."""
+
+
+def version_dir(root: Path, step: int) -> Path:
+    return root / f"{step:04d}"
+
+
+def write_checkpoint(
+    root: Path,
+    step: int,
+    adapter_state: dict[str, torch.Tensor],
+    adapter_config: dict[str, Any],
+    trainer_state: dict[str, Any],
+    optimizer_state: dict[str, torch.Tensor],
+) -> Path:
+    """Write version `step` atomically and return its folder.
+
+    `trainer_state` is stored as given, with "step" set to `step`. A complete folder for this
+    step already there is an error; an invalid one is moved aside to `.rejected-NNNN-*`.
+    """
+    if step < 1:
+        raise ValueError(f"checkpoint versions start at 1, got step {step}")
+    root.mkdir(parents=True, exist_ok=True)
+    remove_incomplete(root)
+    target = version_dir(root, step)
+    if target.exists():
+        if is_complete(target):
+            raise FileExistsError(f"checkpoint {target} already exists; versions are never reused")
+        aside = root / f".rejected-{step:04d}-{secrets.token_hex(4)}"
+        logger.warning("moving invalid checkpoint %s aside to %s", target, aside)
+        os.rename(target, aside)
+
+    tmp = root / f"{TMP_PREFIX}{step:04d}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        _write_json(tmp / ADAPTER_CONFIG, adapter_config)
+        _write_tensors(tmp / ADAPTER_WEIGHTS, adapter_state)
+        _write_json(tmp / TRAINER_STATE, {**trainer_state, "step": step})
+        _write_tensors(tmp / OPTIMIZER_STATE, optimizer_state)
+        _fsync_dir(tmp)
+        os.rename(tmp, target)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("wrote checkpoint %s", target)
+    return target
+
+
+def remove_incomplete(root: Path) -> None:
+    """Delete `.tmp-*` folders left by interrupted writes (only the writer may call this)."""
+    if not root.is_dir():
+        return
+    for path in root.iterdir():
+        if path.name.startswith(TMP_PREFIX) and path.is_dir():
+            logger.info("removing incomplete checkpoint %s", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def list_versions(root: Path) -> list[int]:
+    """Versions renamed into place, ascending (complete or not: see `latest_checkpoint`)."""
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The highest version whose files all validate, or None when there is none."""
+    for version in reversed(list_versions(root)):
+        path = version_dir(root, version)
+        try:
+            validate_checkpoint(path)
+        except CheckpointError as exc:
+            logger.warning("skipping checkpoint %s: %s", path, exc)
+            continue
+        return path
+    return None
+
+
+def is_complete(path: Path) -> bool:
+    try:
+        validate_checkpoint(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+def validate_checkpoint(path: Path) -> None:
+    """Raise CheckpointError unless every file is present, parses, and every tensor reads."""
+    for name in FILES:
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path} is incomplete: {name} is missing")
+    try:
+        for name in (ADAPTER_CONFIG, TRAINER_STATE):
+            if not isinstance(json.loads((path / name).read_text()), dict):
+                raise ValueError(f"{name} is not a JSON object")
+        for name in (ADAPTER_WEIGHTS, OPTIMIZER_STATE):
+            _read_tensors(path / name)
+    except Exception as exc:  # OSError, JSON's ValueError, safetensors' SafetensorError
+        raise CheckpointError(f"{path} is corrupt: {exc}") from exc
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    state = json.loads((path / TRAINER_STATE).read_text())
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path / TRAINER_STATE} is not a JSON object")
+    return state
+
+
+def read_adapter_config(path: Path) -> dict[str, Any]:
+    config = json.loads((path / ADAPTER_CONFIG).read_text())
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path / ADAPTER_CONFIG} is not a JSON object")
+    return config
+
+
+def read_adapter_state(path: Path) -> dict[str, torch.Tensor]:
+    return _read_tensors(path / ADAPTER_WEIGHTS)
+
+
+def read_optimizer_state(path: Path) -> dict[str, torch.Tensor]:
+    return _read_tensors(path / OPTIMIZER_STATE)
+
+
+# ----------------------------------------------------------------- files
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), framework="pt") as f:
+        return {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
+
+
+def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    # safetensors refuses shared storage and non-contiguous views; copy to plain CPU tensors.
+    plain = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    save_file(plain, str(path), metadata={"format": "pt"})
+    _fsync_file(path)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

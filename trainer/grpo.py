@@ -1,0 +1,169 @@
+"""GRPO: the group advantage and the clipped policy loss, as small pure functions.
+
+Exactly this variant is implemented:
+
+- Advantage (`group_advantages`): A_i = (r_i - mean(r)) / (std(r) + eps) with the *population*
+  standard deviation (divide by n, not n - 1), as in DeepSeekMath's GRPO; `scale_by_std=False`
+  gives the unscaled A_i = r_i - mean(r) (Dr. GRPO). A group whose rewards are all equal carries
+  no signal: it is skipped (`None`) and the caller counts it.
+- Policy term (`grpo_loss`): the PPO clipped surrogate per sampled assistant token,
+  min(r_t A, clip(r_t, 1 - epsilon, 1 + epsilon) A) with r_t = exp(logp_new - logp_old), where
+  logp_old are the logprobs stored at sampling time (one optimisation step per batch of samples,
+  so the ratio measures how far the policy moved since the sample was drawn).
+- Optional KL to the reference model (the base, adapter disabled) with Schulman's k3 estimator,
+  exp(ref - new) - (ref - new) - 1, weighted by `kl_beta` (0 turns it off; the default).
+- Reduction: the per-token loss is averaged over each *sample's* masked tokens first, then over
+  samples, so a long trajectory does not outweigh a short one. A sample may span several rows
+  (one row per assistant turn of one trajectory): `sample_ids` says which sample each row
+  belongs to, and all turns of one sample average together and count once.
+
+Layout: every tensor is (B, T), one row per assistant turn, already aligned so that position t
+holds the logprob of target token t (see `token_logprobs`); `mask` is 1 on sampled assistant
+tokens and 0 on prompt, tool, user and padding tokens, whose values may be anything (even NaN).
+
+This module knows nothing about models, tokenizers, the database or checkpoints;
+`trainer.peft_backend` feeds it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TrainingExample:
+    """One assistant turn to train on, with the exact token ids stored when it was sampled."""
+
+    sample_id: str  # the trajectory (or shadow sample) it came from; its turns average together
+    prompt_ids: list[int]  # the exact prompt token ids of this turn
+    completion_ids: list[int]  # the exact sampled completion token ids of this turn
+    old_logprobs: list[float]  # logprobs stored at sampling time, one per completion token
+    advantage: float  # the sample's group advantage (same for every turn of the sample)
+
+
+def group_advantages(
+    rewards: Sequence[float], *, scale_by_std: bool = True, eps: float = 1e-6
+) -> list[float] | None:
+    """Advantages of one group's members, or None when the group has no variance to learn from.
+
+    None for fewer than two members or all-equal rewards; ValueError for a non-finite reward.
+    """
+    values = [float(r) for r in rewards]
+    if any(not math.isfinite(v) for v in values):
+        raise ValueError(f"rewards must be finite numbers, got {values}")
+    if len(values) < 2 or max(values) == min(values):
+        return None
+    mean = sum(values) / len(values)
+    centred = [v - mean for v in values]
+    if not scale_by_std:
+        return centred
+    std = math.sqrt(sum(c * c for c in centred) / len(values))  # population std
+    return [c / (std + eps) for c in centred]
+
+
+def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+    """log p(target) under `logits`: (B, T, V), (B, T) -> (B, T), computed in float32.
+
+    The caller aligns the two: logits at position t must be the ones that predict target t
+    (for a causal LM's output, `logits[:, :-1]` against `input_ids[:, 1:]`).
+    """
+    logits = logits.float()
+    picked = logits.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)  # (B, T)
+    # gather - logsumexp avoids materialising a second (B, T, V) tensor for log_softmax.
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def sample_row_weights(token_counts: torch.Tensor, sample_ids: torch.Tensor) -> torch.Tensor:
+    """Per-token weight of each row so that sum(weight * token_loss) is the mean over samples
+    of each sample's mean token loss: (B,), (B,) -> (B,).
+
+    A row of sample s gets 1 / (S * n_s), where n_s counts the masked tokens of all rows of s
+    and S the samples with at least one token. Rows without tokens get 0.
+    """
+    counts = token_counts.to(torch.float64)
+    if counts.numel() == 0:
+        return counts.float()
+    _, inverse = torch.unique(sample_ids.to(counts.device), return_inverse=True)
+    per_sample = torch.zeros(int(inverse.max()) + 1, dtype=torch.float64, device=counts.device)
+    per_sample = per_sample.index_add(0, inverse, counts)  # n_s
+    num_samples = int((per_sample > 0).sum())
+    n_row = per_sample[inverse]
+    weights = torch.where(n_row > 0, 1.0 / (max(num_samples, 1) * n_row.clamp(min=1)), 0.0)
+    return weights.float()
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    epsilon: float = 0.2,
+    kl_beta: float = 0.0,
+    ref_logprobs: torch.Tensor | None = None,
+    sample_ids: torch.Tensor | None = None,
+    row_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The GRPO loss (to minimise) of a batch of rows, and token-mean metrics.
+
+    logprobs (B, T): current policy, with gradient; old_logprobs (B, T): stored at sampling time;
+    advantages (B,) or (B, T); mask (B, T) bool or 0/1; ref_logprobs (B, T): the reference
+    model's, needed when kl_beta > 0. sample_ids (B,) ints: which sample each row belongs to
+    (default: every row is its own sample). row_weights (B,): the per-token weight of each row,
+    by default `sample_row_weights` of this batch; a trainer that splits one batch into
+    micro-batches passes each micro-batch its slice of the full batch's weights, so that the
+    micro-batch losses add up to exactly the full-batch loss.
+
+    Metrics are plain token means over the masked tokens of this call (not sample-weighted):
+    `clip_fraction` (tokens whose clipped term is active and thus has no gradient),
+    `ratio_mean`, `kl` (k3, 0 when not computed) and `tokens` (the count, to combine calls).
+    """
+    if kl_beta < 0:
+        raise ValueError(f"kl_beta must be >= 0, got {kl_beta}")
+    if kl_beta > 0 and ref_logprobs is None:
+        raise ValueError("kl_beta > 0 needs ref_logprobs (the reference model's logprobs)")
+    mask = mask.bool()
+    rows = mask.shape[0]
+    if row_weights is None:
+        if sample_ids is None:
+            sample_ids = torch.arange(rows, device=mask.device)
+        row_weights = sample_row_weights(mask.sum(dim=1), sample_ids)
+    weights = torch.where(mask, row_weights.to(logprobs.device, torch.float32)[:, None], 0.0)
+
+    # Zero the masked positions before any arithmetic: garbage there (inf, NaN) must not leak
+    # into the loss or, through 0 * NaN, into the gradients.
+    new = torch.where(mask, logprobs.float(), 0.0)
+    old = torch.where(mask, old_logprobs.to(new), 0.0)
+    adv = advantages.to(new)
+    adv = adv[:, None].expand_as(new) if adv.dim() == 1 else adv
+
+    ratio = torch.exp(new - old)  # (B, T)
+    clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon)
+    surrogate = torch.minimum(ratio * adv, clipped * adv)
+    per_token = -surrogate
+
+    kl = torch.zeros_like(new)
+    if ref_logprobs is not None:
+        ref = torch.where(mask, ref_logprobs.to(new), 0.0)
+        delta = ref - new
+        kl = torch.exp(delta) - delta - 1.0  # k3: unbiased, always >= 0
+        if kl_beta > 0:
+            per_token = per_token + kl_beta * kl
+
+    loss = (per_token * weights).sum()
+
+    with torch.no_grad():
+        tokens = int(mask.sum())
+        denom = max(tokens, 1)
+        is_clipped = ((ratio > 1.0 + epsilon) & (adv > 0)) | ((ratio < 1.0 - epsilon) & (adv < 0))
+        metrics = {
+            "clip_fraction": float((is_clipped & mask).sum()) / denom,
+            "ratio_mean": float(ratio[mask].sum()) / denom,
+            "kl": float(kl[mask].sum()) / denom,
+            "tokens": float(tokens),
+        }
+    return loss, metrics

@@ -1,0 +1,221 @@
+"""The background training loop: scored groups in, adapter versions out.
+
+    loop = TrainingLoop(store, PeftTrainer(model_dir, config), checkpoints_root, policy="rlproxy")
+    await loop.resume()      # pick up where a previous run stopped
+    await loop.run()         # forever: take scored groups, one GRPO step, write version N
+
+One step: the oldest scored groups not yet used (`groups_per_step` of them) give each member an
+advantage (`trainer.grpo.group_advantages` over the rewards chosen by the reward policy);
+zero-variance groups are skipped and counted. Every assistant turn of a member becomes a
+`TrainingExample` from the token ids stored when it was sampled (never re-rendered text). The
+trainer makes one optimizer step, the checkpoint is written atomically as version N
+(`trainer.checkpoints`), recorded in the database, and the groups are marked used with step N.
+Serving notices the new folder, loads it and flips the policy name (`proxy.publisher`).
+
+Restart: the newest complete checkpoint restores weights, optimizer state and the step; the
+group ids it lists are marked used again, in case the process died between writing the
+checkpoint and marking them. A checkpoint is complete only once renamed into place, so a killed
+step leaves nothing that serving or a restart would load.
+
+Groups marked with `trained_step = 0` were looked at and skipped (zero variance, no reward, or
+no stored token ids); they never contributed a gradient.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from storage.records import AdapterRecord, GroupDetail
+from storage.store import Store
+from trainer import checkpoints
+from trainer.grpo import TrainingExample, group_advantages
+from trainer.peft_backend import PeftTrainer
+
+logger = logging.getLogger(__name__)
+
+SKIPPED = 0
+"""`trained_step` of a group looked at and skipped."""
+
+
+@dataclass
+class StepReport:
+    version: int
+    path: Path
+    group_ids: list[str]
+    skipped_group_ids: list[str]
+    mean_reward: float
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class TrainingLoop:
+    def __init__(
+        self,
+        store: Store,
+        trainer: PeftTrainer,
+        checkpoints_root: Path,
+        *,
+        policy: str,
+        reward_policy: str = "explicit",
+        poll_s: float = 5.0,
+    ) -> None:
+        self.store = store
+        self.trainer = trainer
+        self.root = Path(checkpoints_root)
+        self.policy = policy
+        self.reward_policy = reward_policy
+        self.poll_s = poll_s
+        self.config = trainer.config
+
+    async def resume(self) -> int:
+        """Load the newest complete checkpoint, if any; return the step it restored (0: none)."""
+        await asyncio.to_thread(checkpoints.remove_incomplete, self.root)
+        latest = await asyncio.to_thread(checkpoints.latest_checkpoint, self.root)
+        if latest is None:
+            return 0
+        state = await asyncio.to_thread(self.trainer.load, latest)
+        step = self.trainer.step
+        await self.store.mark_trained(list(state.get("group_ids") or []), step)
+        await self.store.mark_trained(list(state.get("skipped_group_ids") or []), SKIPPED)
+        known = {a.version for a in await self.store.list_adapters(self.policy)}
+        if step not in known:
+            await self._record(step, latest, state.get("step_report") or {})
+        logger.info("training resumes after step %d (%s)", step, latest)
+        return step
+
+    async def run(self) -> None:
+        """Train whenever enough scored groups are waiting; never stops on a bad step."""
+        while True:
+            try:
+                report = await self.step_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("training step failed; trying again in %.0f s", self.poll_s)
+                report = None
+            if report is None:
+                await asyncio.sleep(self.poll_s)
+
+    async def step_once(self, *, min_groups: int | None = None) -> StepReport | None:
+        """One step if at least `min_groups` (default: groups_per_step) usable groups wait."""
+        need = self.config.groups_per_step if min_groups is None else min_groups
+        chosen, skipped, rewards = await self._collect(self.config.groups_per_step)
+        if len(chosen) < max(need, 1):
+            if skipped:
+                await self.store.mark_trained([g for g in skipped], SKIPPED)
+            return None
+        examples = [e for _, exs in chosen for e in exs]
+        started = time.perf_counter()
+        metrics = await asyncio.to_thread(self.trainer.train_step, examples)
+        group_ids = [g.id for g, _ in chosen]
+        report = StepReport(
+            version=self.trainer.step,
+            path=checkpoints.version_dir(self.root, self.trainer.step),
+            group_ids=group_ids,
+            skipped_group_ids=skipped,
+            mean_reward=statistics.fmean(rewards),
+            metrics={
+                **metrics.to_dict(),
+                "groups": len(group_ids),
+                "skipped_groups": len(skipped),
+                "mean_reward": statistics.fmean(rewards),
+                "step_seconds": time.perf_counter() - started,
+            },
+        )
+        state = {
+            "group_ids": group_ids,
+            "skipped_group_ids": skipped,
+            "policy": self.policy,
+            "step_report": report.metrics,
+        }
+        path = await asyncio.to_thread(self.trainer.save, self.root, state)
+        report.path = path
+        await self._record(report.version, path, report.metrics)
+        await self.store.mark_trained(group_ids, report.version)
+        if skipped:
+            await self.store.mark_trained(skipped, SKIPPED)
+        logger.info(
+            "step %d: %d groups (%d skipped), mean reward %.3f, loss %.4f, %.0f tokens/s -> %s",
+            report.version,
+            len(group_ids),
+            len(skipped),
+            report.mean_reward,
+            metrics.loss,
+            metrics.tokens_per_s,
+            path,
+        )
+        return report
+
+    async def _collect(
+        self, wanted: int
+    ) -> tuple[list[tuple[GroupDetail, list[TrainingExample]]], list[str], list[float]]:
+        """Up to `wanted` usable scored groups (oldest first) and the ids of unusable ones."""
+        chosen: list[tuple[GroupDetail, list[TrainingExample]]] = []
+        skipped: list[str] = []
+        rewards: list[float] = []
+        cursor: str | None = None
+        while len(chosen) < wanted:
+            page = await self.store.list_groups(
+                status="scored", untrained=True, oldest_first=True, limit=50, cursor=cursor
+            )
+            for summary in page.items:
+                group = await self.store.get_group(summary.id, reward_policy=self.reward_policy)
+                examples = None if group is None else self.examples(group)
+                if group is None or not examples:
+                    skipped.append(summary.id)
+                    continue
+                chosen.append((group, examples))
+                rewards += [m.reward for m in group.members if m.reward is not None]
+                if len(chosen) == wanted:
+                    break
+            if page.next_cursor is None:
+                break
+            cursor = page.next_cursor
+        return chosen, skipped, rewards
+
+    def examples(self, group: GroupDetail) -> list[TrainingExample]:
+        """The group's training examples; [] when it cannot be trained on."""
+        rewards = [m.reward for m in group.members]
+        if any(r is None for r in rewards):
+            return []
+        advantages = group_advantages(
+            [float(r) for r in rewards if r is not None],
+            scale_by_std=self.config.scale_advantages_by_std,
+        )
+        if advantages is None:
+            return []  # zero variance: nothing to learn from this group
+        out = []
+        for member, advantage in zip(group.members, advantages, strict=True):
+            for turn in member.turns:
+                ids, logprobs = turn.completion_token_ids, turn.completion_logprobs
+                if not turn.prompt_token_ids or not ids or not logprobs:
+                    continue  # no token ids stored (upstream engine, failed call)
+                out.append(
+                    TrainingExample(
+                        sample_id=member.member_id,
+                        prompt_ids=list(turn.prompt_token_ids),
+                        completion_ids=list(ids),
+                        old_logprobs=[float(x) for x in logprobs],
+                        advantage=advantage,
+                    )
+                )
+        return out
+
+    async def _record(self, version: int, path: Path, metrics: dict[str, Any]) -> None:
+        now = time.time()
+        await self.store.record_adapter(
+            AdapterRecord(
+                policy=self.policy,
+                version=version,
+                path=str(path),
+                status="written",
+                created_at=now,
+                updated_at=now,
+                metrics=metrics,
+            )
+        )

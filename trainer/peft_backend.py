@@ -1,0 +1,344 @@
+"""The PEFT/torch trainer backend: one GRPO optimizer step at a time on a LoRA, CPU or CUDA.
+
+`PeftTrainer` owns its own fp32 copy of the base model wrapped in a PEFT LoRA and an AdamW
+optimizer over the LoRA parameters only. `train_step` takes `TrainingExample`s (exact stored
+token ids, stored logprobs, advantages) and makes exactly one optimizer step; `save` writes a
+checkpoint the serving engine can load (`trainer.checkpoints`); `load` resumes from one.
+
+How a step runs: each example is one row `prompt + completion`, cut from the left of the prompt
+when longer than `max_seq_len`. Rows are sorted by length (less padding), right-padded and cut
+into micro-batches. Logits are computed only where a completion token is predicted (transformers'
+boolean `logits_to_keep`), so long prompts cost no (T, V) logits. Per-token weights are computed
+once over the whole batch (`grpo.sample_row_weights`), so the micro-batch losses add up to
+exactly the full-batch loss, including the per-sample averaging. With kl_beta > 0 a reference
+pass runs with the adapter disabled, under no_grad.
+
+It is not the background loop: it reads no database, forms no groups and computes no
+advantages; it never serves requests (the engine loads the checkpoints it writes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from transformers import AutoModelForCausalLM
+
+from trainer import checkpoints
+from trainer.config import TrainerConfig
+from trainer.grpo import TrainingExample, grpo_loss, sample_row_weights, token_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    step: int  # optimizer steps done, this one included (the checkpoint version it would get)
+    loss: float  # the full-batch GRPO loss before the update
+    samples: int  # distinct sample ids
+    turns: int  # examples (rows)
+    tokens: int  # completion tokens trained on
+    forward_tokens: int  # prompt + completion tokens through forward and backward (no padding)
+    seconds: float
+    tokens_per_s: float  # forward_tokens / seconds
+    grad_norm: float  # global norm before clipping
+    clip_fraction: float  # token means over completion tokens
+    ratio_mean: float
+    kl: float  # k3 KL to the base; 0 when kl_beta == 0 (no reference pass)
+    truncated: int  # turns that lost tokens to max_seq_len
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class _Row:
+    input_ids: list[int]  # prompt + completion, after truncation
+    first: int  # index in input_ids of the first completion token
+    old_logprobs: list[float]
+    advantage: float
+    truncated: bool
+
+
+class PeftTrainer:
+    def __init__(
+        self, model_dir: Path, config: TrainerConfig, *, device: str | None = None
+    ) -> None:
+        """Load the fp32 checkpoint in `model_dir` (see proxy.engine.loader.ensure_fp32_cache)."""
+        self.config = config
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        base = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
+        pad = base.config.pad_token_id
+        self.pad_id = int(pad if pad is not None else (base.config.eos_token_id or 0))
+        lora = LoraConfig(
+            task_type=TaskType.CAUSAL_LM,
+            r=config.lora_rank,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            target_modules=list(config.target_modules),
+            bias="none",
+        )
+        with self._rng(config.seed):  # the LoRA A init is random: make it reproducible
+            self.model: PeftModel = get_peft_model(base, lora)  # type: ignore[assignment]
+        self.model.to(self.device)  # type: ignore[arg-type]
+        self.model.eval()
+        self._params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        self.optimizer = torch.optim.AdamW(
+            list(self._params.values()), lr=config.learning_rate, weight_decay=config.weight_decay
+        )
+        self.step = 0
+        self.last_metrics: StepMetrics | None = None
+        logger.info(
+            "LoRA trainer on %s: %.2f M trainable parameters (r=%d on %s)",
+            self.device,
+            sum(p.numel() for p in self._params.values()) / 1e6,
+            config.lora_rank,
+            ",".join(config.target_modules),
+        )
+
+    # ----------------------------------------------------------------- training
+
+    def train_step(self, examples: Sequence[TrainingExample]) -> StepMetrics:
+        """One AdamW step on the GRPO loss of all `examples` (gradients accumulate over
+        micro-batches; the result equals one full-batch step)."""
+        if not examples:
+            raise ValueError("train_step needs at least one example")
+        start = time.perf_counter()
+        rows = [self._prepare(e) for e in examples]
+        sample_index: dict[str, int] = {}
+        sample_ids = torch.tensor(
+            [sample_index.setdefault(e.sample_id, len(sample_index)) for e in examples]
+        )
+        counts = torch.tensor([len(r.old_logprobs) for r in rows])
+        weights = sample_row_weights(counts, sample_ids)  # (N,) per-token weight of each row
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i].input_ids))
+
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        totals: dict[str, float] = defaultdict(float)
+        with self._rng(self.config.seed + self.step):  # dropout per step, reproducible on resume
+            for chunk in _chunks(order, self.config.micro_batch_size):
+                loss, metrics = self._micro_batch([rows[i] for i in chunk], weights[chunk])
+                loss.backward()  # type: ignore[no-untyped-call]
+                loss_sum += float(loss.detach())
+                for key in ("clip_fraction", "ratio_mean", "kl"):
+                    totals[key] += metrics[key] * metrics["tokens"]
+                totals["tokens"] += metrics["tokens"]
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            list(self._params.values()), self.config.max_grad_norm
+        )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.eval()
+        self.step += 1
+
+        seconds = time.perf_counter() - start
+        tokens = int(totals["tokens"])
+        forward_tokens = sum(len(r.input_ids) for r in rows)
+        truncated = sum(r.truncated for r in rows)
+        if truncated:
+            logger.warning("%d of %d turns were cut to max_seq_len", truncated, len(rows))
+        self.last_metrics = StepMetrics(
+            step=self.step,
+            loss=loss_sum,
+            samples=len(sample_index),
+            turns=len(rows),
+            tokens=tokens,
+            forward_tokens=forward_tokens,
+            seconds=seconds,
+            tokens_per_s=forward_tokens / seconds if seconds > 0 else 0.0,
+            grad_norm=float(grad_norm),
+            clip_fraction=totals["clip_fraction"] / max(tokens, 1),
+            ratio_mean=totals["ratio_mean"] / max(tokens, 1),
+            kl=totals["kl"] / max(tokens, 1),
+            truncated=truncated,
+        )
+        logger.info("train step %d: %s", self.step, self.last_metrics)
+        return self.last_metrics
+
+    def _prepare(self, example: TrainingExample) -> _Row:
+        prompt, completion = list(example.prompt_ids), list(example.completion_ids)
+        old = [float(x) for x in example.old_logprobs]
+        if not completion:
+            raise ValueError(f"sample {example.sample_id}: a turn without completion tokens")
+        if not prompt:
+            raise ValueError(f"sample {example.sample_id}: a turn needs at least one prompt token")
+        if len(old) != len(completion):
+            raise ValueError(
+                f"sample {example.sample_id}: {len(old)} old logprobs for "
+                f"{len(completion)} completion tokens; store one logprob per sampled token"
+            )
+        if not all(x == x and abs(x) != float("inf") for x in old):
+            raise ValueError(f"sample {example.sample_id}: old logprobs must be finite")
+        limit = self.config.max_seq_len
+        truncated = len(prompt) + len(completion) > limit
+        if truncated:
+            completion = completion[: limit - 1]  # keep at least one prompt token
+            old = old[: len(completion)]
+            prompt = prompt[len(prompt) - (limit - len(completion)) :]
+        return _Row(prompt + completion, len(prompt), old, float(example.advantage), truncated)
+
+    def _micro_batch(
+        self, rows: list[_Row], row_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        batch, length = len(rows), max(len(r.input_ids) for r in rows)
+        input_ids = torch.full((batch, length), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((batch, length), dtype=torch.long)
+        # keep[b, p]: position p predicts a completion token (p + 1), so p runs from first - 1.
+        keep = torch.zeros((batch, length), dtype=torch.bool)
+        old = torch.zeros((batch, length), dtype=torch.float32)
+        for b, row in enumerate(rows):
+            n = len(row.input_ids)
+            input_ids[b, :n] = torch.tensor(row.input_ids)
+            attention[b, :n] = 1
+            span = slice(row.first - 1, row.first - 1 + len(row.old_logprobs))
+            keep[b, span] = True
+            old[b, span] = torch.tensor(row.old_logprobs)
+        input_ids, attention, keep, old = (
+            t.to(self.device) for t in (input_ids, attention, keep, old)
+        )
+        targets = input_ids.roll(-1, dims=1)  # target of position p is token p + 1
+        advantages = torch.tensor([r.advantage for r in rows], device=self.device)
+
+        ref = None
+        if self.config.kl_beta > 0:
+            with torch.no_grad(), self.model.disable_adapter():
+                ref = self._logprobs(input_ids, attention, keep, targets)
+        new = self._logprobs(input_ids, attention, keep, targets)
+        return grpo_loss(
+            new,
+            old,
+            advantages,
+            keep,
+            epsilon=self.config.epsilon,
+            kl_beta=self.config.kl_beta,
+            ref_logprobs=ref,
+            row_weights=row_weights.to(self.device),
+        )
+
+    def _logprobs(
+        self,
+        input_ids: torch.Tensor,
+        attention: torch.Tensor,
+        keep: torch.Tensor,
+        targets: torch.Tensor,
+    ) -> torch.Tensor:
+        """(B, T) logprobs of the targets at the `keep` positions, 0 elsewhere."""
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention, logits_to_keep=keep, use_cache=False
+        )
+        flat = token_logprobs(out.logits, targets[keep])  # (N, V), (N,) -> (N,)
+        return torch.zeros(keep.shape, dtype=flat.dtype, device=flat.device).masked_scatter(
+            keep, flat
+        )
+
+    @contextlib.contextmanager
+    def _rng(self, seed: int) -> Iterator[None]:
+        """Seed torch's RNG inside the block and restore the caller's RNG state after it."""
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            yield
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """The LoRA weights, keyed exactly as PEFT's save_pretrained writes them."""
+        state = get_peft_model_state_dict(self.model)
+        return {k: v.detach().to("cpu").clone() for k, v in state.items()}
+
+    def adapter_config(self) -> dict[str, Any]:
+        """PEFT's adapter_config.json content, as save_pretrained writes it (inference mode)."""
+        config = copy.deepcopy(self.model.peft_config["default"])
+        config.inference_mode = True
+        config.base_model_name_or_path = str(self.model_dir)
+        data = config.to_dict()
+        data = {k: sorted(v) if isinstance(v, set) else v for k, v in data.items()}
+        return dict(json.loads(json.dumps(data)))  # JSON-ready (enums become their values)
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """AdamW's per-parameter state as tensors named `<parameter name>.<state key>`."""
+        out: dict[str, torch.Tensor] = {}
+        for name, param in self._params.items():
+            for key, value in self.optimizer.state.get(param, {}).items():
+                out[f"{name}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
+        return out
+
+    def save(self, root: Path, trainer_state: dict[str, Any] | None = None) -> Path:
+        """Write checkpoint version `self.step` under `root`; `trainer_state` (for example the
+        group ids used so far) is stored beside the trainer's own step, config and metrics."""
+        state: dict[str, Any] = {
+            "config": self.config.to_dict(),
+            "seed": self.config.seed,
+            "metrics": self.last_metrics.to_dict() if self.last_metrics else None,
+            "base_model": str(self.model_dir),
+            **(trainer_state or {}),
+        }
+        return checkpoints.write_checkpoint(
+            root,
+            self.step,
+            self.adapter_state(),
+            self.adapter_config(),
+            state,
+            self.optimizer_state(),
+        )
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """Resume from a checkpoint folder: LoRA weights, optimizer state and step.
+
+        Returns its trainer state. The LoRA shape (rank, alpha, target modules) must match this
+        trainer's config; other fields (learning rate, epsilon, ...) may have changed.
+        """
+        checkpoints.validate_checkpoint(path)
+        saved = checkpoints.read_adapter_config(path)
+        expected = self.adapter_config()
+        for key in ("r", "lora_alpha", "target_modules", "peft_type"):
+            if saved.get(key) != expected.get(key):
+                raise ValueError(
+                    f"checkpoint {path} has {key}={saved.get(key)!r} but this trainer is "
+                    f"configured with {expected.get(key)!r}; resume with the same LoRA shape"
+                )
+        weights = checkpoints.read_adapter_state(path)
+        mismatch = set(weights) ^ set(get_peft_model_state_dict(self.model))
+        if mismatch:
+            raise checkpoints.CheckpointError(
+                f"checkpoint {path} does not fit this model's LoRA: {sorted(mismatch)[:3]}"
+            )
+        set_peft_model_state_dict(self.model, weights)
+        self._load_optimizer_state(checkpoints.read_optimizer_state(path), path)
+        state = checkpoints.read_trainer_state(path)
+        self.step = int(state["step"])
+        logger.info("resumed LoRA training from %s at step %d", path, self.step)
+        return state
+
+    def _load_optimizer_state(self, tensors: dict[str, torch.Tensor], path: Path) -> None:
+        per_param: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+        for key, value in tensors.items():
+            name, state_key = key.rsplit(".", 1)
+            if name not in self._params:
+                raise checkpoints.CheckpointError(
+                    f"optimizer state in {path} names an unknown parameter {name}"
+                )
+            per_param[name][state_key] = value
+        index = {name: i for i, name in enumerate(self._params)}  # the optimizer's param order
+        state_dict = self.optimizer.state_dict()
+        state_dict["state"] = {index[name]: state for name, state in per_param.items()}
+        self.optimizer.load_state_dict(state_dict)
+
+
+def _chunks(items: list[int], size: int) -> Iterator[list[int]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
