@@ -110,6 +110,12 @@ class TrainingLoop:
                 await self.store.mark_trained([g for g in skipped], SKIPPED)
             return None
         examples = [e for _, exs in chosen for e in exs]
+        logger.info(
+            "step %d: training on %d groups (%d turns)",
+            self.trainer.step + 1,
+            len(chosen),
+            len(examples),
+        )
         started = time.perf_counter()
         metrics = await asyncio.to_thread(self.trainer.train_step, examples)
         group_ids = [g.id for g, _ in chosen]
