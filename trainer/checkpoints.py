@@ -19,7 +19,8 @@ Validation (`is_complete`) reads every tensor of both safetensors files, as
 and the files are a few MB. A numbered folder that fails it (a disk that lied about fsync,
 a hand edit) is skipped by `latest_checkpoint`, which falls back to the previous version.
 
-This module stores and finds files; it knows nothing about models or how the dicts are made.
+This module stores and finds files, and turns an optimizer's state into named tensors and back;
+it knows nothing about models or how the adapter dicts are made.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import logging
 import os
 import secrets
 import shutil
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +171,41 @@ def read_adapter_state(path: Path) -> dict[str, torch.Tensor]:
 
 def read_optimizer_state(path: Path) -> dict[str, torch.Tensor]:
     return _read_tensors(path / OPTIMIZER_STATE)
+
+
+# ----------------------------------------------------------------- optimizer state
+
+
+def optimizer_tensors(
+    optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter]
+) -> dict[str, torch.Tensor]:
+    """An optimizer's per-parameter state as tensors named `<parameter name>.<state key>`
+    (e.g. `...lora_A.default.weight.exp_avg`). Names, not positions, so a reordering of the
+    parameters cannot silently pair a state with the wrong tensor. Hyperparameters are not
+    stored: they come from the trainer's config."""
+    out: dict[str, torch.Tensor] = {}
+    for name, param in params.items():
+        for key, value in optimizer.state.get(param, {}).items():
+            out[f"{name}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
+    return out
+
+
+def load_optimizer_tensors(
+    optimizer: torch.optim.Optimizer,
+    params: dict[str, torch.nn.Parameter],
+    tensors: dict[str, torch.Tensor],
+) -> None:
+    """The inverse of `optimizer_tensors`; `params` in the order they were given to `optimizer`."""
+    per_param: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    for key, value in tensors.items():
+        name, state_key = key.rsplit(".", 1)
+        if name not in params:
+            raise CheckpointError(f"optimizer state names an unknown parameter {name}")
+        per_param[name][state_key] = value
+    index = {name: i for i, name in enumerate(params)}
+    state_dict = optimizer.state_dict()
+    state_dict["state"] = {index[name]: state for name, state in per_param.items()}
+    optimizer.load_state_dict(state_dict)
 
 
 # ----------------------------------------------------------------- files

@@ -23,6 +23,7 @@ import contextlib
 import copy
 import json
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -80,8 +81,8 @@ class PeftTrainer:
         self.model_dir = Path(model_dir)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         base = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
-        pad = base.config.pad_token_id
-        self.pad_id = int(pad if pad is not None else (base.config.eos_token_id or 0))
+        # Padding is masked out of attention and loss, so any id does; the model's own is tidiest.
+        self.pad_id = int(base.config.pad_token_id or 0)
         lora = LoraConfig(
             task_type=TaskType.CAUSAL_LM,
             r=config.lora_rank,
@@ -125,24 +126,33 @@ class PeftTrainer:
         weights = sample_row_weights(counts, sample_ids)  # (N,) per-token weight of each row
         order = sorted(range(len(rows)), key=lambda i: len(rows[i].input_ids))
 
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         totals: dict[str, float] = defaultdict(float)
-        with self._rng(self.config.seed + self.step):  # dropout per step, reproducible on resume
-            for chunk in _chunks(order, self.config.micro_batch_size):
-                loss, metrics = self._micro_batch([rows[i] for i in chunk], weights[chunk])
-                loss.backward()  # type: ignore[no-untyped-call]
-                loss_sum += float(loss.detach())
-                for key in ("clip_fraction", "ratio_mean", "kl"):
-                    totals[key] += metrics[key] * metrics["tokens"]
-                totals["tokens"] += metrics["tokens"]
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            list(self._params.values()), self.config.max_grad_norm
-        )
-        self.optimizer.step()
+        self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        self.model.eval()
+        try:
+            with self._rng(self.config.seed + self.step):  # per-step dropout, same on resume
+                for chunk in _chunks(order, self.config.micro_batch_size):
+                    loss, metrics = self._micro_batch([rows[i] for i in chunk], weights[chunk])
+                    loss.backward()  # type: ignore[no-untyped-call]
+                    loss_sum += float(loss.detach())
+                    for key in ("clip_fraction", "ratio_mean", "kl"):
+                        totals[key] += metrics[key] * metrics["tokens"]
+                    totals["tokens"] += metrics["tokens"]
+            grad_norm = float(
+                torch.nn.utils.clip_grad_norm_(
+                    list(self._params.values()), self.config.max_grad_norm
+                )
+            )
+            if not math.isfinite(grad_norm) or not math.isfinite(loss_sum):
+                # One NaN update would poison the adapter for good: refuse the step instead.
+                raise FloatingPointError(
+                    f"non-finite loss {loss_sum} or gradient norm {grad_norm}; step skipped"
+                )
+            self.optimizer.step()
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.eval()
         self.step += 1
 
         seconds = time.perf_counter() - start
@@ -160,7 +170,7 @@ class PeftTrainer:
             forward_tokens=forward_tokens,
             seconds=seconds,
             tokens_per_s=forward_tokens / seconds if seconds > 0 else 0.0,
-            grad_norm=float(grad_norm),
+            grad_norm=grad_norm,
             clip_fraction=totals["clip_fraction"] / max(tokens, 1),
             ratio_mean=totals["ratio_mean"] / max(tokens, 1),
             kl=totals["kl"] / max(tokens, 1),
@@ -181,7 +191,7 @@ class PeftTrainer:
                 f"sample {example.sample_id}: {len(old)} old logprobs for "
                 f"{len(completion)} completion tokens; store one logprob per sampled token"
             )
-        if not all(x == x and abs(x) != float("inf") for x in old):
+        if not all(math.isfinite(x) for x in old):
             raise ValueError(f"sample {example.sample_id}: old logprobs must be finite")
         limit = self.config.max_seq_len
         truncated = len(prompt) + len(completion) > limit
@@ -271,11 +281,7 @@ class PeftTrainer:
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """AdamW's per-parameter state as tensors named `<parameter name>.<state key>`."""
-        out: dict[str, torch.Tensor] = {}
-        for name, param in self._params.items():
-            for key, value in self.optimizer.state.get(param, {}).items():
-                out[f"{name}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
-        return out
+        return checkpoints.optimizer_tensors(self.optimizer, self._params)
 
     def save(self, root: Path, trainer_state: dict[str, Any] | None = None) -> Path:
         """Write checkpoint version `self.step` under `root`; `trainer_state` (for example the
@@ -318,25 +324,13 @@ class PeftTrainer:
                 f"checkpoint {path} does not fit this model's LoRA: {sorted(mismatch)[:3]}"
             )
         set_peft_model_state_dict(self.model, weights)
-        self._load_optimizer_state(checkpoints.read_optimizer_state(path), path)
+        checkpoints.load_optimizer_tensors(
+            self.optimizer, self._params, checkpoints.read_optimizer_state(path)
+        )
         state = checkpoints.read_trainer_state(path)
         self.step = int(state["step"])
         logger.info("resumed LoRA training from %s at step %d", path, self.step)
         return state
-
-    def _load_optimizer_state(self, tensors: dict[str, torch.Tensor], path: Path) -> None:
-        per_param: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
-        for key, value in tensors.items():
-            name, state_key = key.rsplit(".", 1)
-            if name not in self._params:
-                raise checkpoints.CheckpointError(
-                    f"optimizer state in {path} names an unknown parameter {name}"
-                )
-            per_param[name][state_key] = value
-        index = {name: i for i, name in enumerate(self._params)}  # the optimizer's param order
-        state_dict = self.optimizer.state_dict()
-        state_dict["state"] = {index[name]: state for name, state in per_param.items()}
-        self.optimizer.load_state_dict(state_dict)
 
 
 def _chunks(items: list[int], size: int) -> Iterator[list[int]]:

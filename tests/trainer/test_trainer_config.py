@@ -1,0 +1,57 @@
+"""TrainerConfig: defaults, JSON round trip, and invariants that say how to fix a bad value."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import pytest
+
+from trainer.config import TrainerConfig
+
+
+def test_defaults_are_valid_and_documented() -> None:
+    config = TrainerConfig()
+    assert config.lora_rank == 8 and config.lora_alpha == 16
+    assert config.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert config.epsilon == 0.2 and config.kl_beta == 0.0
+    assert config.scale_advantages_by_std is True
+    for f in fields(TrainerConfig):
+        assert f.metadata.get("help"), f"{f.name} has no help text"
+
+
+def test_round_trip_through_a_dict() -> None:
+    config = TrainerConfig(learning_rate=5e-5, target_modules=("q_proj", "v_proj"), kl_beta=0.04)
+    data = config.to_dict()
+    assert data["target_modules"] == ["q_proj", "v_proj"]
+    assert TrainerConfig.from_dict(data) == config
+
+
+def test_unknown_field_in_a_dict_is_refused() -> None:
+    with pytest.raises(ValueError, match="learning_rat"):
+        TrainerConfig.from_dict({"learning_rat": 1e-4})
+
+
+@pytest.mark.parametrize(
+    ("changes", "hint"),
+    [
+        ({"learning_rate": 0.0}, "learning_rate must be a positive"),
+        ({"learning_rate": float("nan")}, "learning_rate"),
+        ({"lora_rank": 0}, "lora_rank must be >= 1"),
+        ({"lora_alpha": 0}, "lora_alpha"),
+        ({"lora_dropout": 1.0}, "lora_dropout"),
+        ({"target_modules": ()}, "target_modules must name at least one"),
+        ({"target_modules": "q_proj"}, "not the string"),
+        ({"epsilon": 0.0}, "epsilon must be in"),
+        ({"epsilon": 1.0}, "epsilon must be in"),
+        ({"kl_beta": -0.1}, "kl_beta must be >= 0"),
+        ({"groups_per_step": 0}, "groups_per_step"),
+        ({"micro_batch_size": 0}, "micro_batch_size must be >= 1"),
+        ({"max_seq_len": 1}, "max_seq_len"),
+        ({"max_grad_norm": 0.0}, "max_grad_norm"),
+        ({"weight_decay": -1.0}, "weight_decay"),
+    ],
+)
+def test_invariants(changes: dict[str, Any], hint: str) -> None:
+    with pytest.raises(ValueError, match=hint):
+        TrainerConfig(**changes)
