@@ -140,6 +140,13 @@ class Settings(BaseSettings):
         "trainer.config.TrainerConfig.",
     )
     train_poll_s: float = Field(5.0, gt=0, description="How often the trainer looks for groups.")
+    train_threads: int | None = Field(
+        None,
+        ge=1,
+        description="Torch threads of the trainer process (serve's trainer defaults to 1 on CPU, "
+        "leaving the other cores to serving; unset for a standalone `rlproxy train`: torch's "
+        "default).",
+    )
     publish_adapters: bool = Field(
         True,
         description="Serve each new adapter version the trainer writes as soon as it loads "

@@ -25,6 +25,10 @@ async def train_command(settings: Settings, steps: int | None = None) -> int:
     from trainer.config import TrainerConfig
     from trainer.peft_backend import PeftTrainer
 
+    if settings.train_threads is not None:
+        import torch
+
+        torch.set_num_threads(settings.train_threads)
     config = TrainerConfig(**settings.trainer)
     model_dir = await asyncio.to_thread(ensure_fp32_cache, settings.model_dir or settings.data_dir)
     store = await open_store(settings)

@@ -32,6 +32,7 @@ class TrainerProcess:
             "RLPROXY_MODEL_NAME": s.model_name,
             "RLPROXY_DATABASE_URL": s.resolved_database_url,
         }
+        env["RLPROXY_TRAIN_THREADS"] = str(s.train_threads or 1)
         if s.model_dir is not None:
             env["RLPROXY_MODEL_DIR"] = str(s.model_dir)
         log = (s.data_dir / "trainer.log").open("ab")

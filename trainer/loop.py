@@ -117,8 +117,15 @@ class TrainingLoop:
             len(examples),
         )
         started = time.perf_counter()
-        metrics = await asyncio.to_thread(self.trainer.train_step, examples)
         group_ids = [g.id for g, _ in chosen]
+        try:
+            metrics = await asyncio.to_thread(self.trainer.train_step, examples)
+        except (ValueError, FloatingPointError) as exc:
+            # The trainer refused these examples (bad ids, a non-finite step) and changed
+            # nothing: skip the groups rather than retry them forever.
+            logger.error("step refused, skipping groups %s: %s", group_ids, exc)
+            await self.store.mark_trained(group_ids + skipped, SKIPPED)
+            return None
         report = StepReport(
             version=self.trainer.step,
             path=checkpoints.version_dir(self.root, self.trainer.step),
@@ -139,7 +146,13 @@ class TrainingLoop:
             "policy": self.policy,
             "step_report": report.metrics,
         }
-        path = await asyncio.to_thread(self.trainer.save, self.root, state)
+        try:
+            path = await asyncio.to_thread(self.trainer.save, self.root, state)
+        except BaseException:
+            # The step advanced the trainer but no version was written: go back to the last
+            # written one so the next version number is not skipped.
+            await self._rewind()
+            raise
         report.path = path
         await self._record(report.version, path, report.metrics)
         await self.store.mark_trained(group_ids, report.version)
@@ -211,6 +224,14 @@ class TrainingLoop:
                     )
                 )
         return out
+
+    async def _rewind(self) -> None:
+        latest = await asyncio.to_thread(checkpoints.latest_checkpoint, self.root)
+        if latest is not None:
+            await asyncio.to_thread(self.trainer.load, latest)
+        else:
+            self.trainer.step = 0
+        logger.warning("checkpoint not written; trainer back at step %d", self.trainer.step)
 
     async def _record(self, version: int, path: Path, metrics: dict[str, Any]) -> None:
         now = time.time()
