@@ -3,8 +3,9 @@
 It runs the judge prompt on the served model's base weights (`NAME@base`), greedy, through a
 `ChatService` that has no call sink: judge calls are never stored as calls, so they never become
 training data. The reply is held by the engine's grammar to a keyed form of RULER's schema,
-`{"scores": {"1": {"explanation", "score"}, ...}}`, in which every member id appears exactly
-once by construction, and is handed back to RULER in its list form. (A small model asked for
+`{"scores": {"1": {"explanation", "score": 0..10}, ...}}`, in which every member id appears
+exactly once by construction and a score cannot run on, and is handed back to RULER in its list
+form (scores divided by 10). (A small model asked for
 the list form repeats or skips ids; an object with required keys cannot.) A 135M model is
 a placeholder judge for trying the loop out, not a useful one; the server says so when it starts.
 """
@@ -78,7 +79,9 @@ def _keyed_format(ids: list[str]) -> dict[str, Any]:
         "type": "object",
         "properties": {
             "explanation": {"type": "string", "maxLength": EXPLANATION_MAX_CHARS},
-            "score": {"type": "number", "minimum": 0, "maximum": 1},
+            # An integer 0..10 (divided by 10 below): a free JSON number lets a small model
+            # write decimals until max_tokens.
+            "score": {"type": "integer", "minimum": 0, "maximum": 10},
         },
         "required": ["explanation", "score"],
         "additionalProperties": False,
@@ -102,7 +105,10 @@ def _as_list_form(content: str) -> str:
     """`{"scores": {"1": {...}}}` -> `{"scores": [{"trajectory_id": "1", ...}]}`; else as is."""
     try:
         scores = json.loads(content)["scores"]
-        entries = [{"trajectory_id": k, **v} for k, v in scores.items()]
+        entries = [
+            {"trajectory_id": k, "explanation": v["explanation"], "score": v["score"] / 10}
+            for k, v in scores.items()
+        ]
     except (ValueError, KeyError, TypeError, AttributeError):
         return content  # RULER reports what is wrong with it
     return json.dumps({"scores": entries})

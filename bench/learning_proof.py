@@ -1,0 +1,262 @@
+"""The proof: an unchanged agent, pointed at rlproxy, gets better at its task while it works.
+
+Starts two servers on this machine:
+- the training server: `rlproxy serve` with its trainer process, background scoring and
+  publishing on. The agent (examples/arithmetic_agent.py, plain `openai` SDK) practises on it:
+  each round asks QUESTIONS practice questions RUNS times each and reports the environment's
+  reward for every answer. rlproxy groups the runs of each question (task signature), takes the
+  rewards as scores, makes one GRPO step per round and publishes the new adapter.
+- an evaluation server with no trainer and its own database, reading the same checkpoint
+  folder, so held-out evaluation traffic never becomes training data.
+
+Held-out reward (100 questions never practised, `--eval-samples` attempts each) is measured for
+the base model first, every `--eval-every` steps, and for the last version. Writes
+`<out>/learning.json` and `<out>/learning.png` (training reward per step and held-out reward
+with standard errors) and prints the summary.
+
+    .venv/bin/python bench/learning_proof.py [--minutes 30] [--lr 1e-4] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+AGENT = REPO / "examples" / "arithmetic_agent.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(data_dir: Path, model_dir: Path, env_extra: dict[str, str]) -> tuple[Any, str]:
+    port = free_port()
+    env = {
+        **os.environ,
+        "RLPROXY_DATA_DIR": str(data_dir),
+        "RLPROXY_MODEL_DIR": str(model_dir),
+        "RLPROXY_PORT": str(port),
+        **env_extra,
+    }
+    log = (data_dir / "server.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "serve"], env=env, cwd=REPO, stdout=log, stderr=log
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited; see {data_dir / 'server.log'}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"server did not start; see {data_dir / 'server.log'}")
+
+
+def agent(url: str, *args: str) -> dict[str, Any]:
+    env = {**os.environ, "OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": "sk-agent"}
+    done = subprocess.run(
+        [sys.executable, str(AGENT), *args], env=env, capture_output=True, text=True, check=True
+    )
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def adapters(url: str) -> dict[int, dict[str, Any]]:
+    data = httpx.get(f"{url}/rl/adapters", timeout=30).json()["data"]
+    return {int(a["version"]): a for a in data}
+
+
+def wait_for_version(url: str, version: int, timeout_s: float) -> dict[str, Any] | None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        a = adapters(url).get(version)
+        if a is not None and a.get("status") == "loaded":
+            return a
+        time.sleep(1)
+    return None
+
+
+def evaluate(eval_url: str, version: int | None, samples: int) -> dict[str, Any]:
+    model = "rlproxy@base"
+    if version is not None:
+        r = httpx.post(f"{eval_url}/rl/adapters/{version}/load", timeout=120)
+        r.raise_for_status()
+        model = f"rlproxy@{version}"
+    result = agent(eval_url, "eval", "--model", model, "--samples", str(samples))
+    result["version"] = version or 0
+    print(
+        f"  held-out {model}: {result['mean_reward']:.3f} ± {result['stderr']:.3f} "
+        f"(exact answers {result['exact']:.0%}, n={result['episodes']})",
+        flush=True,
+    )
+    return result
+
+
+def plot(path: Path, steps: list[dict[str, Any]], evals: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(
+        [s["version"] for s in steps],
+        [s["train_reward"] for s in steps],
+        ".-",
+        color="tab:blue",
+        alpha=0.6,
+        label="practice reward (mean of the step's groups)",
+    )
+    ax.errorbar(
+        [e["version"] for e in evals],
+        [e["mean_reward"] for e in evals],
+        yerr=[e["stderr"] for e in evals],
+        fmt="o-",
+        color="tab:red",
+        capsize=3,
+        label="held-out reward (± 1 s.e.)",
+    )
+    ax.set_xlabel("training step (adapter version)")
+    ax.set_ylabel("reward")
+    ax.set_ylim(0, 1)
+    ax.set_title("SmolLM2-135M, arithmetic agent through rlproxy (CPU)")
+    ax.legend(loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=30.0, help="training wall-time budget")
+    parser.add_argument("--questions", type=int, default=4, help="groups per step")
+    parser.add_argument("--runs", type=int, default=8, help="attempts per question (group size)")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--eval-samples", type=int, default=2)
+    parser.add_argument("--eval-every", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=Path(os.environ.get("RLPROXY_MODEL_DIR", REPO / "rlproxy-data")),
+    )
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    work = Path(tempfile.mkdtemp(prefix="rlproxy-proof-"))
+    train_dir, eval_dir = work / "train", work / "eval"
+    (train_dir / "checkpoints" / "rlproxy").mkdir(parents=True)
+    eval_dir.mkdir()
+    (eval_dir / "checkpoints").symlink_to(train_dir / "checkpoints")
+    print(f"working in {work}", flush=True)
+    trainer_cfg = {"groups_per_step": args.questions, "learning_rate": args.lr}
+    train_proc, train_url = start_server(
+        train_dir,
+        args.model_dir,
+        {
+            "RLPROXY_SCORING_INTERVAL_S": "1",
+            "RLPROXY_TRAIN_POLL_S": "1",
+            "RLPROXY_ADAPTER_POLL_S": "1",
+            "RLPROXY_GROUP_MIN_SIZE": str(args.runs),
+            "RLPROXY_GROUP_MAX_SIZE": str(args.runs),
+            "RLPROXY_GROUP_WINDOW_S": "1e9",
+            "RLPROXY_TRAINER": json.dumps(trainer_cfg),
+        },
+    )
+    eval_proc, eval_url = start_server(
+        eval_dir,
+        args.model_dir,
+        {"RLPROXY_TRAIN": "false", "RLPROXY_SCORING": "false", "RLPROXY_PUBLISH_ADAPTERS": "false"},
+    )
+    steps: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
+    try:
+        evals.append(evaluate(eval_url, None, args.eval_samples))
+        started = time.monotonic()
+        version = 0
+        while time.monotonic() - started < args.minutes * 60:
+            practice = agent(
+                train_url,
+                "train",
+                "--questions",
+                str(args.questions),
+                "--runs",
+                str(args.runs),
+                "--seed",
+                str(version),
+            )
+            published = wait_for_version(train_url, version + 1, timeout_s=900)
+            if published is None:
+                print("  no new version within 15 minutes; stopping", flush=True)
+                break
+            version += 1
+            metrics = published.get("metrics") or {}
+            steps.append(
+                {
+                    "version": version,
+                    "elapsed_s": time.monotonic() - started,
+                    "agent_reward": practice["mean_reward"],
+                    "train_reward": metrics.get("mean_reward", practice["mean_reward"]),
+                    "loss": metrics.get("loss"),
+                    "step_seconds": metrics.get("step_seconds"),
+                    "skipped_groups": metrics.get("skipped_groups"),
+                }
+            )
+            print(
+                f"step {version:3d}  {steps[-1]['elapsed_s']:6.0f} s  practice reward "
+                f"{practice['mean_reward']:.3f}  step {metrics.get('step_seconds', 0):.1f} s",
+                flush=True,
+            )
+            if version % args.eval_every == 0:
+                evals.append(evaluate(eval_url, version, args.eval_samples))
+        wall = time.monotonic() - started
+        if version and evals[-1]["version"] != version:
+            evals.append(evaluate(eval_url, version, args.eval_samples))
+    finally:
+        for proc in (train_proc, eval_proc):
+            proc.terminate()
+            proc.wait(timeout=60)
+
+    base, last = evals[0], evals[-1]
+    gain = last["mean_reward"] - base["mean_reward"]
+    se = math.hypot(base["stderr"], last["stderr"])
+    summary = {
+        "steps": version,
+        "wall_s": wall,
+        "base": {k: base[k] for k in ("mean_reward", "stderr", "exact", "episodes")},
+        "trained": {k: last[k] for k in ("version", "mean_reward", "stderr", "exact", "episodes")},
+        "gain": gain,
+        "gain_in_standard_errors": gain / se if se else None,
+        "settings": vars(args) | {"out": str(args.out), "model_dir": str(args.model_dir)},
+        "steps_detail": steps,
+        "evals": evals,
+    }
+    (args.out / "learning.json").write_text(json.dumps(summary, indent=2))
+    plot(args.out / "learning.png", steps, evals)
+    print(
+        f"\n{version} steps in {wall / 60:.1f} min. held-out reward: base "
+        f"{base['mean_reward']:.3f} ± {base['stderr']:.3f} -> version {last['version']} "
+        f"{last['mean_reward']:.3f} ± {last['stderr']:.3f}; gain {gain:+.3f} = "
+        f"{summary['gain_in_standard_errors']:.1f} standard errors"
+    )
+    print(f"wrote {args.out / 'learning.json'} and {args.out / 'learning.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""An arithmetic agent that knows nothing about rlproxy: plain `openai` SDK, OPENAI_BASE_URL set.
+
+The task: answer "What is A + B?" with the number alone. The environment's reward for a reply:
+
+    1.0   the reply is exactly the right number
+    0.3   the reply is a number alone, but the wrong one
+    else  0.6 if the right number appears somewhere in the reply, plus up to 0.4 for brevity
+          (0.4 * (1 - characters / 40), never below 0)
+
+The agent reports each reward for the response it got, by that response's completion id, to
+`POST <server>/rl/trajectories/<completion id>/reward`: the one rlproxy endpoint an agent calls
+to say how an episode went. Everything else is the OpenAI API.
+
+    # practice: each question asked --runs times, every answer rewarded
+    OPENAI_BASE_URL=http://127.0.0.1:8000/v1 python examples/arithmetic_agent.py train \\
+        --questions 4 --runs 8 --seed 1
+    # measure: held-out questions, nothing reported, mean reward and standard error printed
+    OPENAI_BASE_URL=http://127.0.0.1:8000/v1 python examples/arithmetic_agent.py eval \\
+        --model rlproxy@base --samples 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import re
+import statistics
+
+import httpx
+from openai import AsyncOpenAI
+
+HELD_OUT_SEED = 12345
+HELD_OUT_COUNT = 100
+
+
+def question_text(a: int, b: int) -> str:
+    return f"What is {a} + {b}? Answer with just the number."
+
+
+def reward(reply: str, answer: int) -> float:
+    text = reply.strip()
+    if re.fullmatch(r"-?\d+\.?", text):
+        return 1.0 if int(text.rstrip(".")) == answer else 0.3
+    found = str(answer) in re.findall(r"-?\d+", text)
+    return (0.6 if found else 0.0) + 0.4 * max(0.0, 1.0 - len(text) / 40)
+
+
+def all_pairs() -> list[tuple[int, int]]:
+    return [(a, b) for a in range(1, 21) for b in range(1, 21)]
+
+
+def held_out() -> list[tuple[int, int]]:
+    """100 questions never used for practice."""
+    return random.Random(HELD_OUT_SEED).sample(all_pairs(), HELD_OUT_COUNT)
+
+
+def practice_pairs() -> list[tuple[int, int]]:
+    excluded = set(held_out())
+    return [p for p in all_pairs() if p not in excluded]
+
+
+async def episode(
+    client: AsyncOpenAI, model: str, a: int, b: int, report: bool
+) -> tuple[str, float]:
+    completion = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": question_text(a, b)}],
+        max_tokens=16,
+        temperature=1.0,
+    )
+    reply = completion.choices[0].message.content or ""
+    r = reward(reply, a + b)
+    if report:
+        server = str(client.base_url).rstrip("/").removesuffix("/v1")
+        async with httpx.AsyncClient(timeout=60) as http:
+            response = await http.post(
+                f"{server}/rl/trajectories/{completion.id}/reward",
+                json={"reward": r, "source": "arithmetic-env"},
+            )
+            response.raise_for_status()
+    return reply, r
+
+
+async def train(client: AsyncOpenAI, model: str, questions: int, runs: int, seed: int) -> dict:
+    pairs = random.Random(seed).sample(practice_pairs(), questions)
+    jobs = [episode(client, model, a, b, report=True) for a, b in pairs for _ in range(runs)]
+    rewards = [r for _, r in await asyncio.gather(*jobs)]
+    return {"episodes": len(rewards), "mean_reward": statistics.fmean(rewards)}
+
+
+async def evaluate(client: AsyncOpenAI, model: str, samples: int) -> dict:
+    jobs = [
+        episode(client, model, a, b, report=False) for a, b in held_out() for _ in range(samples)
+    ]
+    results = await asyncio.gather(*jobs)
+    rewards = [r for _, r in results]
+    n = len(rewards)
+    return {
+        "model": model,
+        "episodes": n,
+        "mean_reward": statistics.fmean(rewards),
+        "stderr": statistics.stdev(rewards) / math.sqrt(n),
+        "exact": sum(r == 1.0 for r in rewards) / n,
+        "examples": [reply for reply, _ in results[:5]],
+    }
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    async with AsyncOpenAI(
+        base_url=os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1"),
+        api_key=os.environ.get("OPENAI_API_KEY", "sk-local"),
+        timeout=600,
+    ) as client:
+        if args.command == "train":
+            out = await train(client, args.model, args.questions, args.runs, args.seed)
+        else:
+            out = await evaluate(client, args.model, args.samples)
+    print(json.dumps(out))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="An arithmetic agent on the OpenAI API.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="practice questions, every answer rewarded")
+    t.add_argument("--questions", type=int, default=4)
+    t.add_argument("--runs", type=int, default=8, help="attempts per question")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--model", default="rlproxy")
+    e = sub.add_parser("eval", help="held-out questions, nothing reported")
+    e.add_argument("--samples", type=int, default=2, help="attempts per held-out question")
+    e.add_argument("--model", default="rlproxy")
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
