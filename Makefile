@@ -33,8 +33,8 @@ test-all: setup
 	$(BIN)/python -m pytest -q -m "slow or not slow"; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 lint: setup
-	$(BIN)/ruff check proxy storage trainer tests bench
-	$(BIN)/ruff format --check proxy storage trainer tests bench
+	$(BIN)/ruff check proxy storage trainer tests bench examples
+	$(BIN)/ruff format --check proxy storage trainer tests bench examples
 	$(BIN)/mypy proxy storage trainer
 
 bench: setup

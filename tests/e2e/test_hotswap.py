@@ -93,6 +93,7 @@ def test_three_versions_published_under_load_then_a_corrupt_one(
     threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(CLIENTS)]
     for t in threads:
         t.start()
+
     def wait_for_requests(count: int, timeout_s: float = 300) -> None:
         target = sum(sent) + count
         deadline = time.monotonic() + timeout_s
