@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve test test-slow test-all lint bench bench-overhead clean
+.PHONY: setup serve test test-slow test-all lint bench bench-overhead bench-ruler bench-learning bench-grpo clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -43,6 +43,20 @@ bench: setup
 bench-overhead: setup
 	$(BIN)/pip install -q -e ".[dev,bench]"
 	$(BIN)/python bench/bench_overhead.py
+
+# RULER with the local 135M judge on 20 groups: latency, retries, failures.
+bench-ruler: setup
+	$(BIN)/python bench/bench_ruler_local.py
+
+# The proof: an unchanged agent gets better through rlproxy (about 40 min on 2 CPU cores).
+bench-learning: setup
+	$(BIN)/pip install -q -e ".[dev,learn]"
+	$(BIN)/python bench/learning_proof.py
+
+# One GRPO step: rlproxy's trainer beside TRL's GRPOTrainer, same model and work.
+bench-grpo: setup
+	$(BIN)/pip install -q -e ".[dev,learn]"
+	$(BIN)/python bench/bench_grpo_speed.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
