@@ -189,21 +189,28 @@ def main() -> None:
     try:
         evals.append(evaluate(eval_url, None, args.eval_samples))
         started = time.monotonic()
-        version = 0
+        version, rounds = 0, 0
         while time.monotonic() - started < args.minutes * 60:
-            practice = agent(
-                train_url,
-                "train",
-                "--questions",
-                str(args.questions),
-                "--runs",
-                str(args.runs),
-                "--seed",
-                str(version),
-            )
-            published = wait_for_version(train_url, version + 1, timeout_s=900)
+            # Practise until the trainer has enough usable groups for its next step (a group
+            # whose runs all got the same reward has no signal and is skipped).
+            published = None
+            for _ in range(5):
+                practice = agent(
+                    train_url,
+                    "train",
+                    "--questions",
+                    str(args.questions),
+                    "--runs",
+                    str(args.runs),
+                    "--seed",
+                    str(rounds),
+                )
+                rounds += 1
+                published = wait_for_version(train_url, version + 1, timeout_s=90)
+                if published is not None:
+                    break
             if published is None:
-                print("  no new version within 15 minutes; stopping", flush=True)
+                print("  no new version after 5 practice rounds; stopping", flush=True)
                 break
             version += 1
             metrics = published.get("metrics") or {}
