@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_grpo_speed.py [--steps 3] [--threads 2]
 
-Needs `trl==1.16.0` (the bench extra). Both sides train the same thing:
+Needs `trl==1.16.0` and `datasets` (the `learn` extra: `make bench-grpo` installs it). Both sides train the same thing:
 
 - the fp32 SmolLM2-135M-Instruct checkpoint (`ensure_fp32_cache(rlproxy-data)`), a fresh LoRA
   r=8, alpha 16, dropout 0 on q,k,v,o, AdamW at lr 1e-4, gradient norm clipped to 1.0;
@@ -299,6 +299,7 @@ def main() -> None:
             print(f"{name:22}{sec:9.2f}")
             continue
         print(f"{name:22}{sec:9.2f}{t:8d}{t / sec:9.1f}{f:9d}{f / sec:11.1f}")
+    print()
     # Ratios of completion tokens/s: of the medians, and the median of each interleaved pair
     # (steadier when load from other processes comes and goes during the run).
     for label, key in (("TRL training part", "trl_train"), ("TRL full step", "trl_full")):
