@@ -140,7 +140,8 @@ async def open_store(settings: Settings) -> Store:
 def build_scorer(settings: Settings, store: Store, judge_chat: ChatService | None) -> Scorer:
     """RULER's scorer with the configured judge (the local model when none is configured)."""
     from trainer.grouping import SignatureGrouper
-    from trainer.ruler import DEFAULT_RUBRIC, LiteLLMJudge
+    from trainer.litellm_judge import LiteLLMJudge
+    from trainer.ruler import DEFAULT_RUBRIC
     from trainer.scoring import Scorer, ScoringConfig
 
     judge: Judge

@@ -1,7 +1,7 @@
-"""The SQL of groups and scores: forming groups, claiming them for the judge, storing scores.
+"""The SQL of group writes: forming groups, claiming them for the judge, storing scores.
 
-Write functions run inside the group-commit writer's transaction (they never commit); read
-functions take a connection on the read engine. Which group a trajectory joins and when a group
+These functions run inside the group-commit writer's transaction (they never commit); the reads
+are in `storage.group_reads`. Which group a trajectory joins and when a group
 is ready is decided by a `storage.grouper.Grouper` (policy in `trainer.grouping`). Shadow groups
 are written by `shadow_group_rows`, called from `storage.write_ops` in the same transaction as
 their call. Callers go through `storage.store.Store`; nothing else should import this module.
@@ -10,35 +10,24 @@ their call. Callers go through `storage.store.Store`; nothing else should import
 from __future__ import annotations
 
 import uuid
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Row, and_, delete, exists, insert, or_, select, update
+from sqlalchemy import delete, exists, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage.grouper import Grouper
-from storage.models import call_choices_table as CC
-from storage.models import call_samples_table as CS
 from storage.models import calls_table as C
 from storage.models import group_members_table as GM
 from storage.models import groups_table as G
-from storage.models import rewards_table as R
 from storage.models import scores_table as S
 from storage.models import trajectories_table as T
-from storage.read_ops import decode_cursor, encode_cursor
 from storage.records import (
     CallRecord,
     GroupCandidate,
-    GroupDetail,
     GroupKey,
-    GroupMemberView,
-    GroupPage,
     GroupState,
-    GroupSummary,
     JudgeOutcome,
-    ScoreRecord,
-    TrainingTurn,
 )
 
 _CANDIDATE_BATCH = 500
@@ -341,218 +330,3 @@ async def mark_trained(conn: AsyncConnection, group_ids: list[str], step: int, n
         await conn.execute(
             update(G).where(G.c.id.in_(group_ids)).values(trained_step=step, trained_at=now)
         )
-
-
-# --- reads --------------------------------------------------------------------------------
-
-
-def _summary(row: Row[Any]) -> GroupSummary:
-    return GroupSummary(
-        id=row.id,
-        source=row.source,
-        key=row.key,
-        status=row.status,
-        created_at=row.created_at,
-        updated_at=row.updated_at,
-        ready_at=row.ready_at,
-        scored_at=row.scored_at,
-        member_count=row.member_count,
-        judge_model=row.judge_model,
-        rubric_hash=row.rubric_hash,
-        judge_latency_s=row.judge_latency_s,
-        judge_attempts=row.judge_attempts,
-        judge_prompt_tokens=row.judge_prompt_tokens,
-        judge_completion_tokens=row.judge_completion_tokens,
-        judge_cost_usd=row.judge_cost_usd,
-        failure=row.failure,
-        trained_step=row.trained_step,
-    )
-
-
-async def list_groups(
-    conn: AsyncConnection,
-    *,
-    status: str | None,
-    source: str | None,
-    untrained: bool,
-    limit: int,
-    cursor: str | None,
-    oldest_first: bool = False,
-) -> GroupPage:
-    if limit < 1:
-        raise ValueError("limit must be at least 1")
-    stmt = select(G)
-    if status is not None:
-        stmt = stmt.where(G.c.status == status)
-    if source is not None:
-        stmt = stmt.where(G.c.source == source)
-    if untrained:
-        stmt = stmt.where(G.c.trained_step.is_(None))
-    if cursor is not None:
-        c_at, c_id = decode_cursor(cursor)
-        if oldest_first:
-            after = or_(G.c.created_at > c_at, and_(G.c.created_at == c_at, G.c.id > c_id))
-        else:
-            after = or_(G.c.created_at < c_at, and_(G.c.created_at == c_at, G.c.id < c_id))
-        stmt = stmt.where(after)
-    if oldest_first:
-        stmt = stmt.order_by(G.c.created_at, G.c.id)
-    else:
-        stmt = stmt.order_by(G.c.created_at.desc(), G.c.id.desc())
-    rows = (await conn.execute(stmt.limit(limit + 1))).all()
-    items = [_summary(r) for r in rows[:limit]]
-    next_cursor = None
-    if len(rows) > limit:
-        next_cursor = encode_cursor(items[-1].created_at, items[-1].id)
-    return GroupPage(items=items, next_cursor=next_cursor)
-
-
-async def get_group(
-    conn: AsyncConnection, group_id: str, reward_policy: str = "explicit"
-) -> GroupDetail | None:
-    row = (await conn.execute(select(G).where(G.c.id == group_id))).first()
-    if row is None:
-        return None
-    members = (
-        await conn.execute(select(GM).where(GM.c.group_id == group_id).order_by(GM.c.position))
-    ).all()
-    scores: dict[str, ScoreRecord] = {}
-    for s in await conn.execute(select(S).where(S.c.group_id == group_id).order_by(S.c.id)):
-        scores[s.member_id] = ScoreRecord(
-            member_id=s.member_id,
-            score=s.score,
-            explanation=s.explanation,
-            judge_model=s.judge_model,
-            rubric_hash=s.rubric_hash,
-            latency_s=s.latency_s,
-            prompt_tokens=s.prompt_tokens,
-            completion_tokens=s.completion_tokens,
-            cost_usd=s.cost_usd,
-            created_at=s.created_at,
-        )
-    trajectory_ids = sorted({m.trajectory_id for m in members if m.call_id is None})
-    explicit: dict[str, float] = {}
-    if trajectory_ids:
-        for r in await conn.execute(
-            select(R.c.trajectory_id, R.c.reward)
-            .where(R.c.trajectory_id.in_(trajectory_ids))
-            .order_by(R.c.id)
-        ):
-            explicit[r.trajectory_id] = r.reward
-    views = []
-    for m in members:
-        if m.call_id is None:
-            messages, tools, turns = await _trajectory_member(conn, m.trajectory_id)
-        else:
-            messages, tools, turns = await _sample_member(conn, m)
-        ruler = scores.get(m.member_id)
-        ex = explicit.get(m.trajectory_id) if m.call_id is None else None
-        reward, reward_source = _pick_reward(reward_policy, ex, ruler)
-        views.append(
-            GroupMemberView(
-                member_id=m.member_id,
-                position=m.position,
-                trajectory_id=m.trajectory_id,
-                call_id=m.call_id,
-                choice_index=m.choice_index,
-                sample_index=m.sample_index,
-                returned=m.sample_index is None,
-                messages=messages,
-                tools=tools,
-                ruler=ruler,
-                explicit_reward=ex,
-                reward=reward,
-                reward_source=reward_source,  # type: ignore[arg-type]
-                turns=turns,
-            )
-        )
-    return GroupDetail(summary=_summary(row), members=views)
-
-
-def _pick_reward(
-    policy: str, explicit: float | None, ruler: ScoreRecord | None
-) -> tuple[float | None, str | None]:
-    order = ("explicit", "ruler") if policy == "explicit" else ("ruler", "explicit")
-    for source in order:
-        if source == "explicit" and explicit is not None:
-            return explicit, "explicit"
-        if source == "ruler" and ruler is not None:
-            return ruler.score, "ruler"
-    return None, None
-
-
-async def _trajectory_member(
-    conn: AsyncConnection, trajectory_id: str
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, list[TrainingTurn]]:
-    """The trajectory's conversation and, per turn, the standing call's exact token ids."""
-    calls = (
-        await conn.execute(
-            select(C)
-            .where(C.c.trajectory_id == trajectory_id)
-            .order_by(C.c.turn_index, C.c.recorded_at, C.c.id)
-        )
-    ).all()
-    by_turn: dict[int, list[Row[Any]]] = defaultdict(list)
-    for c in calls:
-        by_turn[c.turn_index].append(c)
-    standing = []
-    for index in sorted(by_turn):
-        attempts = by_turn[index]
-        standing.append(([c for c in attempts if c.superseded_by is None] or attempts)[-1])
-    choices: dict[str, Row[Any]] = {}
-    if standing:
-        for ch in await conn.execute(
-            select(CC).where(CC.c.call_id.in_([c.id for c in standing]), CC.c.choice_index == 0)
-        ):
-            choices[ch.call_id] = ch
-    turns = []
-    for c in standing:
-        answer = choices.get(c.id)
-        turns.append(
-            TrainingTurn(
-                call_id=c.id,
-                prompt_token_ids=c.prompt_token_ids,
-                completion_token_ids=answer.completion_token_ids if answer is not None else None,
-                completion_logprobs=answer.completion_logprobs if answer is not None else None,
-                adapter_version=c.adapter_version,
-            )
-        )
-    if not standing:
-        return [], None, turns
-    last = standing[-1]
-    messages = list(last.request_messages)
-    answer = choices.get(last.id)
-    if answer is not None:
-        messages.append({"role": "assistant", **answer.message})
-    return messages, last.tools, turns
-
-
-async def _sample_member(
-    conn: AsyncConnection, m: Row[Any]
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, list[TrainingTurn]]:
-    call = (await conn.execute(select(C).where(C.c.id == m.call_id))).first()
-    if call is None:
-        return [], None, []
-    if m.sample_index is None:
-        table, where = CC, and_(CC.c.call_id == m.call_id, CC.c.choice_index == m.choice_index)
-    else:
-        table, where = CS, and_(CS.c.call_id == m.call_id, CS.c.sample_index == m.sample_index)
-    answer = (await conn.execute(select(table).where(where))).first()
-    messages = list(call.request_messages)
-    if answer is not None:
-        messages.append({"role": "assistant", **answer.message})
-    turn = TrainingTurn(
-        call_id=call.id,
-        prompt_token_ids=call.prompt_token_ids,
-        completion_token_ids=answer.completion_token_ids if answer is not None else None,
-        completion_logprobs=answer.completion_logprobs if answer is not None else None,
-        adapter_version=call.adapter_version,
-    )
-    return messages, call.tools, [turn]
-
-
-async def group_ids_of_trajectory(conn: AsyncConnection, trajectory_id: str) -> list[str]:
-    rows = await conn.execute(
-        select(GM.c.group_id).where(GM.c.trajectory_id == trajectory_id).distinct()
-    )
-    return sorted(r.group_id for r in rows)

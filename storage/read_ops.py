@@ -182,15 +182,27 @@ async def calls_of(conn: AsyncConnection, trajectory_id: str) -> list[StoredCall
     return [_call(r, choices[r.id]) for r in rows]
 
 
-def _turns(calls: list[StoredCall]) -> list[TurnView]:
+def _attempts_by_turn(calls: list[StoredCall]) -> dict[int, list[StoredCall]]:
     by_turn: dict[int, list[StoredCall]] = defaultdict(list)
     for c in calls:
         by_turn[c.turn_index].append(c)
+    return dict(sorted(by_turn.items()))
+
+
+def _standing(attempts: list[StoredCall]) -> StoredCall:
+    """The call that stands for a turn: the last one no retry superseded."""
+    return ([c for c in attempts if c.superseded_by is None] or attempts)[-1]
+
+
+def standing_calls(calls: list[StoredCall]) -> list[StoredCall]:
+    """One call per turn, in turn order: the one that stands for it (retries resolved)."""
+    return [_standing(attempts) for attempts in _attempts_by_turn(calls).values()]
+
+
+def _turns(calls: list[StoredCall]) -> list[TurnView]:
     turns = []
-    for index in sorted(by_turn):
-        attempts = by_turn[index]
-        standing = [c for c in attempts if c.superseded_by is None] or attempts
-        call = standing[-1]
+    for index, attempts in _attempts_by_turn(calls).items():
+        call = _standing(attempts)
         rec = call.record
         prompt, completion = rec.token_counts()
         turns.append(

@@ -23,7 +23,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from storage import adapter_ops, group_ops, read_ops, write_ops
+from storage import adapter_ops, group_ops, group_reads, read_ops, write_ops
 from storage.engines import Engines, SqliteSynchronous, create_engines
 from storage.errors import InvalidRecord, TrajectoryNotFound
 from storage.group_ops import FormResult
@@ -207,7 +207,7 @@ class Store:
     ) -> GroupPage:
         """Newest first (or oldest first), keyset-paged on (created_at, id)."""
         async with self._engines.read.connect() as conn:
-            return await group_ops.list_groups(
+            return await group_reads.list_groups(
                 conn,
                 status=status,
                 source=source,
@@ -226,11 +226,11 @@ class Store:
         reward when there is one, else the judge's score) or "ruler" (the other way round).
         """
         async with self._engines.read.connect() as conn:
-            return await group_ops.get_group(conn, group_id, reward_policy)
+            return await group_reads.get_group(conn, group_id, reward_policy)
 
     async def group_ids_of_trajectory(self, trajectory_id: str) -> list[str]:
         async with self._engines.read.connect() as conn:
-            return await group_ops.group_ids_of_trajectory(conn, trajectory_id)
+            return await group_reads.group_ids_of_trajectory(conn, trajectory_id)
 
     # --- adapters ----------------------------------------------------------------------------
 

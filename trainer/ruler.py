@@ -13,12 +13,12 @@ whose judging still fails is reported as failed, with the reason; `score_group` 
     result = await score_group(JudgeGroup(group_id, members, tools), judge)
     if result.status == "scored": ... result.scores ...
 
-The judge is any model litellm can reach (`LiteLLMJudge`), or anything else that implements the
-`Judge` protocol (the local engine, a test's script).
+The judge is any model litellm can reach (`trainer.litellm_judge.LiteLLMJudge`), or anything
+else that implements the `Judge` protocol (the local engine, a test's script).
 
 This module does not read or write the database, does not decide which groups are ready to be
 judged, and does not decide whether RULER's score or an explicit reward wins: storage and the
-scoring loop do that. litellm is imported lazily, with its cost map read locally (never fetched).
+scoring loop do that.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import re
 import time
 from collections.abc import Iterable
@@ -456,83 +455,3 @@ def _failure(problems: list[tuple[str, str]]) -> str:
 def _sum(values: Iterable[int | None]) -> int | None:
     present = [v for v in values if v is not None]
     return sum(present) if present else None
-
-
-# ----------------------------------------------------------------------------- litellm
-
-
-def _litellm() -> Any:
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    import litellm
-
-    litellm.suppress_debug_info = True
-    return litellm
-
-
-class LiteLLMJudge:
-    """A judge reached through litellm: any provider model ("openai/o3", "anthropic/...") or
-    an OpenAI-compatible server (`api_base`)."""
-
-    def __init__(
-        self,
-        model: str,
-        *,
-        api_base: str | None = None,
-        api_key: str | None = None,
-        timeout_s: float = 120.0,
-        temperature: float | None = None,
-    ) -> None:
-        self.model = model
-        self.api_base = api_base
-        self.api_key = api_key
-        self.timeout_s = timeout_s
-        self.temperature = temperature
-
-    async def complete(
-        self, messages: list[dict[str, Any]], response_format: dict[str, Any]
-    ) -> JudgeReply:
-        import httpx
-        import openai
-
-        litellm = _litellm()
-        kwargs: dict[str, Any] = {
-            "model": self.model,
-            "messages": messages,
-            "response_format": response_format,
-            "api_base": self.api_base,
-            "api_key": self.api_key,
-            "timeout": self.timeout_s,
-            "num_retries": 0,  # score_group decides about retries
-        }
-        if self.temperature is not None:  # reasoning models refuse the parameter
-            kwargs["temperature"] = self.temperature
-        try:
-            response = await litellm.acompletion(**kwargs)
-        except (openai.OpenAIError, httpx.HTTPError) as exc:
-            raise JudgeError(self._describe(exc)) from exc
-        choices = response.choices or []
-        content = (choices[0].message.content if choices else None) or ""
-        usage = getattr(response, "usage", None)
-        prompt = getattr(usage, "prompt_tokens", None)
-        completion = getattr(usage, "completion_tokens", None)
-        if not prompt and not completion:
-            prompt = completion = None  # litellm reports 0/0 when the provider sent no usage
-        try:
-            cost: float | None = float(litellm.completion_cost(completion_response=response))
-        except Exception:  # a model without a price in litellm's map
-            cost = None
-        return JudgeReply(content, prompt, completion, cost)
-
-    def _describe(self, exc: Exception) -> str:
-        import openai
-
-        detail = str(getattr(exc, "message", None) or exc)
-        if isinstance(exc, openai.APITimeoutError):
-            return f"judge {self.model} timed out after {self.timeout_s:g} s"
-        # litellm reports a refused connection as an InternalServerError "Connection error."
-        if isinstance(exc, openai.APIConnectionError) or "Connection error" in detail:
-            return f"judge {self.model} is unreachable: {detail}"
-        status = getattr(exc, "status_code", None)
-        if isinstance(status, int):
-            return f"judge {self.model} answered HTTP {status}: {detail}"
-        return f"judge {self.model} failed ({type(exc).__name__}): {detail}"

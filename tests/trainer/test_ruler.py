@@ -16,6 +16,7 @@ import jsonschema
 import pytest
 
 from tests.e2e.fake_judge import COMPLETION_TOKENS, PROMPT_TOKENS, FakeJudge, FakeJudgeServer
+from trainer.litellm_judge import LiteLLMJudge
 from trainer.ruler import (
     DEFAULT_RUBRIC,
     JudgeError,
@@ -23,7 +24,6 @@ from trainer.ruler import (
     JudgeMember,
     JudgeReply,
     JudgeReplyInvalid,
-    LiteLLMJudge,
     build_judge_messages,
     parse_judge_reply,
     response_format_for,
