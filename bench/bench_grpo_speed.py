@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/bench_grpo_speed.py [--steps 3] [--threads 2]
 
-Needs `trl==1.16.0` and `datasets` (the `learn` extra: `make bench-grpo` installs it). Both sides train the same thing:
+Needs `trl==1.16.0` and `datasets` (the `learn` extra; `make bench-grpo` installs it).
+Both sides train the same thing:
 
 - the fp32 SmolLM2-135M-Instruct checkpoint (`ensure_fp32_cache(rlproxy-data)`), a fresh LoRA
   r=8, alpha 16, dropout 0 on q,k,v,o, AdamW at lr 1e-4, gradient norm clipped to 1.0;
