@@ -317,11 +317,10 @@ async def finish_scoring(
     )
 
 
-async def release_scoring(conn: AsyncConnection, now: float) -> int:
-    """Groups left "scoring" by a process that died go back to "ready"."""
-    result = await conn.execute(
-        update(G).where(G.c.status == "scoring").values(status="ready", updated_at=now)
-    )
+async def release_scoring(conn: AsyncConnection, group_id: str | None, now: float) -> int:
+    """Put "scoring" groups back to "ready": one group, or every one (left by a dead process)."""
+    where = [G.c.status == "scoring"] + ([G.c.id == group_id] if group_id is not None else [])
+    result = await conn.execute(update(G).where(*where).values(status="ready", updated_at=now))
     return int(result.rowcount or 0)
 
 

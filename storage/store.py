@@ -181,10 +181,10 @@ class Store:
             lambda conn: group_ops.finish_scoring(conn, group_id, outcome, time.time()),
         )
 
-    async def release_scoring(self) -> int:
-        """Put groups a dead scorer left "scoring" back to "ready"; return how many."""
+    async def release_scoring(self, group_id: str | None = None) -> int:
+        """Put a claimed group (or every group a dead scorer left "scoring") back to "ready"."""
         n: int = await self._writer.submit(
-            self._run_ops, lambda conn: group_ops.release_scoring(conn, time.time())
+            self._run_ops, lambda conn: group_ops.release_scoring(conn, group_id, time.time())
         )
         return n
 

@@ -107,7 +107,7 @@ class TrainingLoop:
         chosen, skipped, rewards = await self._collect(self.config.groups_per_step)
         if len(chosen) < max(need, 1):
             if skipped:
-                await self.store.mark_trained([g for g in skipped], SKIPPED)
+                await self.store.mark_trained(skipped, SKIPPED)
             return None
         examples = [e for _, exs in chosen for e in exs]
         logger.info(

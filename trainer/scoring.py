@@ -80,7 +80,7 @@ class Scorer:
         try:
             outcome = await self._judge(group_id)
         except asyncio.CancelledError:
-            await asyncio.shield(self.store.release_scoring())
+            await asyncio.shield(self.store.release_scoring(group_id))
             raise
         except Exception as exc:
             logger.exception("scoring group %s failed", group_id)

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Request
 
 from proxy.errors import InvalidRequestError, NotFoundError
-from proxy.routes.rl import StoreDep
+from proxy.routes.deps import StoreDep
 from storage.records import GroupDetail, GroupMemberView, GroupSummary
 
 router = APIRouter(prefix="/rl/groups")

@@ -18,22 +18,16 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field, field_validator
 
 from proxy.errors import InvalidRequestError, NotFoundError
+from proxy.routes.deps import StoreDep
 from storage.errors import TrajectoryNotFound
 from storage.records import TrajectoryDetail, TrajectorySummary
 from storage.store import Store
 
 router = APIRouter(prefix="/rl/trajectories")
-
-
-def get_store(request: Request) -> Store:
-    return request.app.state.store
-
-
-StoreDep = Annotated[Store, Depends(get_store)]
 
 
 class RewardBody(BaseModel):

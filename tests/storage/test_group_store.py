@@ -198,3 +198,15 @@ async def test_release_scoring_after_a_crash(store: Store, make_call: Any) -> No
     assert await store.claim_group() == gid
     assert await store.release_scoring() == 1
     assert await store.claim_group() == gid
+
+
+async def test_release_one_claimed_group(store: Store, make_call: Any) -> None:
+    for task in ("one", "one", "two", "two"):
+        await _run(store, make_call, _task(task))
+    ready = (await store.form_groups(SignatureGrouper(min_size=2))).ready
+    assert len(ready) == 2
+    first, second = await store.claim_group(), await store.claim_group()
+    assert {first, second} == set(ready)
+    assert await store.release_scoring(first) == 1  # the other stays claimed
+    assert await store.claim_group() == first
+    assert await store.claim_group() is None
