@@ -272,6 +272,8 @@ def main() -> int:
         "RLPROXY_MODEL_DIR": str(REPO / "rlproxy-data"),
         "RLPROXY_PORT": str(p_rl),
         "RLPROXY_LOG_LEVEL": "WARNING",
+        "RLPROXY_TRAIN": "false",  # a forwarding-overhead comparison: no trainer or scorer
+        "RLPROXY_SCORING": "false",
         "RLPROXY_UPSTREAM_MODELS": json.dumps(
             {"instant": {"model": "openai/instant", "api_base": instant_base, "api_key_env": "IK"}}
         ),

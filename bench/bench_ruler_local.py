@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,37 +27,22 @@ import httpx
 from openai import AsyncOpenAI
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from servers import start_server  # noqa: E402
 
 
-def start_server(model_dir: Path, group_size: int) -> tuple[subprocess.Popen, str, Path]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def serve(model_dir: Path, group_size: int) -> tuple[subprocess.Popen, str, Path]:
     data = Path(tempfile.mkdtemp(prefix="rlproxy-ruler-"))
+    os.environ.pop("RLPROXY_JUDGE_MODEL", None)  # the local model judges
     env = {
-        **os.environ,
-        "RLPROXY_DATA_DIR": str(data),
-        "RLPROXY_MODEL_DIR": str(model_dir),
-        "RLPROXY_PORT": str(port),
         "RLPROXY_SCORING": "true",
         "RLPROXY_SCORING_INTERVAL_S": "1",
         "RLPROXY_GROUP_MIN_SIZE": str(group_size),
         "RLPROXY_LOG_LEVEL": "WARNING",
     }
-    env.pop("RLPROXY_JUDGE_MODEL", None)
-    log = (data / "server.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve"], env=env, cwd=REPO, stdout=log, stderr=log
-    )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url, data
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError(f"server did not start; see {data / 'server.log'}")
+    proc, url = start_server(data, model_dir, env)
+    return proc, url, data
 
 
 async def run_task(client: AsyncOpenAI, url: str, question: str, runs: int) -> None:
@@ -84,7 +68,7 @@ async def run_task(client: AsyncOpenAI, url: str, question: str, runs: int) -> N
 
 async def main_async(args: argparse.Namespace) -> None:
     model_dir = Path(os.environ.get("RLPROXY_MODEL_DIR", REPO / "rlproxy-data"))
-    proc, url, data = start_server(model_dir, args.group_size)
+    proc, url, data = serve(model_dir, args.group_size)
     print(f"server data and log: {data}")
     rng = random.Random(0)
     try:

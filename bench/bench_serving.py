@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,12 +20,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 from openai import AsyncOpenAI
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from servers import start_server  # noqa: E402
 
 from proxy import chat_format  # noqa: E402
 from proxy.engine.loader import load_model  # noqa: E402
@@ -117,28 +116,9 @@ async def api_run(base_url: str, clients: int, prompts: list[str], max_tokens: i
     return tokens, elapsed, ttfts
 
 
-def start_server(model_dir: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def serve(model_dir: Path) -> tuple[subprocess.Popen, str]:
     data = Path(tempfile.mkdtemp(prefix="rlproxy-bench-"))
-    env = {
-        **os.environ,
-        "RLPROXY_DATA_DIR": str(data),
-        "RLPROXY_MODEL_DIR": str(model_dir),
-        "RLPROXY_PORT": str(port),
-        "RLPROXY_LOG_LEVEL": "WARNING",
-    }
-    proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve"], env=env, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("server did not start")
+    return start_server(data, model_dir, {"RLPROXY_LOG_LEVEL": "WARNING"})
 
 
 def main() -> None:
@@ -158,7 +138,7 @@ def main() -> None:
         )
         for p in prompts
     ]
-    proc, url = start_server(args.model_dir)
+    proc, url = serve(args.model_dir)
     rows = []
     try:
         for clients in (1, 4, 8):

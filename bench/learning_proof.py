@@ -23,7 +23,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,38 +34,9 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 AGENT = REPO / "examples" / "arithmetic_agent.py"
+sys.path.insert(0, str(REPO))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_server(data_dir: Path, model_dir: Path, env_extra: dict[str, str]) -> tuple[Any, str]:
-    port = free_port()
-    env = {
-        **os.environ,
-        "RLPROXY_DATA_DIR": str(data_dir),
-        "RLPROXY_MODEL_DIR": str(model_dir),
-        "RLPROXY_PORT": str(port),
-        **env_extra,
-    }
-    log = (data_dir / "server.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve"], env=env, cwd=REPO, stdout=log, stderr=log
-    )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited; see {data_dir / 'server.log'}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"server did not start; see {data_dir / 'server.log'}")
+from servers import start_server  # noqa: E402
 
 
 def agent(url: str, *args: str) -> dict[str, Any]:
@@ -170,6 +140,9 @@ def main() -> None:
         train_dir,
         args.model_dir,
         {
+            "RLPROXY_TRAIN": "true",
+            "RLPROXY_SCORING": "true",
+            "RLPROXY_PUBLISH_ADAPTERS": "true",
             "RLPROXY_SCORING_INTERVAL_S": "1",
             "RLPROXY_TRAIN_POLL_S": "1",
             "RLPROXY_ADAPTER_POLL_S": "1",
@@ -182,7 +155,7 @@ def main() -> None:
     eval_proc, eval_url = start_server(
         eval_dir,
         args.model_dir,
-        {"RLPROXY_TRAIN": "false", "RLPROXY_SCORING": "false", "RLPROXY_PUBLISH_ADAPTERS": "false"},
+        {},  # serve only: no trainer, scorer or publisher
     )
     steps: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
