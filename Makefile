@@ -36,6 +36,8 @@ lint: setup
 	$(BIN)/ruff check proxy storage trainer tests bench examples
 	$(BIN)/ruff format --check proxy storage trainer tests bench examples
 	$(BIN)/mypy proxy storage trainer
+	# The import rules between the rooms (pyproject.toml [tool.importlinter], docs/ARCHITECTURE.md).
+	$(BIN)/lint-imports --no-cache
 
 bench: setup
 	$(BIN)/python bench/bench_serving.py

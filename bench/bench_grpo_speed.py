@@ -54,7 +54,7 @@ from trl import __version__ as trl_version
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from proxy.engine.loader import ensure_fp32_cache  # noqa: E402
+from proxy.engines.loader import ensure_fp32_cache  # noqa: E402
 from trainer.config import TrainerConfig  # noqa: E402
 from trainer.grpo import TrainingExample  # noqa: E402
 from trainer.peft_backend import PeftTrainer  # noqa: E402

@@ -28,8 +28,8 @@ sys.path.insert(0, str(REPO))
 
 from servers import start_server  # noqa: E402
 
-from proxy import chat_format  # noqa: E402
-from proxy.engine.loader import load_model  # noqa: E402
+from proxy.chat.prompt import render_prompt  # noqa: E402
+from proxy.engines.loader import load_model  # noqa: E402
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -133,7 +133,7 @@ def main() -> None:
     prompts = PROMPTS * args.rounds
     prompt_ids = [
         tok.encode(
-            chat_format.render_prompt([{"role": "user", "content": p}], None),
+            render_prompt([{"role": "user", "content": p}], None),
             add_special_tokens=False,
         )
         for p in prompts

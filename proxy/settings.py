@@ -152,6 +152,12 @@ class Settings(BaseSettings):
         description="Serve each new adapter version the trainer writes as soon as it loads "
         "(false: versions are only loaded and activated through /rl/adapters).",
     )
+    keep_adapters: int = Field(
+        2,
+        ge=0,
+        description="Previous adapter versions kept loaded beside the active one, for a quick "
+        "rollback; older ones are unloaded (and loaded again when a client pins `NAME@N`).",
+    )
     adapter_poll_s: float = Field(
         2.0, gt=0, description="How often serving looks for new adapter versions to publish."
     )

@@ -1,12 +1,13 @@
 """rlproxy's database: SQLAlchemy models, migrations and the one store API.
 
 Everything outside this package talks to the database through `Store`; records go in and come
-out as the plain dataclasses of `storage.records`. This package does not import `proxy` or
-`trainer`: the trajectory-linking policy is handed to `Store.open` as a `Linker`.
+out as the plain dataclasses of `storage.records`. The rules that decide which trajectory a call
+joins (`storage.linking`) and which group a trajectory joins (`storage.grouping`) live here too:
+both run inside the store's write transaction. This package imports neither `proxy` nor
+`trainer` (enforced by `make lint`).
 """
 
 from storage.errors import InvalidRecord, StoreClosed, StoreError, TrajectoryNotFound
-from storage.linker import ExplicitIdsOnly, Linker
 from storage.records import (
     CallRecord,
     ChoiceRecord,
@@ -25,11 +26,9 @@ from storage.store import Store
 __all__ = [
     "CallRecord",
     "ChoiceRecord",
-    "ExplicitIdsOnly",
     "InvalidRecord",
     "LinkDecision",
     "LinkKeys",
-    "Linker",
     "RewardRecord",
     "Store",
     "StoreClosed",

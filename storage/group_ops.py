@@ -1,8 +1,8 @@
 """The SQL of group writes: forming groups, claiming them for the judge, storing scores.
 
 These functions run inside the group-commit writer's transaction (they never commit); the reads
-are in `storage.group_reads`. Which group a trajectory joins and when a group
-is ready is decided by a `storage.grouper.Grouper` (policy in `trainer.grouping`). Shadow groups
+are in `storage.group_reads`. Which group a trajectory joins and when a group is ready is
+decided by the rule in `storage.grouping`. Shadow groups
 are written by `shadow_group_rows`, called from `storage.write_ops` in the same transaction as
 their call. Callers go through `storage.store.Store`; nothing else should import this module.
 """
@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy import delete, exists, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from storage.grouper import Grouper
+from storage.grouping import SignatureGrouper
 from storage.models import calls_table as C
 from storage.models import group_members_table as GM
 from storage.models import groups_table as G
@@ -201,7 +201,7 @@ class _Forming:
         return {"id": group["id"], "member_count": 0}
 
 
-async def form_groups(conn: AsyncConnection, grouper: Grouper, now: float) -> FormResult:
+async def form_groups(conn: AsyncConnection, grouper: SignatureGrouper, now: float) -> FormResult:
     """Put closed, ungrouped trajectories into groups; mark forming groups ready."""
     result = FormResult()
     forming = _Forming(conn, grouper.max_size, now)

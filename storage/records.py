@@ -5,7 +5,7 @@ to `Store.record_call`; the /rl API and the trainer read `TrajectorySummary`, `T
 and `StoredCall` back. They hold no database state and know nothing about SQL, HTTP or training.
 
 The linking types at the bottom (`LinkKeys`, `TrajectoryState`, `LinkDecision`) are what the store
-exchanges with a `storage.linker.Linker` (the policy lives in `trainer.linking`).
+exchanges with the linking rule (`storage.linking`).
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ GROUP_STATUSES: frozenset[str] = frozenset(
 
 @dataclass(frozen=True)
 class GroupCandidate:
-    """A closed trajectory not yet in a trajectory group, as a `Grouper` sees it."""
+    """A closed trajectory in no trajectory group yet, as `storage.grouping` sees it."""
 
     trajectory_id: str
     closed_at: float
@@ -258,7 +258,7 @@ class GroupKey:
 
 @dataclass(frozen=True)
 class GroupState:
-    """A forming group, as a `Grouper` sees it when deciding whether it is ready."""
+    """A forming group, as `storage.grouping` sees it when deciding whether it is ready."""
 
     id: str
     source: GroupSource

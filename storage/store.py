@@ -1,15 +1,15 @@
 """`Store`: the one API through which every other package reads and writes the database.
 
-    store = await Store.open("sqlite+aiosqlite:///rlproxy-data/rlproxy.db", linker=PrefixLinker())
+    store = await Store.open("sqlite+aiosqlite:///rlproxy-data/rlproxy.db")
     trajectory_id = await store.record_call(record)   # returns once the row is committed
     await store.add_reward(trajectory_id, 0.8, "env")  # also closes the trajectory
     await store.close()
 
 Writes (calls, ends, rewards, idle closing) go through one group-commit writer task
 (`storage.writer`), so concurrent calls share a transaction and a commit. Linking a call to a
-trajectory happens inside that transaction; which trajectory it joins is decided by the `Linker`
-given at open (the policy lives in `trainer.linking`). Reads use their own connections and never
-wait for the writer.
+trajectory happens inside that transaction, by the rule in `storage.linking`; forming groups
+follows the rule in `storage.grouping`. Reads use their own connections and never wait for the
+writer.
 
 The store knows nothing about HTTP, engines or training; it does not import `proxy` or `trainer`.
 """
@@ -27,8 +27,8 @@ from storage import adapter_ops, group_ops, group_reads, read_ops, write_ops
 from storage.engines import Engines, SqliteSynchronous, create_engines
 from storage.errors import InvalidRecord, TrajectoryNotFound
 from storage.group_ops import FormResult
-from storage.grouper import Grouper
-from storage.linker import ExplicitIdsOnly, Linker
+from storage.grouping import SignatureGrouper
+from storage.linking import PrefixLinker
 from storage.migrations import migrate
 from storage.read_ops import TrajectoryFilter
 from storage.records import (
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 class Store:
     """Open with `await Store.open(url)`; always `await store.close()`."""
 
-    def __init__(self, engines: Engines, linker: Linker, writer: GroupCommitWriter) -> None:
+    def __init__(self, engines: Engines, linker: PrefixLinker, writer: GroupCommitWriter) -> None:
         self._engines = engines
         self._linker = linker
         self._writer = writer
@@ -60,7 +60,7 @@ class Store:
         cls,
         url: str,
         *,
-        linker: Linker | None = None,
+        retry_window_s: float = 10.0,
         busy_timeout_s: float = 10.0,
         sqlite_synchronous: SqliteSynchronous = "FULL",
         max_batch: int = 500,
@@ -68,8 +68,8 @@ class Store:
     ) -> Store:
         """Connect, apply pending migrations, start the writer.
 
-        `linker` decides which trajectory each call joins; pass `trainer.linking.PrefixLinker()`.
-        Without one, only explicit trajectory ids link calls together. `busy_timeout_s` and
+        `retry_window_s` is the linking rule's retry window (`storage.linking.PrefixLinker`).
+        `busy_timeout_s` and
         `sqlite_synchronous` apply to SQLite (see `storage.engines`); `postgres_schema` keeps
         the tables in an existing Postgres schema instead of `public`. `max_batch` caps how
         many writes share one transaction.
@@ -85,9 +85,7 @@ class Store:
         except BaseException:
             await engines.dispose()
             raise
-        if linker is None:
-            log.warning("no trajectory linker given: calls link only through explicit ids")
-            linker = ExplicitIdsOnly()
+        linker = PrefixLinker(retry_window_s=retry_window_s)
         writer = GroupCommitWriter(engines.write, max_batch=max_batch)
         writer.start()
         return cls(engines, linker, writer)
@@ -148,12 +146,13 @@ class Store:
 
     # --- groups and scores ------------------------------------------------------------------
 
-    async def form_groups(self, grouper: Grouper, *, now: float | None = None) -> FormResult:
+    async def form_groups(
+        self, grouper: SignatureGrouper, *, now: float | None = None
+    ) -> FormResult:
         """Group closed trajectories that are in no group yet; mark forming groups ready.
 
-        `grouper` decides which group each joins and when a group is ready (pass
-        `trainer.grouping.SignatureGrouper(...)`). Shadow groups need no call: they are formed,
-        ready, when their call is recorded.
+        `grouper` decides which group each joins and when a group is ready. Shadow groups need
+        no call: they are formed, ready, when their call is recorded.
         """
         t = time.time() if now is None else now
         result: FormResult = await self._writer.submit(

@@ -2,10 +2,11 @@
 
 `record_calls` links a whole batch of calls to trajectories and inserts them in a fixed number
 of statements, whatever the batch size: it loads every trajectory the batch could touch (locking
-the rows on Postgres), lets the `Linker` decide call by call against an in-memory view that
-already includes the earlier calls of the batch, then writes new trajectories, changed
-trajectories, calls, choices and supersede marks with one executemany each. The other handlers
-close trajectories and add rewards. Handlers never commit: the writer commits the batch.
+the rows on Postgres), lets the linking rule (`storage.linking`) decide call by call against an
+in-memory view that already includes the earlier calls of the batch, then writes new
+trajectories, changed trajectories, calls, choices and supersede marks with one executemany
+each. The other handlers close trajectories and add rewards. Handlers never commit: the writer
+commits the batch.
 Callers go through `storage.store.Store`; nothing else should import this module.
 """
 
@@ -19,7 +20,7 @@ from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage.group_ops import shadow_group_rows
-from storage.linker import Linker
+from storage.linking import PrefixLinker
 from storage.models import call_choices_table as CC
 from storage.models import call_samples_table as CS
 from storage.models import calls_table as C
@@ -27,7 +28,7 @@ from storage.models import group_members_table as GM
 from storage.models import groups_table as G
 from storage.models import rewards_table as R
 from storage.models import trajectories_table as T
-from storage.records import CallRecord, LinkDecision, LinkKeys
+from storage.records import CallRecord, LinkKeys
 from storage.trajectory_view import TRAJECTORY_FIELDS, Trajectory, TrajectoryView, load_view
 
 _SKIP = frozenset({"choices", "shadow_samples"})
@@ -61,7 +62,7 @@ def _call_row(
 
 
 async def record_calls(
-    conn: AsyncConnection, records: list[CallRecord], linker: Linker, now: float
+    conn: AsyncConnection, records: list[CallRecord], linker: PrefixLinker, now: float
 ) -> list[str]:
     """Link and insert a batch of calls, in order; return each call's trajectory id."""
     keys = [linker.keys(r) for r in records]
@@ -76,17 +77,11 @@ async def record_calls(
         decision = linker.choose(
             record, k, explicit.state() if explicit else None, view.candidates(k)
         )
-        t = view.by_id.get(decision.trajectory_id or "")
-        if decision.action != "new" and (t is None or (t.status != "open" and t.id != explicit_id)):
-            decision = LinkDecision("new", explicit_id)  # defensive: never revive implicitly
+        # The rule only ever names a trajectory the view holds: the explicit one, or an open
+        # candidate (closed trajectories are never continued implicitly).
         if decision.action == "new":
-            tid = decision.trajectory_id or uuid.uuid4().hex
-            t = view.by_id.get(tid)
-            if t is not None:  # e.g. an explicit id created earlier in this batch
-                decision = LinkDecision("append", tid)
-        if t is None or decision.action == "new":
             t = Trajectory(
-                id=tid,
+                id=decision.trajectory_id or uuid.uuid4().hex,
                 status="open",
                 created_at=record.created_at,
                 updated_at=now,
@@ -108,6 +103,7 @@ async def record_calls(
             view.add(t)
             turn = 0
         else:
+            t = view.by_id[decision.trajectory_id or ""]
             changes: dict[str, Any] = {
                 "status": "open",
                 "closed_at": None,

@@ -20,7 +20,7 @@ def model_data_dir() -> Path:
     """Data directory that holds the cached fp32 model (shared, read-mostly).
 
     The GGUF is converted here once, before any test starts a server on it."""
-    from proxy.engine.loader import ensure_fp32_cache
+    from proxy.engines.loader import ensure_fp32_cache
 
     path = Path(os.environ.get("RLPROXY_TEST_MODEL_DIR", REPO / "rlproxy-data"))
     ensure_fp32_cache(path)
@@ -28,8 +28,8 @@ def model_data_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def loaded_model(model_data_dir: Path):  # -> proxy.engine.loader.LoadedModel
-    from proxy.engine.loader import load_model
+def loaded_model(model_data_dir: Path):  # -> proxy.engines.loader.LoadedModel
+    from proxy.engines.loader import load_model
 
     return load_model(model_data_dir)
 

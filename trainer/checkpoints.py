@@ -1,9 +1,11 @@
 """Adapter checkpoints on disk: written atomically, found again after a crash.
 
-Layout under one root (the serving side's `<data-dir>/checkpoints/<policy>/`):
+This module is the one owner of the checkpoint folder layout: the trainer writes through it and
+the serving side (`proxy.adapters.manager`) finds and validates versions through it. Layout under
+one root (`<data-dir>/checkpoints/<policy>/`):
 
     <root>/0001/adapter_config.json        PEFT's adapter config     } exactly what the engine
-    <root>/0001/adapter_model.safetensors  PEFT's adapter weights    } loads (proxy/adapters.py)
+    <root>/0001/adapter_model.safetensors  PEFT's adapter weights    } loads (`validate_adapter`)
     <root>/0001/trainer_state.json         step, config, metrics, group ids used, seed
     <root>/0001/optimizer.safetensors      optimizer state as named tensors
     <root>/.tmp-0002-k3j9x/                a write in progress (or one a crash interrupted)
@@ -14,9 +16,9 @@ it into place and fsyncs the root, so a numbered folder is either complete or ab
 is pickled. Leftover `.tmp-*` folders are never read; `write_checkpoint` and
 `remove_incomplete` delete them, which assumes one writer (one trainer) per root.
 
-Validation (`is_complete`) reads every tensor of both safetensors files, as
-`proxy.adapters.validate_adapter_dir` does: a header alone does not reveal a truncated file,
-and the files are a few MB. A numbered folder that fails it (a disk that lied about fsync,
+Validation (`is_complete`) reads every tensor of both safetensors files (`validate_adapter`,
+serving's check, reads the adapter's): a header alone does not reveal a truncated file, and the
+files are a few MB. A numbered folder that fails it (a disk that lied about fsync,
 a hand edit) is skipped by `latest_checkpoint`, which falls back to the previous version.
 
 This module stores and finds files, and turns an optimizer's state into named tensors and back;
@@ -50,6 +52,10 @@ TMP_PREFIX = ".tmp-"
 
 class CheckpointError(RuntimeError):
     """A checkpoint folder is missing, incomplete or corrupt."""
+
+
+class CheckpointMissing(CheckpointError):
+    """No folder for that version."""
 
 
 def version_dir(root: Path, step: int) -> Path:
@@ -126,6 +132,23 @@ def latest_checkpoint(root: Path) -> Path | None:
             continue
         return path
     return None
+
+
+def validate_adapter(path: Path) -> None:
+    """What serving needs of a version (it may have been written by hand, with PEFT alone): the
+    adapter's config parses and every tensor of its weights reads. Raises CheckpointMissing or
+    CheckpointError with the reason."""
+    if not path.is_dir():
+        raise CheckpointMissing(f"no adapter at {path}")
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (path / name).is_file():
+            raise CheckpointError(f"adapter at {path} is incomplete: {name} is missing")
+    try:
+        if not isinstance(json.loads((path / ADAPTER_CONFIG).read_text()), dict):
+            raise ValueError(f"{ADAPTER_CONFIG} is not a JSON object")
+        _read_tensors(path / ADAPTER_WEIGHTS)
+    except Exception as exc:  # OSError, JSON's ValueError, safetensors' SafetensorError
+        raise CheckpointError(f"adapter at {path} is corrupt: {exc}") from exc
 
 
 def is_complete(path: Path) -> bool:

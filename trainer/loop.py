@@ -10,7 +10,7 @@ zero-variance groups are skipped and counted. Every assistant turn of a member b
 `TrainingExample` from the token ids stored when it was sampled (never re-rendered text). The
 trainer makes one optimizer step, the checkpoint is written atomically as version N
 (`trainer.checkpoints`), recorded in the database, and the groups are marked used with step N.
-Serving notices the new folder, loads it and flips the policy name (`proxy.publisher`).
+Serving notices the new folder, loads it and flips the policy name (`proxy.adapters.publisher`).
 
 Restart: the newest complete checkpoint restores weights, optimizer state and the step; the
 group ids it lists are marked used again, in case the process died between writing the

@@ -76,7 +76,7 @@ class PeftTrainer:
     def __init__(
         self, model_dir: Path, config: TrainerConfig, *, device: str | None = None
     ) -> None:
-        """Load the fp32 checkpoint in `model_dir` (see proxy.engine.loader.ensure_fp32_cache)."""
+        """Load the fp32 checkpoint in `model_dir` (see proxy.engines.loader.ensure_fp32_cache)."""
         self.config = config
         self.model_dir = Path(model_dir)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -40,7 +40,7 @@ def write_random_lora(model_data_dir: Path, target: Path) -> None:
     """Save a random, clearly non-zero LoRA for the embedded model as a PEFT folder."""
     from peft import LoraConfig, get_peft_model
 
-    from proxy.engine.loader import load_model
+    from proxy.engines.loader import load_model
 
     torch.manual_seed(0)
     base = load_model(model_data_dir, device=torch.device("cpu")).model
@@ -149,3 +149,25 @@ def test_missing_adapter_version(http: httpx.Client) -> None:
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert isinstance(error["code"], str) and error["code"]
+
+
+def test_unloaded_version_is_loaded_again_when_pinned(
+    adapter: LoadedAdapter, adapter_output: str, client: OpenAI, http: httpx.Client
+) -> None:
+    resp = http.post("/rl/adapters/1/unload")
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"version": 1, "loaded": False, "was_loaded": True}
+    assert http.post("/rl/adapters/1/unload").json()["was_loaded"] is False
+    assert "rlproxy@1" not in [m.id for m in client.models.list().data]
+    assert {v["version"]: v for v in http.get("/rl/adapters").json()["data"]}[1]["loaded"] is False
+    # A client that pins the version gets it loaded on demand, with the same weights.
+    assert complete(client, "rlproxy@1") == adapter_output
+    assert {v["version"]: v for v in http.get("/rl/adapters").json()["data"]}[1]["loaded"] is True
+
+
+def test_pinning_a_corrupt_version_is_model_not_found(client: OpenAI) -> None:
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as info:
+        complete(client, "rlproxy@2")  # the truncated folder of test_corrupt_adapter_is_rejected
+    assert info.value.code == "model_not_found"

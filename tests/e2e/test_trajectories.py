@@ -24,7 +24,7 @@ from langchain_openai import ChatOpenAI
 from openai import OpenAI
 
 from tests.e2e.conftest import Server
-from tests.e2e.helpers import calls_of, get_trajectory, list_trajectories, own_server
+from tests.e2e.helpers import calls_of, db_rows, get_trajectory, list_trajectories, own_server
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -206,3 +206,32 @@ def test_retried_call_does_not_fork(traj_server: Server) -> None:
         "client_disconnected",
         "completed",
     ]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_negative_retry_header_is_no_retry_and_the_call_is_stored(
+    traj_server: Server, stream: bool
+) -> None:
+    """`x-stainless-retry-count: -1` is the client's mistake, not a reason to lose the call: the
+    call answers 200 and is stored with retry count 0, streamed or not, as upstream calls are."""
+    marker = f"Say the word {uuid.uuid4().hex[:8]}."
+    body = {
+        "model": "rlproxy",
+        "messages": [{"role": "user", "content": marker}],
+        "max_tokens": 4,
+        "stream": stream,
+    }
+    headers = {"x-stainless-retry-count": "-1"}
+    response = httpx.post(
+        f"{traj_server.base_url}/chat/completions", json=body, headers=headers, timeout=120
+    )
+    assert response.status_code == 200, response.text
+    if stream:
+        assert response.text.rstrip().endswith("data: [DONE]")
+        assert '"error"' not in response.text
+    rows = db_rows(
+        traj_server.data_dir,
+        "SELECT status, retry_count FROM calls WHERE request_messages LIKE ?",
+        (f"%{marker}%",),
+    )
+    assert [(r["status"], r["retry_count"]) for r in rows] == [("completed", 0)]

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from proxy.engine.base import ChoiceFinished, GenerationRequest, SamplingParams, TokenEvent
-from proxy.engine.local import LocalEngine
+from proxy.engines.base import ChoiceFinished, GenerationRequest, SamplingParams, TokenEvent
+from proxy.engines.local import LocalEngine
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three colors."]
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from proxy import grammar
-from proxy.chat_format import render_prompt
-from proxy.grammar import (
+from proxy.chat import grammar
+from proxy.chat.grammar import (
     Grammar,
     GrammarError,
     RowConstraint,
     TokenRejectedError,
+    ToolChoice,
     allocate_bitmask,
     apply_bitmask,
     build_tokenizer_info,
@@ -27,7 +27,8 @@ from proxy.grammar import (
     constraint_for_tools,
     fill_bitmasks,
 )
-from proxy.tool_parser import parse_complete
+from proxy.chat.prompt import render_prompt
+from proxy.chat.tool_parser import parse_complete
 
 WEATHER_PARAMS = {
     "type": "object",
@@ -205,15 +206,15 @@ def outputs(loaded_model, info) -> dict[str, list[Row]]:
     person = render_prompt([{"role": "user", "content": "Describe a person: name, age."}], None)
     weather = render_prompt([{"role": "user", "content": "What's the weather in Paris?"}], TOOLS)
     joke = render_prompt([{"role": "user", "content": "Tell me a short joke."}], TOOLS)
-    required_one = constraint_for_tools(TOOLS, "required", parallel_tool_calls=False)
-    auto = constraint_for_tools(TOOLS, "auto")
+    required_one = constraint_for_tools(TOOLS, ToolChoice("required"), parallel_tool_calls=False)
+    auto = constraint_for_tools(TOOLS, ToolChoice("auto"))
     named = {"type": "function", "function": {"name": "get_time"}}
     plan: dict[str, list[Job]] = {
         "json_object": [Job(plain, constraint_for_json_object())],
         "json_schema": [Job(person, constraint_for_json_schema(PERSON), t) for t in (0, 1)],
         "required_one": [Job(weather, required_one, t) for t in (0, 1)],
-        "required_many": [Job(weather, constraint_for_tools(TOOLS, "required"))],
-        "named": [Job(weather, constraint_for_tools(TOOLS, named), 1)],
+        "required_many": [Job(weather, constraint_for_tools(TOOLS, ToolChoice("required")))],
+        "named": [Job(weather, constraint_for_tools(TOOLS, ToolChoice.of(named)), 1)],
         "auto": [Job(weather, auto), Job(joke, auto, 1), Job(joke, auto, 1)],
     }
     jobs = [job for group in plan.values() for job in group]
@@ -263,7 +264,7 @@ def _feed(tokenizer, info, grammar: Grammar, text: str) -> RowConstraint:
 
 
 def test_auto_allows_text_and_valid_calls_but_blocks_malformed_ones(tokenizer, info) -> None:
-    auto = constraint_for_tools(TOOLS, "auto")
+    auto = constraint_for_tools(TOOLS, ToolChoice("auto"))
     assert _feed(tokenizer, info, auto, "Just text, <b>tags</b> and\nlines.").is_accepting()
     call = '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'
     row = _feed(tokenizer, info, auto, "Let me look.\n" + call)
@@ -285,7 +286,7 @@ def test_tool_schemas_with_refs_are_enforced(tokenizer, info) -> None:
         "title": "GetWeather",
         "type": "object",
     }
-    grammar = constraint_for_tools([_tool("w", params)], "required")
+    grammar = constraint_for_tools([_tool("w", params)], ToolChoice("required"))
     ok = '<tool_call>{"name": "w", "arguments": {"city": "Oslo", "unit": "c"}}</tool_call>'
     assert _feed(tokenizer, info, grammar, ok).is_accepting()
     with pytest.raises(TokenRejectedError):
@@ -293,7 +294,7 @@ def test_tool_schemas_with_refs_are_enforced(tokenizer, info) -> None:
 
 
 def test_a_single_required_call_stops_the_grammar(tokenizer, info) -> None:
-    grammar = constraint_for_tools(TOOLS, "required", parallel_tool_calls=False)
+    grammar = constraint_for_tools(TOOLS, ToolChoice("required"), parallel_tool_calls=False)
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
     row = _feed(tokenizer, info, grammar, call)
     assert row.is_stopped()
@@ -305,11 +306,11 @@ def test_a_single_required_call_stops_the_grammar(tokenizer, info) -> None:
 
 
 def test_no_constraint_cases() -> None:
-    assert constraint_for_tools(None, "auto") is None
-    assert constraint_for_tools([], "required") is None
-    assert constraint_for_tools(TOOLS, "none") is None
+    assert constraint_for_tools(None, ToolChoice("auto")) is None
+    assert constraint_for_tools([], ToolChoice("required")) is None
+    assert constraint_for_tools(TOOLS, ToolChoice("none")) is None
     assert constraint_for_request(None, None, None) is None
-    assert constraint_for_request({"type": "text"}, TOOLS, "none") is None
+    assert constraint_for_request({"type": "text"}, TOOLS, ToolChoice("none")) is None
     assert constraint_for_request(None, TOOLS, None).kind == "tool_choice auto"
     fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
     assert constraint_for_request(fmt, None, None).kind == "json_schema"
@@ -324,13 +325,18 @@ def test_no_constraint_cases() -> None:
         (lambda: constraint_for_json_schema({"$ref": "#/defs/missing"}), "missing"),
         (lambda: constraint_for_json_schema([1]), "JSON object"),
         (
-            lambda: constraint_for_tools(TOOLS, {"type": "function", "function": {"name": "x"}}),
+            lambda: constraint_for_tools(TOOLS, ToolChoice("function", "x")),
             "'x'",
         ),
-        (lambda: constraint_for_tools(TOOLS, "sometimes"), "sometimes"),
-        (lambda: constraint_for_tools([TOOLS[0], TOOLS[0]], "auto"), "same name"),
-        (lambda: constraint_for_tools([*TOOLS, _tool("bad", {"type": "strin"})], "auto"), "bad"),
-        (lambda: constraint_for_tools([{"type": "retrieval"}], "auto"), "function"),
+        (lambda: ToolChoice.of("sometimes"), "sometimes"),
+        (lambda: constraint_for_tools([TOOLS[0], TOOLS[0]], ToolChoice("auto")), "same name"),
+        (
+            lambda: constraint_for_tools(
+                [*TOOLS, _tool("bad", {"type": "strin"})], ToolChoice("auto")
+            ),
+            "bad",
+        ),
+        (lambda: constraint_for_tools([{"type": "retrieval"}], ToolChoice("auto")), "function"),
         (lambda: constraint_for_request({"type": "xml"}, None, None), "xml"),
     ],
 )
@@ -359,7 +365,7 @@ def test_apply_bitmask_handles_vocab_size_mismatch() -> None:
 
 
 def test_parallel_fill_matches_per_row_fill(tokenizer, info) -> None:
-    grammars = [constraint_for_json_object(), constraint_for_tools(TOOLS, "auto")]
+    grammars = [constraint_for_json_object(), constraint_for_tools(TOOLS, ToolChoice("auto"))]
     rows = [g.new_row(info) for g in grammars]
     one = allocate_bitmask(3, info)
     par = allocate_bitmask(3, info)
@@ -381,7 +387,7 @@ def test_a_repeated_tool_call_stops_the_row(tokenizer) -> None:
         }
     ]
     info = grammar.build_tokenizer_info(tokenizer)
-    row = grammar.constraint_for_tools(tools, "required").new_row(info)
+    row = grammar.constraint_for_tools(tools, grammar.ToolChoice("required")).new_row(info)
     one = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     for token in tokenizer.encode(one, add_special_tokens=False):
         row.consume(token)
@@ -401,3 +407,26 @@ def test_objects_without_additional_properties_are_closed() -> None:
         {"type": "object", "additionalProperties": True, "properties": {}}
     )
     assert kept["additionalProperties"] is True
+
+
+def test_a_tool_named_auto_is_forced_when_named() -> None:
+    """tool_choice is typed: naming a tool called "auto" forces that call, it is not the mode."""
+    from proxy.api.protocol import ChatCompletionRequest
+    from proxy.chat.request import grammar_for, tool_choice
+
+    tools = [_tool("auto", {"type": "object", "properties": {}}), *TOOLS]
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "rlproxy",
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "auto"}},
+        }
+    )
+    dumped = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    choice = tool_choice(req, dumped)
+    assert choice == ToolChoice("function", "auto")
+    forced = grammar_for(req, dumped, choice)
+    free = grammar_for(req, dumped, ToolChoice("auto"))
+    assert forced is not None and free is not None
+    assert "TEXT | head" in free.source and "TEXT | head" not in forced.source

@@ -1,4 +1,5 @@
-"""How calls become `CallRecord`s: explicit ids, key ids, and the upstream engine's records.
+"""How calls become `CallRecord`s (`proxy.chat.record`, the one builder for every engine):
+explicit ids, key ids, retry counts, the upstream service's records.
 
 Pure functions only (no server, no database): the end-to-end tests check the stored rows.
 """
@@ -9,11 +10,12 @@ import httpx
 import openai
 import pytest
 
-from proxy.errors import ServerError
-from proxy.protocol import ChatCompletionRequest
-from proxy.recording import api_key_id, explicit_id
+from proxy.api.errors import ServerError
+from proxy.api.protocol import ChatCompletionRequest
+from proxy.chat.record import CallInfo, api_key_id, call_record, explicit_id, retry_count
+from proxy.chat.upstream import NO_TOKEN_IDS, StreamAccumulator
+from proxy.engines.upstream import UpstreamEngine, to_api_error
 from proxy.settings import Settings, UpstreamTarget
-from proxy.upstream import NO_TOKEN_IDS, StreamAccumulator, UpstreamEngine, _Call, to_api_error
 
 
 def test_explicit_id_header_wins_then_metadata_then_body() -> None:
@@ -44,7 +46,12 @@ def _request(**kw: object) -> ChatCompletionRequest:
 def test_upstream_record_has_no_token_ids_and_says_so() -> None:
     req = _request(metadata={"trajectory_id": "t-1"}, temperature=0.2, stream=True)
     headers = {"Authorization": "Bearer sk-client", "X-Stainless-Retry-Count": "2"}
-    rec = _Call(req, "req_1", headers).record("completed", [], None, None, None)
+    rec = call_record(
+        CallInfo(req, "req_1", headers),
+        engine="upstream",
+        status="completed",
+        token_ids_note=NO_TOKEN_IDS,
+    )
     assert rec.engine == "upstream" and rec.token_ids_note == NO_TOKEN_IDS
     assert rec.prompt_token_ids is None
     assert rec.explicit_trajectory_id == "t-1" and rec.retry_count == 2
@@ -79,6 +86,19 @@ def test_stream_accumulator_reassembles_text_and_tool_calls() -> None:
     assert choice.message["tool_calls"] == [
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
     ]
+
+
+@pytest.mark.parametrize("engine", ["local", "upstream"])
+@pytest.mark.parametrize(
+    ("header", "count"), [("-1", 0), ("-99", 0), ("abc", 0), ("", 0), ("0", 0), ("3", 3)]
+)
+def test_every_engine_reads_the_retry_header_the_same_way(
+    engine: str, header: str, count: int
+) -> None:
+    """The store refuses negative retry counts; a client's header must never reach it as one."""
+    call = CallInfo(_request(), "req_1", {"X-Stainless-Retry-Count": header})
+    assert call_record(call, engine=engine, status="completed").retry_count == count
+    assert retry_count(header) == count
 
 
 def _status_error(cls: type[openai.APIStatusError], status: int, body: dict) -> Exception:

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from proxy.tool_parser import (
+from proxy.chat.tool_parser import (
     TextDelta,
     ToolCallArgsDelta,
     ToolCallStart,

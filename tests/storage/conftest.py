@@ -21,7 +21,6 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from storage import CallRecord, ChoiceRecord, Store
-from trainer.linking import PrefixLinker
 
 POSTGRES_URL = os.environ.get(
     "RLPROXY_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
@@ -42,7 +41,6 @@ class Database:
     stores: list[Store] = field(default_factory=list)
 
     async def open(self, **kwargs: Any) -> Store:
-        kwargs.setdefault("linker", PrefixLinker())
         if self.schema is not None:
             kwargs.setdefault("postgres_schema", self.schema)
         store = await Store.open(self.url, **kwargs)

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from storage import ChoiceRecord, Store
+from storage.grouping import SignatureGrouper
 from storage.records import JudgeOutcome, ScoreRecord
-from trainer.grouping import SignatureGrouper
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -1,4 +1,4 @@
-"""Trajectory linking end to end: the store with `trainer.linking.PrefixLinker`, both backends.
+"""Trajectory linking end to end: the store with `storage.linking.PrefixLinker`, both backends.
 
 The canonicalisation and decision rules themselves are unit-tested in
 tests/trainer/test_linking.py; here every call goes through `Store.record_call`.

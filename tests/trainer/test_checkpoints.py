@@ -48,9 +48,9 @@ def test_round_trip(tmp_path: Path) -> None:
 
 
 def test_checkpoint_passes_the_serving_side_validation(tmp_path: Path) -> None:
-    from proxy.adapters import validate_adapter_dir
+    from trainer.checkpoints import validate_adapter
 
-    validate_adapter_dir(_write(tmp_path, 1))
+    validate_adapter(_write(tmp_path, 1))
 
 
 def test_latest_is_the_highest_complete_version(tmp_path: Path) -> None:

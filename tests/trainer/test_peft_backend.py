@@ -29,7 +29,7 @@ MakeTrainer = Callable[..., PeftTrainer]
 
 @pytest.fixture(scope="module")
 def model_dir(model_data_dir: Path) -> Path:
-    from proxy.engine.loader import ensure_fp32_cache
+    from proxy.engines.loader import ensure_fp32_cache
 
     return ensure_fp32_cache(model_data_dir)
 
@@ -207,7 +207,7 @@ def test_checkpoint_is_served_by_peft_and_differs_from_the_base(
 ) -> None:
     from peft import PeftModel
 
-    from proxy.adapters import validate_adapter_dir
+    from trainer.checkpoints import validate_adapter
 
     trainer = make_trainer(learning_rate=1e-3)
     prompt = _prompt(tok, "Name a fruit.")
@@ -219,7 +219,7 @@ def test_checkpoint_is_served_by_peft_and_differs_from_the_base(
     )
     path = trainer.save(tmp_path / "policy", {"group_ids": ["g1"]})
     assert path == tmp_path / "policy" / "0001"
-    validate_adapter_dir(path)
+    validate_adapter(path)
     # The same files PEFT's own save_pretrained writes (target_modules is a set: order aside).
     trainer.model.save_pretrained(str(tmp_path / "peft"), safe_serialization=True)
     ours, peft_own = read_adapter_state(path), read_adapter_state(tmp_path / "peft")
@@ -229,7 +229,7 @@ def test_checkpoint_is_served_by_peft_and_differs_from_the_base(
     assert sorted(peft_config.pop("target_modules")) == config.pop("target_modules")
     assert config == peft_config
 
-    # Load it the way proxy/engine/local.py does, into a fresh base model.
+    # Load it the way proxy/engines/local.py does, into a fresh base model.
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     served = PeftModel.from_pretrained(base, str(path), adapter_name="v1", is_trainable=False)
     served.eval()

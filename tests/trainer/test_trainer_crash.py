@@ -21,19 +21,17 @@ from typing import Any
 
 import pytest
 
-from proxy.adapters import validate_adapter_dir
 from storage import CallRecord, ChoiceRecord, Store
+from storage.grouping import SignatureGrouper
 from storage.records import JudgeOutcome
 from trainer import checkpoints
-from trainer.grouping import SignatureGrouper
-from trainer.linking import PrefixLinker
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 REPO = Path(__file__).resolve().parents[2]
 
 
 async def _scored_groups(db_url: str, tokenizer: Any) -> list[str]:
-    store = await Store.open(db_url, linker=PrefixLinker())
+    store = await Store.open(db_url)
     try:
         for key, question in (("g1", "Name a color."), ("g2", "Name a fruit.")):
             for i, answer in enumerate(["Red", "Blue is nice", "Green", "I like yellow"]):
@@ -97,7 +95,7 @@ def _train(data_dir: Path, model_dir: Path, *args: str) -> subprocess.Popen[str]
 
 
 async def _trained_steps(db_url: str) -> dict[str, int | None]:
-    store = await Store.open(db_url, linker=PrefixLinker())
+    store = await Store.open(db_url)
     try:
         page = await store.list_groups()
         return {g.key: g.trained_step for g in page.items}
@@ -136,7 +134,7 @@ async def test_sigkill_mid_step_then_resume(
 
     # Whatever the kill interrupted, every numbered folder is a complete, loadable version.
     for version in checkpoints.list_versions(root):
-        validate_adapter_dir(checkpoints.version_dir(root, version))
+        checkpoints.validate_adapter(checkpoints.version_dir(root, version))
     stray = root / ".tmp-0002-deadbeef"  # as a kill during a checkpoint write would leave it
     stray.mkdir(exist_ok=True)
     (stray / "adapter_model.safetensors").write_bytes(b"\x00" * 10)

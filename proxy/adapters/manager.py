@@ -1,0 +1,146 @@
+"""Adapter versions on the serving side: validate, load, activate, and unload what is not kept.
+
+A version lives in `<data-dir>/checkpoints/<policy>/<NNNN>/` (the layout is
+`trainer.checkpoints`'; serving reads PEFT's `adapter_config.json` and
+`adapter_model.safetensors`, nothing executable). Loading validates the files first, loads into
+the engine, and only then records the version as served; activating flips the policy name to it.
+A version that fails any step never becomes current: the previous one keeps serving.
+
+What stays loaded: the active version and the `keep_previous` versions that were active before it
+(for a quick rollback). Every other version is unloaded after each activation; the engine frees
+its weights once no request in flight uses it (requests finish on the version they started
+with). A client that pins an unloaded `NAME@N` gets it loaded again on demand; it stays until the
+next activation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from proxy.adapters.registry import ServedModels, adapter_name
+from proxy.api.errors import APIError, InvalidRequestError, NotFoundError
+from proxy.engines.base import Engine
+from trainer import checkpoints
+
+logger = logging.getLogger(__name__)
+
+
+class AdapterManager:
+    def __init__(
+        self, engine: Engine, registry: ServedModels, root: Path, *, keep_previous: int = 2
+    ) -> None:
+        if keep_previous < 0:
+            raise ValueError("keep_previous must be >= 0")
+        self.engine = engine
+        self.registry = registry
+        self.root = root
+        self.keep_previous = keep_previous
+        self._locks: dict[int, asyncio.Lock] = {}
+        self._history: list[int] = []  # versions activated, oldest first, no repeats
+        self._evicting = asyncio.Lock()
+
+    def path_for(self, version: int) -> Path:
+        return checkpoints.version_dir(self.root, version)
+
+    def available(self) -> list[int]:
+        """Versions on disk, ascending."""
+        return checkpoints.list_versions(self.root)
+
+    def kept(self) -> set[int]:
+        """The versions that stay loaded: the active one and the ones active before it."""
+        active = self.registry.active
+        previous = [v for v in reversed(self._history) if v != active][: self.keep_previous]
+        return set(previous) | ({active} if active is not None else set())
+
+    async def load(self, version: int) -> None:
+        lock = self._locks.setdefault(version, asyncio.Lock())
+        async with lock:
+            if version in self.registry.loaded_versions():
+                return
+            path = self.path_for(version)
+            try:
+                await asyncio.to_thread(checkpoints.validate_adapter, path)
+            except checkpoints.CheckpointMissing as exc:
+                raise NotFoundError(str(exc), param="version", code="adapter_not_found") from exc
+            except checkpoints.CheckpointError as exc:
+                raise InvalidRequestError(
+                    str(exc), param="version", code="adapter_rejected"
+                ) from exc
+            try:
+                await self.engine.load_adapter(adapter_name(version), str(path))
+            except Exception as exc:
+                raise InvalidRequestError(
+                    f"adapter version {version} was rejected by the engine: {exc}",
+                    param="version",
+                    code="adapter_rejected",
+                ) from exc
+            self.registry.add_version(version)
+
+    async def activate(self, version: int | None) -> None:
+        """Serve `version` (None: the base model) under the policy name; unload what is not kept."""
+        if version is not None:
+            await self.load(version)
+        self.registry.activate(version)
+        if version is not None:
+            self._history = [v for v in self._history if v != version] + [version]
+            del self._history[: -(self.keep_previous + 1)]
+        logger.info("policy %s now serves %s", self.registry.policy, version or "the base model")
+        await self.evict()
+
+    async def unload(self, version: int) -> bool:
+        """Unload a version that is not active; False if it was not loaded."""
+        if version == self.registry.active:
+            raise InvalidRequestError(
+                f"adapter version {version} is active; activate another version first",
+                param="version",
+                code="adapter_active",
+            )
+        if version not in self.registry.loaded_versions():
+            return False
+        self.registry.remove_version(version)
+        await self.engine.unload_adapter(adapter_name(version))
+        logger.info("adapter version %d unloaded", version)
+        return True
+
+    async def evict(self) -> list[int]:
+        """Unload every loaded version that is not kept; return them."""
+        async with self._evicting:
+            keep = self.kept()
+            gone = [v for v in self.registry.loaded_versions() if v not in keep]
+            for version in gone:
+                await self.unload(version)
+            return gone
+
+    async def ensure_servable(self, model: str) -> None:
+        """Load `NAME@N` on demand when a client pins a version that is on disk, not loaded."""
+        base, sep, suffix = model.partition("@")
+        if not sep or base != self.registry.policy or not suffix.isdigit():
+            return
+        version = int(suffix)
+        if version in self.registry.loaded_versions() or not self.path_for(version).is_dir():
+            return
+        try:
+            await self.load(version)
+        except APIError as exc:
+            raise NotFoundError(
+                f"The model `{model}` cannot be served: {exc.message}",
+                param="model",
+                code="model_not_found",
+            ) from exc
+        logger.info("adapter version %d loaded on demand", version)
+
+    def describe(self) -> list[dict[str, object]]:
+        loaded = set(self.registry.loaded_versions())
+        versions = sorted(loaded | set(self.available()))
+        return [
+            {
+                "version": v,
+                "id": f"{self.registry.policy}@{v}",
+                "path": str(self.path_for(v)),
+                "loaded": v in loaded,
+                "active": v == self.registry.active,
+            }
+            for v in versions
+        ]

@@ -1,0 +1,92 @@
+"""The served-model registry: which names the proxy answers to and which adapter each one means.
+
+    NAME          the policy: the newest active adapter version (the base while there is none)
+    NAME@base     the base model, no adapter
+    NAME@N        adapter version N, pinned (while it is loaded)
+    alias         configured other names (e.g. `gpt-4o-mini`) that mean NAME
+
+The registry only maps names to versions; loading weights is the engine's job, and the
+`AdapterManager` (`manager.py`) changes the registry only after an engine load succeeded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from proxy.api.errors import ModelNotFoundError
+
+
+def adapter_name(version: int) -> str:
+    """The engine-side name of adapter version N."""
+    return f"v{version}"
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What a requested model name serves: `version` None means the base model."""
+
+    requested: str
+    version: int | None
+
+    @property
+    def adapter(self) -> str | None:
+        return None if self.version is None else adapter_name(self.version)
+
+
+@dataclass
+class ServedModels:
+    policy: str
+    aliases: tuple[str, ...] = ()
+    created: int = field(default_factory=lambda: int(time.time()))
+    _loaded: dict[int, int] = field(default_factory=dict)  # version -> loaded-at time
+    _active: int | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def active(self) -> int | None:
+        return self._active
+
+    def loaded_versions(self) -> list[int]:
+        return sorted(self._loaded)
+
+    def add_version(self, version: int) -> None:
+        with self._lock:
+            self._loaded.setdefault(version, int(time.time()))
+
+    def remove_version(self, version: int) -> None:
+        with self._lock:
+            if self._active == version:
+                raise ValueError(f"version {version} is active; activate another one first")
+            self._loaded.pop(version, None)
+
+    def activate(self, version: int | None) -> None:
+        """Make `version` (None = base) what NAME and the aliases serve. It must be loaded."""
+        with self._lock:
+            if version is not None and version not in self._loaded:
+                raise ValueError(f"version {version} is not loaded")
+            self._active = version
+
+    def resolve(self, name: str) -> Resolved:
+        if name == self.policy or name in self.aliases:
+            return Resolved(name, self._active)
+        base, sep, suffix = name.partition("@")
+        if sep and base == self.policy:
+            if suffix == "base":
+                return Resolved(name, None)
+            if suffix.isdigit() and int(suffix) in self._loaded:
+                return Resolved(name, int(suffix))
+        raise ModelNotFoundError(name)
+
+    def model_ids(self) -> list[str]:
+        ids = [self.policy, f"{self.policy}@base"]
+        ids += [f"{self.policy}@{v}" for v in self.loaded_versions()]
+        ids += list(self.aliases)
+        return ids
+
+    def model_object(self, model_id: str) -> dict[str, object]:
+        self.resolve(model_id)  # raises ModelNotFoundError for unknown ids
+        suffix = model_id.partition("@")[2]
+        created = self._loaded.get(int(suffix), self.created) if suffix.isdigit() else self.created
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "rlproxy"}

@@ -1,0 +1,132 @@
+"""The app factory: settings in, a FastAPI app out.
+
+Nothing is built at import time. `create_app(settings)` installs the routes, the error handlers
+and the request-id middleware; its lifespan opens the serving runtime (`proxy.runtime`: store,
+engine, services, background tasks, trainer child) and closes it on shutdown. Routes reach the
+runtime only through the typed dependencies of `proxy.api.deps`.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from proxy.api.deps import RUNTIME_KEY
+from proxy.api.errors import APIError, error_body
+from proxy.api.routes import adapters as adapter_routes
+from proxy.api.routes import completions as completion_routes
+from proxy.api.routes import groups as group_routes
+from proxy.api.routes import models as model_routes
+from proxy.api.routes import trajectories as trajectory_routes
+from proxy.runtime import open_runtime
+from proxy.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with open_runtime(settings, serving=True) as runtime:
+            setattr(app.state, RUNTIME_KEY, runtime)
+            logger.info(
+                "serving %s (aliases: %s) on the local engine; data directory %s",
+                settings.model_name,
+                ", ".join(settings.aliases) or "none",
+                settings.data_dir.resolve(),
+            )
+            yield
+
+    if settings.public_bind:
+        logger.warning(
+            "listening on %s: rlproxy has no authentication yet, so anyone who can reach this "
+            "address can call the model and the /rl admin routes",
+            settings.host,
+        )
+    app = FastAPI(title="rlproxy", version="0.1.0", lifespan=lifespan)
+    app.include_router(completion_routes.router)
+    app.include_router(model_routes.router)
+    app.include_router(adapter_routes.router)
+    app.include_router(trajectory_routes.router)
+    app.include_router(group_routes.router)
+    install_error_handlers(app)
+    app.add_middleware(RequestIdMiddleware)
+    return app
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first: dict[str, Any] = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            message = "We could not parse the JSON body of your request."
+            param, code = None, "invalid_json"
+        elif first.get("type") == "missing":
+            message = f"Missing required parameter: '{param}'."
+            code = "missing_required_parameter"
+        else:
+            message = f"Invalid value for '{param}': {first.get('msg', 'invalid')}"
+            code = "invalid_value"
+        return JSONResponse(
+            error_body(message, "invalid_request_error", param, code), status_code=400
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"Unknown request URL: {request.method} {request.url.path}."
+        return JSONResponse(error_body(message, kind, None, code), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(
+            error_body(
+                "The server had an error while processing your request.",
+                "server_error",
+                None,
+                "server_error",
+            ),
+            status_code=500,
+        )
+
+
+class RequestIdMiddleware:
+    """Give every request an id (`x-request-id` on every response, errors included)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = f"req_{uuid.uuid4().hex}"
+        scope.setdefault("state", {})["request_id"] = rid
+        raw = rid.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", raw)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

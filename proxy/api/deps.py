@@ -1,0 +1,94 @@
+"""Typed FastAPI dependencies: the only way routes reach the runtime the lifespan opened.
+
+    async def route(chat: Chat, store: StoreDep) -> ...
+
+The lifespan puts one `proxy.runtime.Runtime` on the app; every dependency below reads a part
+of it. No route reads `app.state` itself.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from proxy.adapters.manager import AdapterManager
+from proxy.adapters.publisher import Publisher
+from proxy.adapters.registry import ServedModels
+from proxy.chat.service import ChatService
+from proxy.chat.upstream import UpstreamChat
+from proxy.engines.base import Engine
+from proxy.runtime import Runtime, Served
+from proxy.settings import Settings
+from storage.store import Store
+from trainer.rewards.scoring import Scorer
+
+RUNTIME_KEY = "runtime"
+
+
+def get_runtime(request: Request) -> Runtime:
+    runtime: Runtime = getattr(request.app.state, RUNTIME_KEY)
+    return runtime
+
+
+def get_served(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Served:
+    if runtime.served is None:
+        raise RuntimeError("the runtime was opened without serving")
+    return runtime.served
+
+
+def get_scorer(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Scorer:
+    if runtime.scorer is None:
+        raise RuntimeError("the runtime was opened without a scorer")
+    return runtime.scorer
+
+
+RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
+ServedDep = Annotated[Served, Depends(get_served)]
+
+
+def _settings(runtime: RuntimeDep) -> Settings:
+    return runtime.settings
+
+
+def _store(runtime: RuntimeDep) -> Store:
+    return runtime.store
+
+
+def _chat(served: ServedDep) -> ChatService:
+    return served.chat
+
+
+def _upstream(served: ServedDep) -> UpstreamChat | None:
+    return served.upstream
+
+
+def _registry(served: ServedDep) -> ServedModels:
+    return served.registry
+
+
+def _adapters(served: ServedDep) -> AdapterManager:
+    return served.adapters
+
+
+def _publisher(served: ServedDep) -> Publisher:
+    return served.publisher
+
+
+def _engine(served: ServedDep) -> Engine:
+    return served.engine
+
+
+SettingsDep = Annotated[Settings, Depends(_settings)]
+StoreDep = Annotated[Store, Depends(_store)]
+Chat = Annotated[ChatService, Depends(_chat)]
+Upstream = Annotated[UpstreamChat | None, Depends(_upstream)]
+Registry = Annotated[ServedModels, Depends(_registry)]
+Adapters = Annotated[AdapterManager, Depends(_adapters)]
+PublisherDep = Annotated[Publisher, Depends(_publisher)]
+EngineDep = Annotated[Engine, Depends(_engine)]
+ScorerDep = Annotated[Scorer, Depends(get_scorer)]
+
+
+def request_id(request: Request) -> str:
+    return str(request.scope.get("state", {}).get("request_id", ""))

@@ -1,0 +1,70 @@
+"""`/rl/adapters`: adapter versions (status, step metrics), load one, make one current.
+
+GET  /rl/adapters                  every version: loaded/active, status, error, metrics
+POST /rl/adapters/{version}/load   load into the engine (validated first)
+POST /rl/adapters/{version}/unload unload from the engine (not the active version; requests in
+                                   flight on it finish first)
+POST /rl/adapters/{version}/activate
+                                   serve it under the policy name (roll back or forward);
+                                   version 0 goes back to the base model
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import APIRouter
+
+from proxy.api.deps import Adapters, PublisherDep, StoreDep
+
+router = APIRouter(prefix="/rl/adapters")
+
+
+@router.get("")
+async def list_adapters(adapters: Adapters, store: StoreDep) -> dict[str, object]:
+    records = {a.version: a for a in await store.list_adapters(adapters.registry.policy)}
+    data: list[dict[str, Any]] = []
+    for item in adapters.describe():
+        record = records.pop(int(item["version"]), None)  # type: ignore[call-overload]
+        data.append({**item, **_record_fields(record)})
+    for version, record in sorted(records.items()):  # recorded, but the folder is gone
+        data.append(
+            {
+                "version": version,
+                "id": f"{adapters.registry.policy}@{version}",
+                "path": record.path,
+                "loaded": False,
+                "active": False,
+                **_record_fields(record),
+            }
+        )
+    return {"object": "list", "data": sorted(data, key=lambda d: d["version"])}
+
+
+def _record_fields(record: Any) -> dict[str, Any]:
+    if record is None:
+        return {"status": "written", "error": None, "metrics": None, "activated_at": None}
+    fields = asdict(record)
+    return {k: fields[k] for k in ("status", "error", "metrics", "created_at", "activated_at")}
+
+
+@router.post("/{version}/load")
+async def load_adapter(version: int, adapters: Adapters) -> dict[str, object]:
+    await adapters.load(version)
+    return {"version": version, "loaded": True}
+
+
+@router.post("/{version}/unload")
+async def unload_adapter(version: int, adapters: Adapters) -> dict[str, object]:
+    was_loaded = await adapters.unload(version)
+    return {"version": version, "loaded": False, "was_loaded": was_loaded}
+
+
+@router.post("/{version}/activate")
+async def activate_adapter(
+    version: int, adapters: Adapters, publisher: PublisherDep
+) -> dict[str, object]:
+    await adapters.activate(version or None)
+    await publisher.note_activation(version or None)
+    return {"version": version, "active": True}

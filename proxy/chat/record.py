@@ -1,0 +1,149 @@
+"""The one place a chat call becomes a `storage.records.CallRecord`, for every engine.
+
+    record = call_record(call, status="completed", choices=[...], response=body, usage=usage)
+    await store.record_call(record)   # committed before the response is acknowledged
+
+`CallInfo` is what is known when a request arrives (the request, its id, its headers, when it
+started); `call_record` completes it with how the call ended. Both the local service and the
+upstream service build their records here, so the explicit ids a client may send (trajectory
+and group keys), the retry count and the API key id are read one way only. The linking rule
+itself lives in `storage.linking` and runs inside the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.api.protocol import ChatCompletionRequest, completion_id
+from storage.records import CallRecord, CallStatus, ChoiceRecord
+
+TRAJECTORY_HEADER = "x-rlproxy-trajectory"
+GROUP_HEADER = "x-rlproxy-group"
+RETRY_HEADER = "x-stainless-retry-count"
+
+
+@dataclass
+class CallInfo:
+    """A call as it arrived: everything its record needs before the answer exists."""
+
+    request: ChatCompletionRequest
+    request_id: str
+    headers: dict[str, str] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.time)
+    """Epoch seconds when the request arrived."""
+    started: float = field(default_factory=time.monotonic)
+    """The same moment on the monotonic clock, for the latency."""
+
+    def __post_init__(self) -> None:
+        self.headers = {k.lower(): v for k, v in self.headers.items()}
+
+    @property
+    def completion_id(self) -> str:
+        return completion_id(self.request_id)
+
+    @property
+    def created(self) -> int:
+        """The `created` field of the response (whole epoch seconds)."""
+        return int(self.started_at)
+
+
+def call_record(
+    call: CallInfo,
+    *,
+    engine: str,
+    status: CallStatus,
+    choices: Sequence[ChoiceRecord] = (),
+    response: dict[str, Any] | None = None,
+    usage: dict[str, Any] | None = None,
+    error: str | None = None,
+    messages: list[dict[str, Any]] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    prompt_token_ids: list[int] | None = None,
+    adapter_version: int | None = None,
+    shadow_samples: Sequence[ChoiceRecord] = (),
+    token_ids_note: str | None = None,
+) -> CallRecord:
+    """The record of one finished (or failed, or abandoned) call.
+
+    `messages` and `tools` default to the request's, as the client sent them.
+    """
+    req, headers = call.request, call.headers
+    latency = time.monotonic() - call.started
+    if messages is None:
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    if tools is None and req.tools:
+        tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    return CallRecord(
+        id=uuid.uuid4().hex,
+        request_id=call.request_id,
+        completion_id=call.completion_id,
+        created_at=call.started_at,
+        finished_at=call.started_at + latency,
+        model_requested=req.model,
+        adapter_version=adapter_version,
+        engine=engine,
+        request_messages=messages,
+        tools=tools,
+        params=request_params(req),
+        response=response,
+        choices=list(choices),
+        shadow_samples=list(shadow_samples),
+        prompt_token_ids=prompt_token_ids,
+        usage=usage,
+        latency_s=latency,
+        status=status,
+        error=error,
+        api_key_id=api_key_id(headers.get("authorization")),
+        stream=bool(req.stream),
+        token_ids_note=token_ids_note,
+        explicit_trajectory_id=explicit_id(headers, req.metadata, req.rlproxy, "trajectory"),
+        explicit_group_key=explicit_id(headers, req.metadata, req.rlproxy, "group"),
+        retry_count=retry_count(headers.get(RETRY_HEADER)),
+    )
+
+
+def request_params(req: ChatCompletionRequest) -> dict[str, Any]:
+    """The request's parameters; messages, tools and model have columns of their own."""
+    params: dict[str, Any] = req.model_dump(
+        exclude_none=True, by_alias=True, exclude={"messages", "tools", "model"}
+    )
+    return params
+
+
+def explicit_id(
+    headers: Mapping[str, str],
+    metadata: dict[str, Any] | None,
+    body_ext: dict[str, Any] | None,
+    kind: str,
+) -> str | None:
+    """The header wins, then `metadata.<kind>_id`, then the body's `rlproxy.<kind>_id`."""
+    header = headers.get(TRAJECTORY_HEADER if kind == "trajectory" else GROUP_HEADER)
+    if header:
+        return header
+    for source in (metadata, body_ext):
+        value = (source or {}).get(f"{kind}_id")
+        if value:
+            return str(value)
+    return None
+
+
+def api_key_id(authorization: str | None) -> str | None:
+    """A stable, non-reversible id for the client's bearer key (never the key itself)."""
+    if not authorization or not authorization.lower().startswith("bearer "):
+        return None
+    key = authorization[7:].strip()
+    return "key_" + hashlib.sha256(key.encode()).hexdigest()[:16] if key else None
+
+
+def retry_count(value: str | None) -> int:
+    """The client's retry count (`x-stainless-retry-count`): 0 when absent, unreadable or
+    negative. A header is the client's to send; a bad one never fails the call it rides on."""
+    try:
+        return max(0, int(value)) if value else 0
+    except ValueError:
+        return 0

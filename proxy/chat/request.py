@@ -1,0 +1,187 @@
+"""Validating a chat-completions request and turning it into what the engine needs.
+
+`prepare_chat` raises every 4xx the chat route can give (unknown model, invalid parameters, an
+over-long prompt, a schema or tool list that cannot become a grammar) before any token is
+generated; what it returns, `PreparedChat`, holds the rendered prompt ids, sampling parameters
+and grammar. No generation and no HTTP here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.adapters.registry import Resolved, ServedModels
+from proxy.api.errors import ContextLengthError, InvalidRequestError
+from proxy.api.protocol import ChatCompletionRequest
+from proxy.chat import grammar
+from proxy.chat.grammar import ToolChoice
+from proxy.chat.prompt import render_prompt
+from proxy.chat.record import CallInfo
+from proxy.engines.base import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class PreparedChat:
+    """A validated request, ready for the engine."""
+
+    call: CallInfo
+    resolved: Resolved
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    parse_tools: bool
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int
+    grammar: grammar.Grammar | None
+    include_usage: bool
+
+    @property
+    def request(self) -> ChatCompletionRequest:
+        return self.call.request
+
+    @property
+    def request_id(self) -> str:
+        return self.call.request_id
+
+    @property
+    def id(self) -> str:
+        return self.call.completion_id
+
+
+def prepare_chat(
+    call: CallInfo,
+    *,
+    registry: ServedModels,
+    tokenizer: Any,
+    max_context: int,
+    max_n: int,
+    default_max_tokens: int,
+) -> PreparedChat:
+    """Validate `call.request` (every 4xx the chat route can give); turn it into engine inputs."""
+    req, request_id = call.request, call.request_id
+    if req.unknown_fields():
+        logger.info("request %s: ignoring unknown fields %s", request_id, req.unknown_fields())
+    resolved = registry.resolve(req.model)
+    n = req.n or 1
+    if n > max_n:
+        raise InvalidRequestError(f"n={n} is above this server's limit of {max_n}.", param="n")
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequestError(
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            param="stream_options",
+        )
+    top_logprobs = req.top_logprobs or 0
+    if top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(
+            f"Invalid 'top_logprobs': integer above maximum value. Expected a value <= "
+            f"{MAX_TOP_LOGPROBS}, but got {top_logprobs} instead.",
+            param="top_logprobs",
+            code="integer_above_max_value",
+        )
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequestError(
+            "Invalid value for 'top_logprobs': you must set 'logprobs' to true.",
+            param="top_logprobs",
+        )
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    choice = tool_choice(req, tools)
+    constraint = grammar_for(req, tools, choice)
+    rendered_tools = tools if choice.kind != "none" else None
+    try:
+        text = render_prompt(messages, rendered_tools)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param="messages") from exc
+    prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    limit = max_context
+    if len(prompt_ids) + (max_tokens or 1) > limit:
+        raise ContextLengthError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(prompt_ids) + (max_tokens or 0)} tokens ({len(prompt_ids)} in the messages, "
+            f"{max_tokens or 0} in the completion). Please reduce the length of the messages "
+            "or completion.",
+            param="messages",
+        )
+    budget = max_tokens or min(default_max_tokens, limit - len(prompt_ids))
+    params = SamplingParams(
+        max_tokens=budget,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        seed=req.seed,
+        stop=req.stop_list,
+        logprobs=bool(req.logprobs),
+        top_logprobs=top_logprobs,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+    )
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return PreparedChat(
+        call=call,
+        resolved=resolved,
+        messages=messages,
+        tools=tools,
+        parse_tools=choice.kind != "none",
+        prompt_ids=prompt_ids,
+        params=params,
+        n=n,
+        grammar=constraint,
+        include_usage=include_usage,
+    )
+
+
+def tool_choice(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> ToolChoice:
+    """The request's tool_choice, checked against its tools ("none" when there are none)."""
+    choice = req.tool_choice
+    if not tools:
+        if choice not in (None, "none"):
+            raise InvalidRequestError(
+                "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' "
+                "are specified.",
+                param="tool_choice",
+            )
+        return ToolChoice("none")
+    if choice is None or isinstance(choice, str):
+        return ToolChoice.of(choice)
+    name = choice.function.get("name", "")
+    if name not in {t["function"]["name"] for t in tools}:
+        raise InvalidRequestError(
+            f"Invalid value for 'tool_choice': no function named '{name}' was specified in "
+            "the 'tools' parameter.",
+            param="tool_choice",
+        )
+    return ToolChoice("function", name)
+
+
+def grammar_for(
+    req: ChatCompletionRequest, tools: list[dict[str, Any]] | None, choice: ToolChoice
+) -> grammar.Grammar | None:
+    fmt = req.response_format
+    constrains_tools = bool(tools) and choice.kind != "none"
+    if (
+        not constrains_tools
+        and fmt is not None
+        and fmt.type == "json_schema"
+        and (fmt.json_schema is None or fmt.json_schema.schema_ is None)
+    ):
+        raise InvalidRequestError(
+            "Missing required parameter: 'response_format.json_schema.schema'.",
+            param="response_format.json_schema.schema",
+            code="missing_required_parameter",
+        )
+    try:
+        return grammar.constraint_for_request(
+            fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else None,
+            tools,
+            choice,
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+        )
+    except grammar.GrammarError as exc:
+        param = "tools" if constrains_tools else "response_format"
+        raise InvalidRequestError(str(exc), param=param) from exc

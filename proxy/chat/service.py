@@ -1,0 +1,366 @@
+"""The local chat service: an OpenAI request in, an OpenAI response (or chunk stream) out, on a
+token-level engine (`proxy.engines`).
+
+`ChatService.prepare` validates a request (`proxy.chat.request`: prompt ids, sampling
+parameters, grammar); `complete` and `stream` run it on the engine and build OpenAI's JSON
+(chunks through `proxy.chat.streaming`). Every finished call is recorded
+(`proxy.chat.record.call_record`, then the store) before the response is acknowledged: the body
+of a non-streamed response, the `[DONE]` of a stream.
+
+No HTTP here: `proxy.api.routes.completions` is a thin layer over this class, and tests can
+drive it directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from proxy.adapters.registry import ServedModels
+from proxy.api.errors import APIError, ServerError
+from proxy.api.protocol import (
+    ChatCompletionRequest,
+    assistant_message,
+    completion_body,
+    usage,
+)
+from proxy.chat.record import CallInfo, call_record
+from proxy.chat.request import PreparedChat, prepare_chat
+from proxy.chat.streaming import Chunks, text_deltas
+from proxy.chat.tool_parser import ToolCallStreamParser, parse_complete
+from proxy.engines.base import (
+    ChoiceFinished,
+    Engine,
+    EngineError,
+    GenerationRequest,
+    TokenEvent,
+)
+from storage.records import CallRecord, CallStatus, ChoiceRecord
+
+logger = logging.getLogger(__name__)
+
+RecordSink = Callable[[CallRecord], Awaitable[object]]
+"""Where finished calls go (`Store.record_call`); awaited before a response is acknowledged."""
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Which engine rows the client sees: `visible[i]` is the row behind client choice i."""
+
+    rows: int
+    visible: tuple[int, ...]
+
+    def client_index(self, row: int) -> int | None:
+        return self.visible.index(row) if row in self.visible else None
+
+    @property
+    def shadow_rows(self) -> list[int]:
+        return [r for r in range(self.rows) if r not in self.visible]
+
+
+class ChatService:
+    def __init__(
+        self,
+        engine: Engine,
+        registry: ServedModels,
+        tokenizer: Any,
+        *,
+        max_n: int = 8,
+        default_max_tokens: int = 512,
+        record: RecordSink | None = None,
+        shadow_samples: int = 0,
+        shadow_turns: Literal["first", "every"] = "first",
+    ) -> None:
+        self.engine = engine
+        self.registry = registry
+        self.tokenizer = tokenizer
+        self.max_n = max_n
+        self.default_max_tokens = default_max_tokens
+        self.record = record
+        self.shadow_samples = shadow_samples
+        self.shadow_turns = shadow_turns
+        self._rng = random.Random()
+        self._token_text: dict[int, str] = {}
+
+    # ----------------------------------------------------------------- validation
+
+    def prepare(self, call: CallInfo) -> PreparedChat:
+        return prepare_chat(
+            call,
+            registry=self.registry,
+            tokenizer=self.tokenizer,
+            max_context=self.engine.max_context,
+            max_n=self.max_n,
+            default_max_tokens=self.default_max_tokens,
+        )
+
+    async def complete_json(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A request body in, the response body out (no HTTP; for the local judge). Raises
+        `APIError` for a request the route would refuse."""
+        request = ChatCompletionRequest.model_validate(body)
+        return await self.complete(self.prepare(CallInfo(request, f"req_{uuid.uuid4().hex}")))
+
+    def _plan(self, prep: PreparedChat) -> _Plan:
+        """Shadow sampling: k rows in one batched generation, one of them (at random) returned.
+
+        Off for n > 1 (the client already gets several samples), at temperature 0 (the samples
+        would be identical), and on later turns unless `shadow_turns` is "every".
+        """
+        k = self.shadow_samples
+        if (
+            k < 2
+            or prep.n != 1
+            or prep.params.temperature == 0
+            or (
+                self.shadow_turns == "first"
+                and any(m.get("role") == "assistant" for m in prep.messages)
+            )
+        ):
+            return _Plan(prep.n, tuple(range(prep.n)))
+        return _Plan(k, (self._rng.randrange(k),))
+
+    def _engine_request(self, prep: PreparedChat, plan: _Plan) -> GenerationRequest:
+        params = prep.params
+        if plan.rows != prep.n and params.seed is not None:
+            # Row i is seeded with seed + i: give the returned row the client's seed, so a
+            # seeded request returns what it would without shadow sampling.
+            params = replace(params, seed=params.seed - plan.visible[0])
+        return GenerationRequest(
+            prompt_ids=prep.prompt_ids,
+            params=params,
+            n=plan.rows,
+            adapter=prep.resolved.adapter,
+            grammar=prep.grammar,
+            request_id=prep.request_id,
+        )
+
+    def _shadow_outcomes(
+        self, prep: PreparedChat, plan: _Plan, finished: dict[int, ChoiceFinished]
+    ) -> list[ChoiceRecord]:
+        """The shadow rows as choices (index = engine row), once every row has finished."""
+        rows = plan.shadow_rows
+        if not rows or any(r not in finished for r in rows):
+            return []
+        return [self._outcome(prep, r, finished[r]) for r in rows]
+
+    def _outcome(self, prep: PreparedChat, index: int, fin: ChoiceFinished) -> ChoiceRecord:
+        content, calls = self._split_tools(prep, fin.text)
+        return ChoiceRecord(
+            index=index,
+            message=assistant_message(content, calls),
+            finish_reason=_finish_reason(fin.finish_reason, calls),
+            completion_token_ids=fin.completion_token_ids,
+            completion_logprobs=fin.completion_logprobs,
+        )
+
+    # ----------------------------------------------------------------- non-streamed
+
+    async def complete(self, prep: PreparedChat) -> dict[str, Any]:
+        plan = self._plan(prep)
+        logprobs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(plan.rows)}
+        finished: dict[int, ChoiceFinished] = {}
+        try:
+            async for event in self.engine.generate(self._engine_request(prep, plan)):
+                if isinstance(event, TokenEvent):
+                    if prep.params.logprobs and event.index in plan.visible:
+                        logprobs[event.index].append(self._logprob_entry(event))
+                else:
+                    finished[event.index] = event
+        except EngineError as exc:
+            await self._record(prep, "error", [], None, error=str(exc))
+            raise ServerError(str(exc)) from exc
+        except (asyncio.CancelledError, GeneratorExit):
+            await asyncio.shield(self._record(prep, "client_disconnected", [], None))
+            raise
+        outcomes, choices = [], []
+        for index, row in enumerate(plan.visible):
+            outcome = self._outcome(prep, index, finished[row])
+            outcomes.append(outcome)
+            choices.append(
+                {
+                    "index": index,
+                    "message": outcome.message,
+                    "logprobs": {"content": logprobs[row], "refusal": None}
+                    if prep.params.logprobs
+                    else None,
+                    "finish_reason": outcome.finish_reason,
+                }
+            )
+        body = completion_body(
+            id=prep.id,
+            model=prep.request.model,
+            created=prep.call.created,
+            choices=choices,
+            usage_=self._usage(prep, outcomes),
+        )
+        await self._record(
+            prep, "completed", outcomes, body, shadow=self._shadow_outcomes(prep, plan, finished)
+        )
+        return body
+
+    def _split_tools(self, prep: PreparedChat, text: str) -> tuple[str | None, list[dict]]:
+        if not prep.parse_tools:
+            return text, []
+        return parse_complete(text)
+
+    # ----------------------------------------------------------------- streamed
+
+    async def stream(self, prep: PreparedChat) -> AsyncIterator[dict[str, Any]]:
+        """Yield OpenAI chunk dicts; the caller writes them as SSE and then `[DONE]`.
+
+        On an engine failure after the first chunk, yields an `{"error": ...}` dict last.
+        """
+        plan = self._plan(prep)
+        parsers = {i: ToolCallStreamParser() if prep.parse_tools else None for i in range(prep.n)}
+        made_calls: dict[int, bool] = {i: False for i in range(prep.n)}
+        finished: dict[int, ChoiceFinished] = {}  # by client index
+        shadow_finished: dict[int, ChoiceFinished] = {}  # by engine row
+        chunks = Chunks(prep.id, prep.request.model, prep.call.created, prep.include_usage)
+
+        status: CallStatus = "client_disconnected"
+        error: str | None = None
+        try:
+            for i in range(prep.n):
+                yield chunks.choice(i, {"role": "assistant", "content": "", "refusal": None})
+            async for event in self.engine.generate(self._engine_request(prep, plan)):
+                client = plan.client_index(event.index)
+                if client is None:  # a shadow row: kept, never streamed
+                    if isinstance(event, ChoiceFinished):
+                        shadow_finished[event.index] = event
+                    continue
+                i = client
+                if isinstance(event, TokenEvent):
+                    deltas = text_deltas(parsers[i], event.text, final=False)
+                    lp = [self._logprob_entry(event)] if prep.params.logprobs else None
+                else:
+                    finished[i] = event
+                    deltas = text_deltas(parsers[i], "", final=True)
+                    lp = None
+                for delta in deltas:
+                    if "tool_calls" in delta:
+                        made_calls[i] = True
+                    yield chunks.choice(i, delta, logprobs=lp)
+                    lp = None
+                if lp:
+                    yield chunks.choice(i, {}, logprobs=lp)
+                if isinstance(event, ChoiceFinished):
+                    reason = (
+                        "tool_calls"
+                        if made_calls[i] and event.finish_reason == "stop"
+                        else (event.finish_reason)
+                    )
+                    yield chunks.choice(i, {}, finish_reason=reason)
+            status = "completed"
+            outcomes = self._stream_outcomes(prep, finished, parsers)
+            if prep.include_usage:
+                yield chunks.usage(self._usage(prep, outcomes))
+            shadow = self._shadow_outcomes(prep, plan, shadow_finished)
+            await self._record(prep, status, outcomes, None, shadow=shadow)
+        except EngineError as exc:
+            status, error = "error", str(exc)
+            await self._record(
+                prep, status, self._stream_outcomes(prep, finished, parsers), None, error
+            )
+            yield ServerError(str(exc)).body()
+        except APIError as exc:
+            status, error = "error", exc.message
+            await self._record(
+                prep, status, self._stream_outcomes(prep, finished, parsers), None, error
+            )
+            yield exc.body()
+        finally:
+            if status == "client_disconnected":
+                outcomes = self._stream_outcomes(prep, finished, parsers)
+                await asyncio.shield(self._record(prep, status, outcomes, None))
+
+    def _stream_outcomes(
+        self,
+        prep: PreparedChat,
+        finished: dict[int, ChoiceFinished],
+        parsers: dict[int, ToolCallStreamParser | None],
+    ) -> list[ChoiceRecord]:
+        """The choices as the client saw them (the same tool call ids)."""
+        outcomes = []
+        for index, fin in sorted(finished.items()):
+            parser = parsers[index]
+            content: str | None
+            if parser is None:
+                content, calls = fin.text, []
+            else:
+                content, calls = parser.content, parser.tool_calls
+            outcomes.append(
+                ChoiceRecord(
+                    index=index,
+                    message=assistant_message(content, calls),
+                    finish_reason=_finish_reason(fin.finish_reason, calls),
+                    completion_token_ids=fin.completion_token_ids,
+                    completion_logprobs=fin.completion_logprobs,
+                )
+            )
+        return outcomes
+
+    # ----------------------------------------------------------------- helpers
+
+    def _usage(self, prep: PreparedChat, outcomes: list[ChoiceRecord]) -> dict[str, Any]:
+        completion = sum(len(o.completion_token_ids or ()) for o in outcomes)
+        return usage(len(prep.prompt_ids), completion)
+
+    def _token(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._token_text[token_id] = text
+        return text
+
+    def _logprob_entry(self, event: TokenEvent) -> dict[str, Any]:
+        token = self._token(event.token_id)
+        return {
+            "token": token,
+            "logprob": event.logprob,
+            "bytes": list(token.encode("utf-8")),
+            "top_logprobs": [
+                {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+                for t, lp in ((self._token(i), lp) for i, lp in event.top_logprobs)
+            ],
+        }
+
+    async def _record(
+        self,
+        prep: PreparedChat,
+        status: CallStatus,
+        outcomes: list[ChoiceRecord],
+        body: dict[str, Any] | None,
+        error: str | None = None,
+        *,
+        shadow: list[ChoiceRecord] | None = None,
+    ) -> None:
+        if self.record is None:
+            return
+        record = call_record(
+            prep.call,
+            engine="local",
+            status=status,
+            choices=outcomes,
+            response=body,
+            usage=self._usage(prep, outcomes) if outcomes else None,
+            error=error,
+            messages=prep.messages,
+            tools=prep.tools,
+            prompt_token_ids=prep.prompt_ids,
+            adapter_version=prep.resolved.version,
+            shadow_samples=shadow or [],
+        )
+        await self.record(record)
+
+
+def _finish_reason(engine_reason: str, calls: list[dict[str, Any]]) -> str:
+    if engine_reason == "cancelled":
+        return "stop"
+    if calls and engine_reason == "stop":
+        return "tool_calls"
+    return engine_reason

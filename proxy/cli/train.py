@@ -1,0 +1,66 @@
+"""`rlproxy train`: the GRPO loop alone, against a database and a checkpoint folder.
+
+`rlproxy serve` starts it as a child process; run it by hand on a separate machine that shares
+the database (Postgres) and the checkpoint folder with the servers. It resumes from the newest
+complete checkpoint, then trains whenever enough scored groups wait. SIGTERM stops it between
+steps or mid-step; a killed step leaves no checkpoint behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from proxy.settings import Settings
+from trainer.loop import TrainingLoop
+
+logger = logging.getLogger(__name__)
+
+
+async def train_command(settings: Settings, steps: int | None = None) -> int:
+    """Train until stopped (or for `steps` steps); return an exit code."""
+    from proxy.engines.loader import ensure_fp32_cache
+    from proxy.runtime import open_runtime
+    from trainer.config import TrainerConfig
+    from trainer.peft_backend import PeftTrainer
+
+    if settings.train_threads is not None:
+        import torch
+
+        torch.set_num_threads(settings.train_threads)
+    config = TrainerConfig(**settings.trainer)
+    model_dir = await asyncio.to_thread(ensure_fp32_cache, settings.model_dir or settings.data_dir)
+    async with open_runtime(settings) as rt:
+        trainer = await asyncio.to_thread(PeftTrainer, model_dir, config)
+        loop = TrainingLoop(
+            rt.store,
+            trainer,
+            settings.checkpoints_dir,
+            policy=settings.model_name,
+            reward_policy=settings.reward_policy,
+            poll_s=settings.train_poll_s,
+        )
+        await loop.resume()
+        logger.info("training %s into %s", settings.model_name, settings.checkpoints_dir)
+        task = asyncio.create_task(_train(loop, steps, settings.train_poll_s))
+        stop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            stop.add_signal_handler(sig, task.cancel)
+        try:
+            await task
+        except asyncio.CancelledError:
+            logger.info("trainer stopping")
+        return 0
+
+
+async def _train(loop: TrainingLoop, steps: int | None, poll_s: float) -> None:
+    if steps is None:
+        await loop.run()
+        return
+    done = 0
+    while done < steps:
+        if await loop.step_once() is None:
+            await asyncio.sleep(poll_s)
+        else:
+            done += 1

@@ -1,0 +1,6 @@
+"""Engines: what generates tokens behind the proxy.
+
+`base` is the token-level contract; `local` implements it on the embedded model (transformers +
+PEFT, dynamic batching; `loader`, `kv_batch`, `sampling` are its parts). `upstream` is a
+message-level client of other providers through litellm; its calls cannot be trained on.
+"""

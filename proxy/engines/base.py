@@ -1,0 +1,91 @@
+"""The engine contract: what every token generator behind the proxy provides.
+
+An engine turns a tokenised prompt plus sampling parameters into an async stream of events: one
+`TokenEvent` per sampled token (its id, logprob, optional top logprobs and the text it adds), and
+one `ChoiceFinished` per choice with the exact prompt and completion token ids. The stored ids are
+the ones sampled, never a re-tokenisation of the text.
+
+This module holds only types; engines live beside it (`local.py`). Engines know nothing about
+HTTP, chat messages or OpenAI wire types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int = 1
+    adapter: str | None = None  # None: the base model, no adapter
+    # A compiled grammar (proxy.chat.grammar.Grammar) every choice must follow; None = free text.
+    grammar: Any | None = None
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    index: int  # choice index
+    token_id: int
+    logprob: float  # of the model's raw distribution (temperature 1, before penalties/grammar)
+    text: str  # text this token adds to the visible output (may be "" while held back)
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class ChoiceFinished:
+    index: int
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    completion_logprobs: list[float]
+    text: str = ""
+    adapter: str | None = None
+
+
+EngineEvent = TokenEvent | ChoiceFinished
+
+
+class EngineError(RuntimeError):
+    """The engine failed while generating (not the client's fault)."""
+
+
+@dataclass
+class EngineHealth:
+    ok: bool
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """One async interface; `local` (transformers + PEFT) is the embedded implementation."""
+
+    max_context: int
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]: ...
+
+    async def load_adapter(self, name: str, path: str) -> None: ...
+
+    async def unload_adapter(self, name: str) -> None: ...
+
+    def health(self) -> EngineHealth: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...

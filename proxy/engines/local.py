@@ -1,0 +1,530 @@
+"""The `local` engine: transformers + PEFT, fp32 on CPU (CUDA when present), dynamic batching.
+
+One worker thread owns the model and runs a hand-written decode loop over a `DynamicCache`:
+requests that arrive while others are decoding are prefilled, left-padded and merged into the
+running batch between two steps, so concurrent requests share forward passes instead of queueing
+behind each other. Rows that finish leave the batch (`batch_select_indices`). Each row carries its
+own sampling parameters, random generator, constraint (grammar) and LoRA adapter; a batch that
+mixes adapters runs through PEFT's `adapter_names`.
+
+Adapter loads and unloads run on the worker thread between two steps. A request keeps the
+adapter it started with: an unload waits until no request in flight (queued, decoding, or not yet
+read to the end) uses it, then frees its weights.
+
+The engine knows nothing about chat messages, tools or HTTP: it takes token ids and returns
+token ids, logprobs and text deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import warnings
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from proxy.engines.base import (
+    ChoiceFinished,
+    EngineError,
+    EngineEvent,
+    EngineHealth,
+    GenerationRequest,
+    TokenEvent,
+)
+from proxy.engines.kv_batch import KVBatch
+from proxy.engines.loader import LoadedModel
+from proxy.engines.sampling import RowSampler
+
+logger = logging.getLogger(__name__)
+
+BASE_NAME = "__base__"  # PEFT's name for "no adapter" inside `adapter_names`
+
+
+@dataclass
+class _Job:
+    """One generation request: its rows report to one asyncio queue."""
+
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[EngineEvent | BaseException]
+    cancelled: bool = False
+    rows_left: int = 0
+
+
+@dataclass
+class _Row:
+    """One choice being decoded."""
+
+    job: _Job
+    index: int
+    prompt_ids: list[int]
+    sampler: RowSampler
+    constraint: Any | None
+    stop_token_ids: frozenset[int]
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""  # visible text decoded so far (stop strings removed at the end)
+    decoded: int = 0  # completion ids whose text is already in `text`
+    emitted: int = 0  # characters of `text` already sent
+    finish_reason: str | None = None
+
+    @property
+    def adapter(self) -> str | None:
+        return self.job.request.adapter
+
+
+@dataclass
+class _Control:
+    """A command for the worker thread (adapter load/unload), answered through a future."""
+
+    action: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+
+
+class LocalEngine:
+    """Dynamic-batching generation on the embedded model. Thread-safe async facade."""
+
+    def __init__(self, loaded: LoadedModel, *, max_batch_size: int = 16) -> None:
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.device = loaded.device
+        self.base_model = loaded.model
+        self.model: Any = loaded.model  # becomes a PeftModel on the first adapter load
+        self.max_batch_size = max_batch_size
+        self.max_context = int(getattr(loaded.model.config, "max_position_embeddings", 2048))
+        self.vocab_size = int(loaded.model.config.vocab_size)
+        stop_ids = {self.tokenizer.eos_token_id}
+        im_start = self.tokenizer.convert_tokens_to_ids("<|im_start|>")
+        if isinstance(im_start, int) and im_start >= 0:
+            stop_ids.add(im_start)
+        self.stop_token_ids = frozenset(i for i in stop_ids if i is not None)
+        self._adapters: dict[str, str] = {}  # name -> path
+        self._pending_unload: set[str] = set()
+        # Requests in flight per adapter (from `generate` until its stream closes), and the lock
+        # that keeps that count and `_adapters` consistent between the loop and the worker.
+        self._in_use: Counter[str] = Counter()
+        self._adapter_lock = threading.Lock()
+        self._inbox: queue.Queue[_Job | _Control | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._waiting: list[_Job] = []
+        self._rows: list[_Row] = []
+        self._batch: KVBatch | None = None  # cache and mask of `_rows`, in the same order
+        self._grammar_info: Any | None = None  # llguidance's tokenizer view, built on first use
+        self.steps = 0
+        self.last_error: str | None = None
+
+    # ----------------------------------------------------------------- async facade
+
+    async def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rlproxy-engine", daemon=True)
+            self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._inbox.put(None)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+            self._thread = None
+
+    def health(self) -> EngineHealth:
+        alive = self._thread is not None and self._thread.is_alive()
+        return EngineHealth(
+            ok=alive,
+            detail={
+                "running_rows": len(self._rows),
+                "waiting_requests": len(self._waiting) + self._inbox.qsize(),
+                "steps": self.steps,
+                "adapters": sorted(self._adapters),
+                "device": str(self.device),
+                "last_error": self.last_error,
+            },
+        )
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]:
+        adapter = request.adapter
+        if adapter is not None:
+            with self._adapter_lock:
+                if adapter not in self._adapters or adapter in self._pending_unload:
+                    raise EngineError(f"adapter {adapter!r} is not loaded")
+                self._in_use[adapter] += 1
+        try:
+            async for event in self._generate(request):
+                yield event
+        finally:
+            if adapter is not None:
+                with self._adapter_lock:
+                    self._in_use[adapter] -= 1
+                    if self._in_use[adapter] <= 0:
+                        del self._in_use[adapter]
+
+    async def _generate(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]:
+        loop = asyncio.get_running_loop()
+        job = _Job(request=request, loop=loop, events=asyncio.Queue(), rows_left=request.n)
+        self._inbox.put(job)
+        try:
+            while job.rows_left > 0:
+                event = await job.events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                if isinstance(event, ChoiceFinished):
+                    job.rows_left -= 1
+                yield event
+        finally:
+            # Closing the stream early (client gone, task cancelled) stops its rows.
+            job.cancelled = True
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        await self._control(lambda: self._load_adapter(name, path))
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._control(lambda: self._unload_adapter(name))
+
+    async def _control(self, action: Callable[[], Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._inbox.put(_Control(action=action, loop=loop, future=future))
+        return await future
+
+    # ----------------------------------------------------------------- worker thread
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stopping:
+            try:
+                self._drain_inbox(block=not self._rows and not self._waiting)
+                self._unload_unused()
+                self._admit()
+                if self._rows:
+                    self._step()
+            except Exception as exc:  # keep serving: fail the running jobs, reset the batch
+                logger.exception("engine step failed; failing %d running rows", len(self._rows))
+                self.last_error = repr(exc)
+                self._fail_all(EngineError(f"generation failed: {exc}"))
+
+    def _drain_inbox(self, *, block: bool) -> None:
+        while True:
+            try:
+                item = self._inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if item is None:
+                return
+            if isinstance(item, _Control):
+                self._run_control(item)
+            else:
+                self._waiting.append(item)
+
+    def _run_control(self, control: _Control) -> None:
+        try:
+            result = control.action()
+        except Exception as exc:
+            control.loop.call_soon_threadsafe(_set_exception, control.future, exc)
+        else:
+            control.loop.call_soon_threadsafe(_set_result, control.future, result)
+
+    def _load_adapter(self, name: str, path: str) -> None:
+        from peft import PeftModel
+
+        with self._adapter_lock:
+            if name in self._adapters:  # asked for again before a pending unload happened
+                self._pending_unload.discard(name)
+                return
+        start = time.perf_counter()
+        if self.model is self.base_model:
+            self.model = PeftModel.from_pretrained(
+                self.base_model, path, adapter_name=name, is_trainable=False
+            )
+        else:
+            self.model.load_adapter(path, adapter_name=name, is_trainable=False)
+        self.model.eval()
+        with self._adapter_lock:
+            self._adapters[name] = path
+        logger.info("adapter %s loaded from %s in %.3f s", name, path, time.perf_counter() - start)
+
+    def _unload_adapter(self, name: str) -> None:
+        with self._adapter_lock:
+            if name not in self._adapters:
+                raise KeyError(f"adapter {name!r} is not loaded")
+            self._pending_unload.add(name)  # no new request may start on it from now on
+        self._unload_unused()
+
+    def _unload_unused(self) -> None:
+        """Free the adapters waiting to be unloaded that no request uses any more."""
+        for name in list(self._pending_unload):
+            with self._adapter_lock:
+                busy = self._in_use.get(name, 0) > 0
+            busy = busy or any(row.adapter == name for row in self._rows)
+            busy = busy or any(job.request.adapter == name for job in self._waiting)
+            if not busy:
+                self._delete_adapter(name)
+
+    def _delete_adapter(self, name: str) -> None:
+        with self._adapter_lock:
+            self._adapters.pop(name, None)
+            self._pending_unload.discard(name)
+        if not self._adapters:
+            # PEFT refuses to delete the last adapter; drop the wrapper instead.
+            self.model = self.base_model = self.model.unload()
+        else:
+            with warnings.catch_warnings():
+                # PEFT then names another adapter "active"; rows name theirs in `adapter_names`.
+                warnings.simplefilter("ignore", UserWarning)
+                self.model.delete_adapter(name)
+        logger.info("adapter %s unloaded", name)
+
+    # ----------------------------------------------------------------- batching
+
+    def _admit(self) -> None:
+        """Prefill waiting requests (as many as fit) and merge them into the running batch."""
+        self._waiting = [job for job in self._waiting if not self._drop_if_cancelled(job)]
+        new_rows: list[_Row] = []
+        while self._waiting:
+            job = self._waiting[0]
+            if len(self._rows) + len(new_rows) + job.request.n > self.max_batch_size and (
+                self._rows or new_rows
+            ):
+                break
+            self._waiting.pop(0)
+            new_rows.extend(self._rows_for(job))
+        if not new_rows:
+            return
+        logits, batch = self._prefill(new_rows)
+        if self._batch is None:
+            self._batch = batch
+        else:
+            self._batch.stack(batch)
+        self._rows.extend(new_rows)
+        self._sample_and_emit(new_rows, logits)
+
+    def _drop_if_cancelled(self, job: _Job) -> bool:
+        if job.cancelled:
+            prompt = list(job.request.prompt_ids)
+            adapter = job.request.adapter
+            _post(
+                job,
+                [
+                    ChoiceFinished(i, "cancelled", prompt, [], [], "", adapter)
+                    for i in range(job.request.n)
+                ],
+            )
+        return job.cancelled
+
+    def _rows_for(self, job: _Job) -> list[_Row]:
+        req = job.request
+        rows = []
+        for i in range(req.n):
+            seed = None if req.params.seed is None else req.params.seed + i
+            rows.append(
+                _Row(
+                    job=job,
+                    index=i,
+                    prompt_ids=list(req.prompt_ids),
+                    sampler=RowSampler(req.params, seed=seed, device=self.device),
+                    constraint=self._new_constraint(req.grammar),
+                    stop_token_ids=self.stop_token_ids,
+                )
+            )
+        return rows
+
+    def _new_constraint(self, compiled: Any | None) -> Any | None:
+        if compiled is None:
+            return None
+        if self._grammar_info is None:
+            from proxy.chat.grammar import build_tokenizer_info
+
+            self._grammar_info = build_tokenizer_info(self.tokenizer, n_vocab=self.vocab_size)
+        return compiled.new_row(self._grammar_info)
+
+    def _adapter_names(self, rows: list[_Row]) -> dict[str, Any]:
+        if self.model is self.base_model:
+            return {}
+        return {"adapter_names": [row.adapter or BASE_NAME for row in rows]}
+
+    def _prefill(self, rows: list[_Row]) -> tuple[torch.Tensor, KVBatch]:
+        """Run the prompts of newcomers together, left-padded. Returns last-position logits."""
+        length = max(len(r.prompt_ids) for r in rows)
+        pad = self.tokenizer.pad_token_id or 0
+        ids = torch.full((len(rows), length), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), length), dtype=torch.long)
+        for b, row in enumerate(rows):
+            n = len(row.prompt_ids)
+            ids[b, length - n :] = torch.tensor(row.prompt_ids, dtype=torch.long)
+            mask[b, length - n :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.base_model.config)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **self._adapter_names(rows),
+        )
+        return out.logits[:, -1, :].float(), KVBatch(out.past_key_values, mask)
+
+    def _step(self) -> None:
+        """One decode step for every running row: feed its last sampled token."""
+        assert self._batch is not None
+        ids = torch.tensor([[row.completion_ids[-1]] for row in self._rows], dtype=torch.long)
+        positions = self._batch.grow()
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=self._batch.mask,
+            position_ids=positions,
+            past_key_values=self._batch.cache,
+            use_cache=True,
+            **self._adapter_names(self._rows),
+        )
+        self._batch.cache = out.past_key_values
+        self.steps += 1
+        self._sample_and_emit(self._rows, out.logits[:, -1, :].float())
+
+    def _sample_and_emit(self, rows: list[_Row], logits: torch.Tensor) -> None:
+        """Sample one token per row from `logits` (B, V), emit events, retire finished rows."""
+        logprobs_all = torch.log_softmax(logits, dim=-1)  # raw policy logprobs, (B, V)
+        constrained = [b for b, row in enumerate(rows) if row.constraint is not None]
+        if constrained:
+            from proxy.chat.grammar import allocate_bitmask, apply_bitmask
+
+            info: Any = self._grammar_info  # built by _new_constraint for these rows
+            bitmask = allocate_bitmask(len(rows), info)
+            for b in constrained:
+                constraint: Any = rows[b].constraint
+                constraint.fill_bitmask(bitmask, b)
+            logits = logits.clone()
+            apply_bitmask(logits, bitmask, rows=constrained)
+        by_job: dict[int, tuple[_Job, list[EngineEvent]]] = {}
+        for b, row in enumerate(rows):
+            events = by_job.setdefault(id(row.job), (row.job, []))[1]
+            if row.job.cancelled:
+                row.finish_reason = "cancelled"
+                events.append(self._finished(row))
+                continue
+            token = row.sampler.sample(logits[b], row.completion_ids)
+            logprob = float(logprobs_all[b, token])
+            row.completion_ids.append(token)
+            row.logprobs.append(logprob)
+            top: tuple[tuple[int, float], ...] = ()
+            if row.sampler.params.top_logprobs:
+                values, indices = logprobs_all[b].topk(row.sampler.params.top_logprobs)
+                top = tuple(zip(indices.tolist(), values.tolist(), strict=True))
+            if row.constraint is not None:
+                row.constraint.consume(token)
+            delta = self._advance_text(row, token)
+            events.append(TokenEvent(row.index, token, logprob, delta, top))
+            if row.finish_reason is not None:
+                events.append(self._finished(row))
+        for job, events in by_job.values():
+            _post(job, events)
+        self._retire([b for b, row in enumerate(rows) if row.finish_reason is not None], rows)
+
+    def _advance_text(self, row: _Row, token: int) -> str:
+        """Update the row's text and finish state after `token`; return the newly visible text."""
+        params = row.sampler.params
+        grammar_done = row.constraint is not None and row.constraint.is_stopped()
+        if token in row.stop_token_ids or grammar_done:
+            row.finish_reason = "stop"
+        elif len(row.completion_ids) >= params.max_tokens:
+            row.finish_reason = "length"  # (a stop string found below still wins)
+        # Decode only the ids not yet in `text` (byte-level BPE: pieces concatenate exactly),
+        # unless they end inside a UTF-8 sequence: then wait for the next token's bytes (or, if
+        # the row ends here, drop the incomplete character).
+        piece = str(
+            self.tokenizer.decode(row.completion_ids[row.decoded :], skip_special_tokens=True)
+        )
+        if row.finish_reason is not None:
+            piece = piece.rstrip("\ufffd")
+        if not piece.endswith("\ufffd"):
+            row.text += piece
+            row.decoded = len(row.completion_ids)
+        text = row.text
+        for stop in params.stop:
+            at = text.find(stop, max(0, row.emitted - len(stop)))
+            if at != -1:
+                row.text = text[:at]
+                row.finish_reason = "stop"
+        visible = len(row.text)
+        if row.finish_reason is None:
+            visible -= _held_back(row.text, params.stop)
+        if visible <= row.emitted:
+            return ""
+        delta = row.text[row.emitted : visible]
+        row.emitted = visible
+        return delta
+
+    def _finished(self, row: _Row) -> ChoiceFinished:
+        return ChoiceFinished(
+            index=row.index,
+            finish_reason=row.finish_reason or "stop",
+            prompt_token_ids=row.prompt_ids,
+            completion_token_ids=list(row.completion_ids),
+            completion_logprobs=list(row.logprobs),
+            text=row.text,
+            adapter=row.adapter,
+        )
+
+    def _retire(self, finished: list[int], rows: list[_Row]) -> None:
+        """Drop finished rows from the running batch (and their cache rows)."""
+        if not finished:
+            return
+        done = {id(rows[b]) for b in finished}
+        keep = [i for i, row in enumerate(self._rows) if id(row) not in done]
+        if len(keep) == len(self._rows):
+            return
+        if not keep:
+            self._rows, self._batch = [], None
+        else:
+            assert self._batch is not None
+            self._batch.keep(keep)
+            self._rows = [self._rows[i] for i in keep]
+        self._unload_unused()
+
+    def _fail_all(self, error: BaseException) -> None:
+        jobs = {id(r.job): r.job for r in self._rows}
+        jobs.update({id(j): j for j in self._waiting})
+        for job in jobs.values():
+            job.loop.call_soon_threadsafe(job.events.put_nowait, error)
+        self._rows, self._waiting, self._batch = [], [], None
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many trailing characters might be the start of a stop string (not yet visible)."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                longest = max(longest, k)
+                break
+    return longest
+
+
+def _post(job: _Job, events: list[EngineEvent]) -> None:
+    def deliver() -> None:
+        for event in events:
+            job.events.put_nowait(event)
+
+    job.loop.call_soon_threadsafe(deliver)
+
+
+def _set_result(future: asyncio.Future[Any], result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -1,0 +1,49 @@
+"""Per-row token sampling: penalties, temperature, top-p, a seeded generator per row.
+
+The logprobs the engine reports are taken before anything here touches the logits; this module
+only decides which token is drawn.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+
+from proxy.engines.base import SamplingParams
+
+
+class RowSampler:
+    """Draws tokens for one choice. temperature 0 means greedy."""
+
+    def __init__(self, params: SamplingParams, *, seed: int | None, device: torch.device) -> None:
+        self.params = params
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed if seed is not None else secrets.randbits(63))
+
+    def sample(self, logits: torch.Tensor, generated: list[int]) -> int:
+        """`logits`: (V,) for this row, already masked by any grammar (-inf where forbidden)."""
+        p = self.params
+        if generated and (p.presence_penalty or p.frequency_penalty):
+            ids = torch.tensor(generated, dtype=torch.long, device=logits.device)
+            counts = torch.zeros_like(logits).scatter_add_(
+                0, ids, torch.ones_like(ids, dtype=logits.dtype)
+            )
+            logits = (
+                logits
+                - p.frequency_penalty * counts
+                - p.presence_penalty * (counts > 0).to(logits.dtype)
+            )
+        if p.temperature <= 0:
+            return int(torch.argmax(logits))
+        logits = logits / p.temperature
+        probs = torch.softmax(logits, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            cumulative = sorted_probs.cumsum(-1)
+            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            cut = (cumulative - sorted_probs) >= p.top_p
+            sorted_probs = sorted_probs.masked_fill(cut, 0.0)
+            choice = torch.multinomial(sorted_probs, 1, generator=self.generator)
+            return int(order[choice])
+        return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -1,0 +1,235 @@
+"""Trajectory linking policy: which trajectory a chat call belongs to.
+
+Agents resend the whole conversation on every call, so a call continues a trajectory when its
+messages begin with that trajectory's last request plus the assistant message that answered
+it. Messages are compared in canonical form, so key order, whitespace and `null`-vs-absent
+fields do not split a trajectory:
+
+- role ("developer" counts as "system"); text content (a string, or the text parts of a list
+  joined) stripped and with whitespace runs collapsed; non-text parts (images, audio) as
+  sorted-key JSON;
+- tool calls as (name, arguments parsed as JSON and re-dumped with sorted keys); the legacy
+  `function_call` counts as a tool call; tool messages keep their `tool_call_id`;
+- everything else (ids of tool calls, `refusal`, `annotations`, reasoning fields) is ignored.
+
+Hashes chain message by message, h_i = sha256(h_{i-1} | canonical(m_i)), so the hash of every
+prefix of a request costs one pass over it. For a call the linker computes the hash of every
+prefix that ends with an assistant message; the store looks up open trajectories whose
+`next_prefix_hash` is among them; the longest matching prefix wins (the most recently updated
+trajectory on a tie).
+
+Retries do not fork. A call whose request equals the trajectory's last request is the same turn
+when the client says it is a retry (`x-stainless-retry-count` > 0) or when it started after that
+call finished and within `retry_window_s` of it. Requiring "started after it finished" keeps two
+identical requests that overlap in time (parallel rollouts of the same task) apart. A call that
+did not complete (error, client gone) and started before the trajectory's last call with the
+same request is an earlier attempt recorded late ("stale"): it goes to that turn, superseded.
+
+Explicit ids win: a call with `explicit_trajectory_id` appends to that trajectory (reopening it
+if it was closed: the agent said where the call belongs) or creates it. Closed trajectories are
+never continued implicitly; the store only offers open ones.
+
+This module is pure: no I/O, no SQL. The store (`storage.write_ops`) calls `PrefixLinker` inside
+its write transaction, with the open trajectories the call's hashes point at; the rule decides,
+and the store writes what it decided.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from storage.records import CallRecord, LinkDecision, LinkKeys, TrajectoryState
+
+_SEED = hashlib.sha256(b"rlproxy-link-v1").hexdigest()
+_TEXT_PART_TYPES = {"text", "input_text", "output_text"}
+
+
+def normalise_text(text: str) -> str:
+    """Strip and collapse every run of whitespace to one space."""
+    return " ".join(text.split())
+
+
+def _canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _canonical_arguments(arguments: Any) -> str:
+    if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
+        arguments = {}  # no arguments: "", null and "{}" are the same call
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return normalise_text(arguments)
+    return _canonical_json(arguments)
+
+
+def _canonical_content(content: Any) -> tuple[str, list[str]]:
+    """(normalised text, canonical non-text parts)."""
+    if content is None:
+        return "", []
+    if isinstance(content, str):
+        return normalise_text(content), []
+    texts: list[str] = []
+    media: list[str] = []
+    for part in content if isinstance(content, list) else [content]:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type", "text") in _TEXT_PART_TYPES:
+            texts.append(str(part.get("text") or ""))
+        else:
+            media.append(_canonical_json(part))
+    return normalise_text(" ".join(texts)), media
+
+
+def _canonical_tool_calls(message: dict[str, Any]) -> list[list[str]]:
+    calls = list(message.get("tool_calls") or [])
+    if message.get("function_call"):
+        calls.append({"function": message["function_call"]})
+    out = []
+    for call in calls:
+        fn = call.get("function") or {}
+        out.append([str(fn.get("name") or ""), _canonical_arguments(fn.get("arguments"))])
+    return out
+
+
+def canonical_message(message: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a message that decide whether two messages are 'the same'."""
+    role = message.get("role") or "assistant"
+    if role == "developer":
+        role = "system"
+    text, media = _canonical_content(message.get("content"))
+    out: dict[str, Any] = {"role": role, "content": text}
+    if media:
+        out["media"] = media
+    tool_calls = _canonical_tool_calls(message)
+    if tool_calls:
+        out["tool_calls"] = tool_calls
+    if message.get("tool_call_id") is not None:
+        out["tool_call_id"] = str(message["tool_call_id"])
+    return out
+
+
+def _chain(previous: str, message: dict[str, Any]) -> str:
+    c = canonical_message(message)
+    key = [c["role"], c["content"], c.get("media"), c.get("tool_calls"), c.get("tool_call_id")]
+    data = previous + "\n" + json.dumps(key, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(data.encode()).hexdigest()
+
+
+def _hashes(messages: Sequence[dict[str, Any]]) -> tuple[str, dict[str, int]]:
+    """(hash of all messages, {hash of each assistant-ending prefix: its length}), one pass."""
+    prefixes: dict[str, int] = {}
+    h = _SEED
+    for i, m in enumerate(messages):
+        h = _chain(h, m)
+        if m.get("role") == "assistant":
+            prefixes[h] = i + 1
+    return h, prefixes
+
+
+def messages_hash(messages: Sequence[dict[str, Any]]) -> str:
+    """Chained hash of a message list (equal lists in canonical form hash equal)."""
+    return _hashes(messages)[0]
+
+
+def assistant_prefix_hashes(messages: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Hash of every prefix that ends with an assistant message -> its length."""
+    return _hashes(messages)[1]
+
+
+def task_signature(messages: Sequence[dict[str, Any]], tools: Sequence[Any] | None) -> str:
+    """Hash of the system prompt(s), the first user message and the tool schemas."""
+    head: list[dict[str, Any]] = []
+    for m in messages:
+        head.append(canonical_message(m))
+        if m.get("role") == "user":
+            break
+    schemas = sorted(_canonical_json(t) for t in tools or [])
+    return hashlib.sha256(_canonical_json([head, schemas]).encode()).hexdigest()
+
+
+def agent_signature(messages: Sequence[dict[str, Any]], tools: Sequence[Any] | None) -> str:
+    """Hash of the system prompt(s) and the tool schemas: the same agent, whatever its task."""
+    head = [canonical_message(m) for m in messages if m.get("role") in ("system", "developer")]
+    schemas = sorted(_canonical_json(t) for t in tools or [])
+    return hashlib.sha256(_canonical_json([head, schemas]).encode()).hexdigest()
+
+
+@dataclass
+class PrefixLinker:
+    """Links calls by explicit id, retry detection, then longest assistant-ending prefix."""
+
+    retry_window_s: float = 10.0
+    """A same-request call that starts within this many seconds after the last call finished
+    is a retry of it, unless that call completed (then it is a new sample of the same task).
+    0 disables the time rule (the retry-count header still counts)."""
+
+    def __post_init__(self) -> None:
+        if self.retry_window_s < 0:
+            raise ValueError("retry_window_s must be >= 0 (0 disables the time rule)")
+
+    def keys(self, record: CallRecord) -> LinkKeys:
+        messages = record.request_messages
+        request_hash, prefix_hashes = _hashes(messages)
+        next_prefix_hash = None
+        if record.status == "completed" and record.choices:
+            answer = {"role": "assistant", **record.choices[0].message}
+            next_prefix_hash = _chain(request_hash, answer)
+        return LinkKeys(
+            prefix_hashes=prefix_hashes,
+            request_hash=request_hash,
+            next_prefix_hash=next_prefix_hash,
+            task_signature=task_signature(messages, record.tools),
+        )
+
+    def _same_turn(self, record: CallRecord, keys: LinkKeys, t: TrajectoryState) -> str | None:
+        """ "retry"/"stale" when `record` repeats `t`'s last request; None otherwise."""
+        if t.last_call_id is None or keys.request_hash != t.last_request_hash:
+            return None
+        if t.last_call_created_at is not None and record.created_at < t.last_call_created_at:
+            # Started before the standing call: a late-recorded earlier attempt only if it
+            # failed; two completed overlapping calls are parallel rollouts, not retries.
+            return "stale" if record.status != "completed" else None
+        if record.retry_count > 0:
+            return "retry"
+        if t.last_call_status == "completed":
+            return None  # the client got its answer: asking again is a new run, not a retry
+        if self.retry_window_s > 0 and t.last_call_finished_at is not None:
+            gap = record.created_at - t.last_call_finished_at
+            if 0 <= gap <= self.retry_window_s:
+                return "retry"
+        return None
+
+    def choose(
+        self,
+        record: CallRecord,
+        keys: LinkKeys,
+        explicit: TrajectoryState | None,
+        candidates: Sequence[TrajectoryState],
+    ) -> LinkDecision:
+        if record.explicit_trajectory_id is not None:
+            if explicit is None:
+                return LinkDecision("new", record.explicit_trajectory_id)
+            same = self._same_turn(record, keys, explicit)
+            if same is not None:
+                return LinkDecision(same, explicit.id, explicit.last_call_id)  # type: ignore[arg-type]
+            return LinkDecision("append", explicit.id)
+
+        repeats = [(t, s) for t in candidates if (s := self._same_turn(record, keys, t))]
+        if repeats:
+            t, same = max(repeats, key=lambda ts: (ts[0].updated_at, ts[0].id))
+            return LinkDecision(same, t.id, t.last_call_id)  # type: ignore[arg-type]
+
+        matches = [t for t in candidates if t.next_prefix_hash in keys.prefix_hashes]
+        if matches:
+            best = max(
+                matches,
+                key=lambda t: (keys.prefix_hashes[t.next_prefix_hash or ""], t.updated_at, t.id),
+            )
+            return LinkDecision("append", best.id)
+        return LinkDecision("new")

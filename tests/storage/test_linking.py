@@ -1,0 +1,223 @@
+"""The linking policy on its own: canonical messages, prefix hashes, and the decision rules."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from storage.linking import (
+    PrefixLinker,
+    assistant_prefix_hashes,
+    canonical_message,
+    messages_hash,
+    task_signature,
+)
+from storage.records import CallRecord, ChoiceRecord, TrajectoryState
+
+
+def _call(messages: list[dict[str, Any]], answer: str | None = "ok", **kw: Any) -> CallRecord:
+    choices = [ChoiceRecord(0, {"role": "assistant", "content": answer})] if answer else []
+    fields: dict[str, Any] = {
+        "id": "c-new",
+        "created_at": 1000.0,
+        "finished_at": 1001.0,
+        "model_requested": "policy",
+        "engine": "local",
+        "request_messages": messages,
+        "choices": choices,
+        "status": "completed" if answer else "error",
+    }
+    fields.update(kw)
+    return CallRecord(**fields)
+
+
+def _state(tid: str, **kw: Any) -> TrajectoryState:
+    fields: dict[str, Any] = {
+        "id": tid,
+        "status": "open",
+        "created_at": 900.0,
+        "updated_at": 950.0,
+        "turn_count": 1,
+        "next_prefix_hash": None,
+        "last_request_hash": None,
+        "last_call_id": f"{tid}-last",
+        "last_call_created_at": 940.0,
+        "last_call_finished_at": 990.0,
+    }
+    fields.update(kw)
+    return TrajectoryState(**fields)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (
+            {"role": "user", "content": "  hello\n\n world "},
+            {"content": "hello world", "role": "user"},
+        ),
+        (
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}],
+            },
+            {"role": "user", "content": "hello world"},
+        ),
+        ({"role": "developer", "content": "sys"}, {"role": "system", "content": "sys"}),
+        (
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "x",
+                        "type": "function",
+                        "function": {"name": "f", "arguments": '{"a": 1, "b": [1, 2]}'},
+                    }
+                ],
+                "refusal": None,
+            },
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "function": {"arguments": '{\n  "b": [1,2],\n  "a": 1\n}', "name": "f"},
+                        "type": "function",
+                        "id": "y",
+                    }
+                ],
+            },
+        ),
+        (
+            {"role": "assistant", "content": "", "function_call": {"name": "f", "arguments": "{}"}},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"function": {"name": "f", "arguments": {}}}],
+            },
+        ),
+    ],
+)
+def test_cosmetic_differences_canonicalise_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert canonical_message(a) == canonical_message(b)
+    assert messages_hash([a]) == messages_hash([b])
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ({"role": "user", "content": "hello"}, {"role": "user", "content": "Hello"}),
+        ({"role": "user", "content": "x"}, {"role": "assistant", "content": "x"}),
+        (
+            {"role": "tool", "tool_call_id": "1", "content": "r"},
+            {"role": "tool", "tool_call_id": "2", "content": "r"},
+        ),
+        (
+            {
+                "role": "assistant",
+                "tool_calls": [{"function": {"name": "f", "arguments": '{"a":1}'}}],
+            },
+            {
+                "role": "assistant",
+                "tool_calls": [{"function": {"name": "f", "arguments": '{"a":2}'}}],
+            },
+        ),
+        (
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}}]},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "b.png"}}]},
+        ),
+    ],
+)
+def test_real_differences_hash_differently(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert messages_hash([a]) != messages_hash([b])
+
+
+def test_prefix_hashes_chain_to_next_prefix_hash() -> None:
+    linker = PrefixLinker()
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    first = linker.keys(_call(msgs, "a1"))
+    history = [*msgs, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
+    second = linker.keys(_call(history, "a2"))
+    assert second.prefix_hashes == {first.next_prefix_hash: 3}
+    assert first.request_hash == messages_hash(msgs)
+    assert assistant_prefix_hashes(msgs) == {}
+    # An error (no answer) has no continuation point.
+    assert linker.keys(_call(msgs, None)).next_prefix_hash is None
+
+
+def test_task_signature_covers_system_first_user_and_tools() -> None:
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    later = [*msgs, {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]
+    assert task_signature(msgs, tools) == task_signature(later, tools)
+    assert task_signature(msgs, tools) != task_signature(msgs, None)
+    assert task_signature(msgs, None) != task_signature(
+        [msgs[0], {"role": "user", "content": "other"}], None
+    )
+
+
+def test_longest_prefix_then_most_recent() -> None:
+    linker = PrefixLinker()
+    m = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "q3"},
+    ]
+    record = _call(m)
+    keys = linker.keys(record)
+    h2, h4 = sorted(keys.prefix_hashes, key=keys.prefix_hashes.__getitem__)
+    short = _state("short", next_prefix_hash=h2, updated_at=999.0)
+    long_old = _state("long-old", next_prefix_hash=h4, updated_at=500.0)
+    long_new = _state("long-new", next_prefix_hash=h4, updated_at=600.0)
+    decision = linker.choose(record, keys, None, [short, long_old, long_new])
+    assert (decision.action, decision.trajectory_id) == ("append", "long-new")
+    assert linker.choose(record, keys, None, []).action == "new"
+
+
+def test_retry_rules() -> None:
+    linker = PrefixLinker(retry_window_s=10.0)
+    msgs = [{"role": "user", "content": "q"}]
+    record = _call(msgs, created_at=1000.0)
+    keys = linker.keys(record)
+    last = _state("t", last_request_hash=keys.request_hash, last_call_finished_at=995.0)
+
+    d = linker.choose(record, keys, None, [last])
+    assert (d.action, d.trajectory_id, d.same_turn_as) == ("retry", "t", "t-last")
+    # Outside the window: a new run of the same task, unless the client says it is a retry.
+    stale = replace(last, last_call_finished_at=900.0)
+    assert linker.choose(record, keys, None, [stale]).action == "new"
+    assert linker.choose(replace(record, retry_count=2), keys, None, [stale]).action == "retry"
+    # Started before the last call finished: overlapping calls are parallel runs.
+    overlapping = replace(last, last_call_finished_at=1000.5)
+    assert linker.choose(record, keys, None, [overlapping]).action == "new"
+    # The last call completed: the same request again is a new sample, not a retry.
+    answered = replace(last, last_call_status="completed")
+    assert linker.choose(record, keys, None, [answered]).action == "new"
+    assert linker.choose(replace(record, retry_count=1), keys, None, [answered]).action == "retry"
+    # Window 0 turns the time rule off.
+    assert PrefixLinker(retry_window_s=0).choose(record, keys, None, [last]).action == "new"
+    # A failed attempt that started before the standing call is a late-recorded attempt.
+    late = replace(record, status="client_disconnected", created_at=930.0)
+    assert linker.choose(late, keys, None, [last]).action == "stale"
+    assert linker.choose(replace(late, status="completed"), keys, None, [last]).action == "new"
+
+
+def test_explicit_id() -> None:
+    linker = PrefixLinker()
+    record = _call([{"role": "user", "content": "q"}], explicit_trajectory_id="run-1")
+    keys = linker.keys(record)
+    other = _state("other", next_prefix_hash="x", last_request_hash=keys.request_hash)
+    d = linker.choose(record, keys, None, [other])
+    assert (d.action, d.trajectory_id) == ("new", "run-1")
+    closed = _state("run-1", status="closed")
+    d = linker.choose(record, keys, closed, [other])
+    assert (d.action, d.trajectory_id) == ("append", "run-1")
+
+
+def test_negative_window_is_refused() -> None:
+    with pytest.raises(ValueError, match="retry_window_s"):
+        PrefixLinker(retry_window_s=-1)

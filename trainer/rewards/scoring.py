@@ -1,0 +1,165 @@
+"""Scoring ready groups: claim one, ask RULER, store the scores. Never crashes the caller.
+
+    scorer = Scorer(store, judge, grouper, ScoringConfig())
+    await scorer.form()              # closed trajectories -> groups; ready ones marked
+    await scorer.score_next()        # the oldest ready group, scored or marked failed
+    await scorer.run(interval_s=5)   # both, forever (the background task of `rlproxy serve`)
+
+A group whose members all carry explicit rewards from the environment is marked scored without a
+judge call unless `judge_explicit_groups` is set; RULER's scores and explicit rewards are stored
+side by side, and `Store.get_group(reward_policy=...)` picks which one training uses. The judge
+itself (`trainer.rewards.ruler`) knows nothing of the database; the SQL lives in `storage`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from storage.group_ops import FormResult
+from storage.grouping import SignatureGrouper
+from storage.records import GroupDetail, JudgeOutcome, ScoreRecord
+from storage.store import Store
+from trainer.rewards.ruler import DEFAULT_RUBRIC, Judge, JudgeGroup, JudgeMember, score_group
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScoringConfig:
+    rubric: str = DEFAULT_RUBRIC
+    """The rubric for every group without one of its own."""
+    rubrics: dict[str, str] = field(default_factory=dict)
+    """Per explicit group key, or per agent as `agent:<system prompt text>`."""
+    judge_explicit_groups: bool = False
+    """Call the judge even when every member has an explicit reward."""
+    reward_policy: str = "explicit"
+
+
+class Scorer:
+    def __init__(
+        self,
+        store: Store,
+        judge: Judge,
+        grouper: SignatureGrouper,
+        config: ScoringConfig | None = None,
+    ) -> None:
+        self.store = store
+        self.judge = judge
+        self.grouper = grouper
+        self.config = config or ScoringConfig()
+
+    async def form(self) -> FormResult:
+        return await self.store.form_groups(self.grouper)
+
+    async def score_next(self) -> GroupDetail | None:
+        """Score the oldest ready group; None when none is ready."""
+        group_id = await self.store.claim_group()
+        return None if group_id is None else await self._score_claimed(group_id)
+
+    async def score(self, group_id: str) -> GroupDetail | None:
+        """Score one group now, whatever its status (rescoring a scored or failed one).
+
+        None when the group does not exist, has fewer than two members, or is being scored.
+        """
+        claimed = await self.store.claim_group(group_id)
+        return None if claimed is None else await self._score_claimed(claimed)
+
+    async def run(self, interval_s: float) -> None:
+        """Form groups and score every ready one, then sleep; forever, surviving any error."""
+        await self.store.release_scoring()
+        while True:
+            try:
+                await self.form()
+                while await self.score_next() is not None:
+                    pass
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("the scoring pass failed; trying again in %.0f s", interval_s)
+            await asyncio.sleep(interval_s)
+
+    async def _score_claimed(self, group_id: str) -> GroupDetail | None:
+        try:
+            outcome = await self._judge(group_id)
+        except asyncio.CancelledError:
+            await asyncio.shield(self.store.release_scoring(group_id))
+            raise
+        except Exception as exc:
+            logger.exception("scoring group %s failed", group_id)
+            outcome = JudgeOutcome(
+                status="failed",
+                scores=[],
+                judge_model=self.judge.model,
+                failure=f"{type(exc).__name__}: {exc}",
+            )
+        await self.store.finish_scoring(group_id, outcome)
+        if outcome.status == "failed":
+            logger.warning("group %s: judging failed: %s", group_id, outcome.failure)
+        else:
+            logger.info("group %s scored by %s", group_id, outcome.judge_model)
+        return await self.store.get_group(group_id, reward_policy=self.config.reward_policy)
+
+    async def _judge(self, group_id: str) -> JudgeOutcome:
+        group = await self.store.get_group(group_id)
+        if group is None:
+            raise LookupError(f"group {group_id} vanished while being scored")
+        members = group.members
+        if not self.config.judge_explicit_groups and all(
+            m.explicit_reward is not None for m in members
+        ):
+            return JudgeOutcome(status="scored", scores=[], judge_model="explicit")
+        rubric = self.rubric_for(group)
+        result = await score_group(
+            JudgeGroup(
+                group_id=group.id,
+                members=[JudgeMember(m.member_id, m.messages) for m in members],
+                tools=members[0].tools if members else None,
+                rubric=rubric,
+            ),
+            self.judge,
+        )
+        per_member = len(members) or 1
+        return JudgeOutcome(
+            status=result.status,
+            scores=[
+                ScoreRecord(
+                    member_id=s.member_id,
+                    score=s.score,
+                    explanation=s.explanation,
+                    judge_model=result.judge_model,
+                    rubric_hash=result.rubric_hash,
+                    latency_s=result.latency_s,
+                    prompt_tokens=_share(result.prompt_tokens, per_member),
+                    completion_tokens=_share(result.completion_tokens, per_member),
+                    cost_usd=None if result.cost_usd is None else result.cost_usd / per_member,
+                )
+                for s in result.scores
+            ],
+            judge_model=result.judge_model,
+            rubric_hash=result.rubric_hash,
+            latency_s=result.latency_s,
+            attempts=result.attempts,
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.completion_tokens,
+            cost_usd=result.cost_usd,
+            failure=result.failure,
+        )
+
+    def rubric_for(self, group: GroupDetail) -> str:
+        rubrics = self.config.rubrics
+        if group.summary.source == "explicit" and group.summary.key in rubrics:
+            return rubrics[group.summary.key]
+        for m in group.members[:1]:
+            for message in m.messages:
+                if message.get("role") == "system" and isinstance(message.get("content"), str):
+                    key = f"agent:{message['content']}"
+                    if key in rubrics:
+                        return rubrics[key]
+        return self.config.rubric
+
+
+def _share(total: int | None, members: int) -> int | None:
+    """A member's share of the group's judge tokens (the judge sees the group in one call)."""
+    return None if total is None else round(total / members)
