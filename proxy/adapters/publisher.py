@@ -5,7 +5,8 @@ database) writes `checkpoints/<policy>/NNNN/` atomically. `Publisher.check` look
 it has not seen, newest first: the first that validates and loads becomes current (only then does
 the policy name flip); one that is corrupt or refused by the engine is recorded as rejected and
 never retried, and the version serving before keeps serving. Requests in flight finish on the
-version they started with (the engine keeps an adapter until no row uses it).
+version they started with (the engine keeps an adapter until no request uses it); versions no
+longer kept are unloaded by `proxy.adapters.manager`.
 
 Each outcome is written to the adapters table, so `GET /rl/adapters` shows it.
 """
