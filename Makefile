@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve test test-slow test-all lint bench bench-overhead bench-ruler bench-learning bench-grpo clean
+.PHONY: setup serve test test-slow test-all lint bench bench-overhead bench-ruler bench-learning bench-grpo bench-history clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -59,6 +59,10 @@ bench-learning: setup
 bench-grpo: setup
 	$(BIN)/pip install -q -e ".[dev,learn]"
 	$(BIN)/python bench/bench_grpo_speed.py
+
+# Per-call store cost (record_call p50/p95, rows read by linking) as one task's runs pile up.
+bench-history: setup
+	$(BIN)/python bench/bench_history.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -230,9 +230,29 @@ def _m002_groups_and_adapters(conn: Connection) -> None:
     md.create_all(conn, tables=[t for t in md.sorted_tables if t not in existing])
 
 
+def _m003_bounded_linking(conn: Connection) -> None:
+    """Linking reads the newest trajectories per hash (and per standing call status) instead of
+    every open one: indexes that end in `updated_at` let it stop after the few it needs."""
+    conn.execute(text("DROP INDEX ix_trajectories_status_next_prefix_hash"))
+    conn.execute(text("DROP INDEX ix_trajectories_status_last_request_hash"))
+    conn.execute(
+        text(
+            "CREATE INDEX ix_trajectories_prefix_lookup "
+            "ON trajectories (status, next_prefix_hash, updated_at, id)"
+        )
+    )
+    conn.execute(
+        text(
+            "CREATE INDEX ix_trajectories_request_lookup "
+            "ON trajectories (status, last_request_hash, last_call_status, updated_at, id)"
+        )
+    )
+
+
 MIGRATIONS: list[Migration] = [
     Migration(1, "m001_initial", _m001_initial),
     Migration(2, "m002_groups_and_adapters", _m002_groups_and_adapters),
+    Migration(3, "m003_bounded_linking", _m003_bounded_linking),
 ]
 
 

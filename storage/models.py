@@ -70,8 +70,16 @@ class Trajectory(Base):
     last_call_status: Mapped[str | None] = mapped_column(String)
 
     __table_args__ = (
-        Index("ix_trajectories_status_next_prefix_hash", "status", "next_prefix_hash"),
-        Index("ix_trajectories_status_last_request_hash", "status", "last_request_hash"),
+        # Linking's lookups (storage.trajectory_view): newest first within one hash.
+        Index("ix_trajectories_prefix_lookup", "status", "next_prefix_hash", "updated_at", "id"),
+        Index(
+            "ix_trajectories_request_lookup",
+            "status",
+            "last_request_hash",
+            "last_call_status",
+            "updated_at",
+            "id",
+        ),
         Index("ix_trajectories_status_updated_at", "status", "updated_at"),
         Index("ix_trajectories_created_at_id", "created_at", "id"),
         Index("ix_trajectories_status_created_at_id", "status", "created_at", "id"),

@@ -42,6 +42,7 @@ from storage.records import (
     TrajectoryDetail,
     TrajectoryPage,
 )
+from storage.trajectory_view import LinkStats
 from storage.writer import GroupCommitWriter, WriterStats
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class Store:
         self._engines = engines
         self._linker = linker
         self._writer = writer
+        self._link_stats = LinkStats()
 
     @classmethod
     async def open(
@@ -105,6 +107,11 @@ class Store:
     def dialect(self) -> str:
         """ "sqlite" or "postgresql"."""
         return self._engines.dialect
+
+    @property
+    def link_stats(self) -> LinkStats:
+        """Calls linked and the trajectory rows read to link them."""
+        return self._link_stats
 
     @property
     def writer_stats(self) -> WriterStats:
@@ -264,7 +271,9 @@ class Store:
         return [await op(conn) for op in ops]
 
     async def _write_calls(self, conn: AsyncConnection, records: list[CallRecord]) -> list[str]:
-        return await write_ops.record_calls(conn, records, self._linker, time.time())
+        return await write_ops.record_calls(
+            conn, records, self._linker, time.time(), self._link_stats
+        )
 
     async def _write_ends(self, conn: AsyncConnection, ids: list[str]) -> list[bool | None]:
         return [await write_ops.close_trajectory(conn, tid, "end", time.time()) for tid in ids]

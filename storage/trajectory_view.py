@@ -1,27 +1,45 @@
 """The in-memory view of the trajectories one batch of calls may link to.
 
-`load_view` reads, in a few IN (...) queries, every trajectory a batch could touch: those named
-by explicit ids and the open ones whose `next_prefix_hash` or `last_request_hash` matches a
-call's hashes (row-locked with FOR UPDATE on Postgres until the batch commits; SQLite's BEGIN
-IMMEDIATE already excludes other writers). `TrajectoryView` keeps them indexed by those hashes
-and records which rows the batch created or changed, so `storage.write_ops` can link calls one
-by one in memory and write everything back at the end. No writes happen here.
+`load_view` reads every trajectory the linking rule (`storage.linking`) could pick for a batch,
+and no other: those named by explicit ids; per prefix hash, the newest open trajectories that
+continue there (the rule takes the newest, and each call of the batch takes at most one); per
+request hash, the open trajectories whose standing call could be the same turn (it started
+after one of the calls did, or it failed within the retry window, or, for a call that says it is
+a retry, the newest that started before it). Every query is a range of an index
+(`ix_trajectories_prefix_lookup`, `ix_trajectories_request_lookup`) bounded by the batch, by
+time or by failures, never by how many calls of one task are stored: linking costs the same at
+100 and at 100,000 stored runs of a task. Rows are locked with FOR UPDATE on Postgres until the
+batch commits (SQLite's BEGIN IMMEDIATE already excludes other writers).
+
+`TrajectoryView` keeps them indexed by those hashes and records which rows the batch created or
+changed, so `storage.write_ops` can link calls one by one in memory and write everything back at
+the end. No writes happen here.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Select, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage.models import trajectories_table as T
-from storage.records import CallRecord, LinkKeys, TrajectoryState
+from storage.records import CALL_STATUSES, CallRecord, LinkKeys, TrajectoryState
 
 _CHUNK = 2000  # bound parameters per IN (...) query, well under SQLite's and asyncpg's limits
+
+
+@dataclass
+class LinkStats:
+    """What linking has read so far (`Store.link_stats`): its cost must not grow with history."""
+
+    calls: int = 0
+    """Calls linked."""
+    rows: int = 0
+    """Trajectory rows read to link them (explicit, prefix and same-request candidates)."""
 
 
 @dataclass
@@ -121,20 +139,69 @@ class TrajectoryView:
 
 
 async def load_view(
-    conn: AsyncConnection, records: Sequence[CallRecord], keys: Sequence[LinkKeys]
+    conn: AsyncConnection,
+    records: Sequence[CallRecord],
+    keys: Sequence[LinkKeys],
+    *,
+    retry_window_s: float,
 ) -> TrajectoryView:
     """Every trajectory the batch may link to, row-locked on Postgres until the commit."""
-    queries = [
-        (T.c.id, [r.explicit_trajectory_id for r in records if r.explicit_trajectory_id], False),
-        (T.c.next_prefix_hash, [h for k in keys for h in k.prefix_hashes], True),
-        (T.c.last_request_hash, [k.request_hash for k in keys if k.request_hash], True),
-    ]
     rows: dict[str, Trajectory] = {}
-    for column, values, only_open in queries:
-        for chunk in _chunks(values):
-            stmt = select(*(T.c[n] for n in TRAJECTORY_FIELDS)).where(column.in_(chunk))
-            if only_open:
-                stmt = stmt.where(T.c.status == "open")
-            for row in await conn.execute(stmt.order_by(T.c.id).with_for_update()):
-                rows.setdefault(row.id, Trajectory(**row._asdict()))
+    columns = [T.c[n] for n in TRAJECTORY_FIELDS]
+
+    async def read(stmt: Select[Any]) -> None:
+        for row in await conn.execute(stmt.with_for_update()):
+            rows.setdefault(row.id, Trajectory(**row._asdict()))
+
+    def newest(*where: Any, limit: int | None = None) -> Select[Any]:
+        stmt = select(*columns).where(T.c.status == "open", *where)
+        return stmt.order_by(T.c.updated_at.desc(), T.c.id.desc()).limit(limit)
+
+    explicit = [r.explicit_trajectory_id for r in records if r.explicit_trajectory_id]
+    for chunk in _chunks(explicit):  # any status: an explicit id reopens its trajectory
+        await read(select(*columns).where(T.c.id.in_(chunk)).order_by(T.c.id))
+
+    for prefix, uses in sorted(Counter(h for k in keys for h in k.prefix_hashes).items()):
+        await read(newest(T.c.next_prefix_hash == prefix, limit=uses))
+
+    by_request: dict[str, list[CallRecord]] = defaultdict(list)
+    for record, k in zip(records, keys, strict=True):
+        if k.request_hash is not None:
+            by_request[k.request_hash].append(record)
+    for request_hash, calls in sorted(by_request.items()):
+        same = T.c.last_request_hash == request_hash
+        first = min(c.created_at for c in calls)
+        # Standing calls that started after one of these did (a late earlier attempt is
+        # "stale"); such a trajectory was updated after `first`. (The status list lets the
+        # lookup index range over `updated_at` within each status.)
+        await read(
+            newest(
+                same,
+                T.c.last_call_status.in_(sorted(CALL_STATUSES)),
+                T.c.updated_at > first,
+                T.c.last_call_created_at > first,
+            )
+        )
+        # Failed standing calls that finished within the retry window (the time rule).
+        if retry_window_s > 0:
+            await read(
+                newest(
+                    same,
+                    T.c.last_call_status.in_(sorted(CALL_STATUSES - {"completed"})),
+                    T.c.updated_at >= first - retry_window_s,
+                    T.c.last_call_finished_at >= first - retry_window_s,
+                )
+            )
+        # A call that says it retries (x-stainless-retry-count): the newest standing call of
+        # each status that started before it.
+        for call in (c for c in calls if c.retry_count > 0):
+            for status in sorted(CALL_STATUSES):
+                await read(
+                    newest(
+                        same,
+                        T.c.last_call_status == status,
+                        T.c.last_call_created_at <= call.created_at,
+                        limit=1,
+                    )
+                )
     return TrajectoryView(rows.values())

@@ -29,7 +29,13 @@ from storage.models import groups_table as G
 from storage.models import rewards_table as R
 from storage.models import trajectories_table as T
 from storage.records import CallRecord, LinkKeys
-from storage.trajectory_view import TRAJECTORY_FIELDS, Trajectory, TrajectoryView, load_view
+from storage.trajectory_view import (
+    TRAJECTORY_FIELDS,
+    LinkStats,
+    Trajectory,
+    TrajectoryView,
+    load_view,
+)
 
 _SKIP = frozenset({"choices", "shadow_samples"})
 
@@ -62,11 +68,18 @@ def _call_row(
 
 
 async def record_calls(
-    conn: AsyncConnection, records: list[CallRecord], linker: PrefixLinker, now: float
+    conn: AsyncConnection,
+    records: list[CallRecord],
+    linker: PrefixLinker,
+    now: float,
+    stats: LinkStats | None = None,
 ) -> list[str]:
     """Link and insert a batch of calls, in order; return each call's trajectory id."""
     keys = [linker.keys(r) for r in records]
-    view = await load_view(conn, records, keys)
+    view = await load_view(conn, records, keys, retry_window_s=linker.retry_window_s)
+    if stats is not None:
+        stats.calls += len(records)
+        stats.rows += len(view.by_id)
     pending: dict[str, dict[str, Any]] = {}  # call id -> calls row, in batch order
     supersede: list[dict[str, str]] = []  # earlier calls (already stored) retried now
     tids: list[str] = []

@@ -1,7 +1,7 @@
 """Trajectory linking end to end: the store with `storage.linking.PrefixLinker`, both backends.
 
 The canonicalisation and decision rules themselves are unit-tested in
-tests/trainer/test_linking.py; here every call goes through `Store.record_call`.
+tests/storage/test_linking.py; here every call goes through `Store.record_call`.
 """
 
 from __future__ import annotations
@@ -230,3 +230,54 @@ async def test_longest_prefix_wins(store: Store, make_call: Any) -> None:
     three = [*two, {"role": "assistant", "content": "b"}, {"role": "user", "content": "q3"}]
     assert await store.record_call(make_call(three, "c")) == "long"
     assert short != long_
+
+
+# --- the cost of linking does not grow with history ---------------------------------------
+# Linking reads trajectory rows; how many it reads per call must stay under a small constant
+# however many runs of one task are stored (`Store.link_stats` counts them). The history below
+# is many runs of one task: the same first messages, answered the same way (temperature 0) or
+# not, some going on to a second turn, some failing and being retried.
+
+TASK = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 17 * 23?"}]
+
+
+async def _rows_per_call(store: Store, record: Any) -> tuple[str, int]:
+    before = store.link_stats.rows
+    tid = await store.record_call(record)
+    return tid, store.link_stats.rows - before
+
+
+@pytest.mark.parametrize("history", [20, 200])
+async def test_linking_reads_a_bounded_number_of_rows_per_call(
+    store: Store, make_call: Any, history: int
+) -> None:
+    second_turn = [
+        *TASK,
+        {"role": "assistant", "content": "391"},
+        {"role": "user", "content": "Why?"},
+    ]
+    for i in range(history):
+        await store.record_call(make_call(TASK, "391"))  # a run of the task, answered
+        if i % 4 == 0:
+            await store.record_call(make_call(second_turn, "17 * 23 = 391."))  # it goes on
+
+    # The task again: a new run; nothing it could join is read beyond the newest few.
+    tid, rows = await _rows_per_call(store, make_call(TASK, "391"))
+    assert rows <= 2, f"read {rows} trajectory rows after {history} runs"
+    # Its second turn joins it (the newest run with that prefix), reading one row for the prefix.
+    tid2, rows = await _rows_per_call(store, make_call(second_turn, "Because."))
+    assert tid2 == tid
+    assert rows <= 2, f"read {rows} trajectory rows after {history} runs"
+    # A failed call of the task, then its retry: the retry finds the failed run.
+    failed = make_call(TASK, None)
+    failed_tid, rows = await _rows_per_call(store, failed)
+    assert rows <= 2
+    retry = make_call(TASK, "391", created_at=failed.finished_at + 0.5)
+    retry_tid, rows = await _rows_per_call(store, retry)
+    assert retry_tid == failed_tid
+    assert rows <= 2, f"read {rows} trajectory rows after {history} runs"
+    # A client-marked retry of the last call (x-stainless-retry-count) joins the newest run.
+    again = make_call(TASK, "391", retry_count=1, created_at=retry.finished_at + 0.1)
+    again_tid, rows = await _rows_per_call(store, again)
+    assert again_tid == retry_tid
+    assert rows <= 4, f"read {rows} trajectory rows after {history} runs"
