@@ -15,6 +15,9 @@ from typing import Any, Literal
 
 CallStatus = Literal["completed", "error", "client_disconnected"]
 CALL_STATUSES: frozenset[str] = frozenset({"completed", "error", "client_disconnected"})
+MAX_ABS_REWARD = 1e6
+"""Rewards are finite numbers within ±this: GRPO normalises them per group, so any scale works,
+but advantages of rewards near the float limit overflow."""
 
 TrajectoryStatus = Literal["open", "closed"]
 CloseReason = Literal["end", "reward", "idle"]

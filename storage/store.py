@@ -17,6 +17,7 @@ The store knows nothing about HTTP, engines or training; it does not import `pro
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -33,6 +34,7 @@ from storage.migrations import migrate
 from storage.read_ops import TrajectoryFilter
 from storage.records import (
     CALL_STATUSES,
+    MAX_ABS_REWARD,
     AdapterRecord,
     CallRecord,
     GroupDetail,
@@ -138,8 +140,14 @@ class Store:
     ) -> int:
         """Store a reward (several per trajectory allowed) and close the trajectory.
 
-        Returns the reward id. Raises TrajectoryNotFound.
+        Returns the reward id. Raises TrajectoryNotFound, or InvalidRecord for a reward that is
+        not a finite number within ±MAX_ABS_REWARD (advantages of larger ones overflow).
         """
+        if not math.isfinite(reward) or abs(reward) > MAX_ABS_REWARD:
+            raise InvalidRecord(
+                f"a reward must be a finite number between {-MAX_ABS_REWARD:g} and "
+                f"{MAX_ABS_REWARD:g}, not {reward!r}"
+            )
         payload = (trajectory_id, float(reward), source, explanation)
         reward_id = await self._writer.submit(self._write_rewards, payload)
         if reward_id is None:

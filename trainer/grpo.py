@@ -50,19 +50,26 @@ def group_advantages(
 ) -> list[float] | None:
     """Advantages of one group's members, or None when the group has no variance to learn from.
 
-    None for fewer than two members or all-equal rewards; ValueError for a non-finite reward.
+    None for fewer than two members or all-equal rewards; ValueError for a non-finite reward or
+    rewards too large to normalise.
     """
     values = [float(r) for r in rewards]
     if any(not math.isfinite(v) for v in values):
         raise ValueError(f"rewards must be finite numbers, got {values}")
     if len(values) < 2 or max(values) == min(values):
         return None
-    mean = sum(values) / len(values)
+    n = len(values)
+    mean = math.fsum(v / n for v in values)  # divided first: a sum of huge rewards overflows
     centred = [v - mean for v in values]
     if not scale_by_std:
-        return centred
-    std = math.sqrt(sum(c * c for c in centred) / len(values))  # population std
-    return [c / (std + eps) for c in centred]
+        advantages = centred
+    else:
+        scale = max(abs(c) for c in centred)  # > 0: not all rewards are equal
+        std = scale * math.sqrt(math.fsum((c / scale) ** 2 for c in centred) / n)  # population
+        advantages = [c / (std + eps) for c in centred]
+    if not all(math.isfinite(a) for a in advantages):
+        raise ValueError(f"rewards {values} are too large to turn into advantages")
+    return advantages
 
 
 def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:

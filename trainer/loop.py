@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import statistics
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,6 +118,7 @@ class TrainingLoop:
         )
         started = time.perf_counter()
         group_ids = [g.id for g, _ in chosen]
+        mean_reward = math.fsum(r / len(rewards) for r in rewards) if rewards else 0.0
         try:
             metrics = await asyncio.to_thread(self.trainer.train_step, examples)
         except (ValueError, FloatingPointError) as exc:
@@ -131,12 +132,12 @@ class TrainingLoop:
             path=checkpoints.version_dir(self.root, self.trainer.step),
             group_ids=group_ids,
             skipped_group_ids=skipped,
-            mean_reward=statistics.fmean(rewards),
+            mean_reward=mean_reward,
             metrics={
                 **metrics.to_dict(),
                 "groups": len(group_ids),
                 "skipped_groups": len(skipped),
-                "mean_reward": statistics.fmean(rewards),
+                "mean_reward": mean_reward,
                 "step_seconds": time.perf_counter() - started,
             },
         )
@@ -184,7 +185,11 @@ class TrainingLoop:
             )
             for summary in page.items:
                 group = await self.store.get_group(summary.id, reward_policy=self.reward_policy)
-                examples = None if group is None else self.examples(group)
+                try:
+                    examples = None if group is None else self.examples(group)
+                except ValueError as exc:  # the group's own data (its rewards): skip it alone
+                    logger.error("group %s cannot be trained on, skipping it: %s", summary.id, exc)
+                    examples = None
                 if group is None or not examples:
                     skipped.append(summary.id)
                     continue

@@ -24,6 +24,7 @@ from proxy.engines.base import SamplingParams
 logger = logging.getLogger(__name__)
 
 MAX_TOP_LOGPROBS = 20
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -75,6 +76,11 @@ def prepare_chat(
         raise InvalidRequestError(
             "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
             param="stream_options",
+        )
+    if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
+        raise InvalidRequestError(
+            f"Invalid 'seed': {req.seed} is outside the 64-bit signed integer range.",
+            param="seed",
         )
     top_logprobs = req.top_logprobs or 0
     if top_logprobs > MAX_TOP_LOGPROBS:

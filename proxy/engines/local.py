@@ -297,7 +297,11 @@ class LocalEngine:
             ):
                 break
             self._waiting.pop(0)
-            new_rows.extend(self._rows_for(job))
+            try:
+                new_rows.extend(self._rows_for(job))
+            except Exception as exc:  # this request's own parameters or grammar: it fails alone
+                logger.exception("request %s could not start", job.request.request_id)
+                _fail(job, EngineError(f"generation could not start: {exc}"))
         if not new_rows:
             return
         logits, batch = self._prefill(new_rows)
@@ -396,6 +400,7 @@ class LocalEngine:
     def _sample_and_emit(self, rows: list[_Row], logits: torch.Tensor) -> None:
         """Sample one token per row from `logits` (B, V), emit events, retire finished rows."""
         logprobs_all = torch.log_softmax(logits, dim=-1)  # raw policy logprobs, (B, V)
+        failed: dict[int, BaseException] = {}  # id(job) -> why: a failing row fails its job only
         constrained = [b for b, row in enumerate(rows) if row.constraint is not None]
         if constrained:
             from proxy.chat.grammar import allocate_bitmask, apply_bitmask
@@ -404,7 +409,10 @@ class LocalEngine:
             bitmask = allocate_bitmask(len(rows), info)
             for b in constrained:
                 constraint: Any = rows[b].constraint
-                constraint.fill_bitmask(bitmask, b)
+                try:
+                    constraint.fill_bitmask(bitmask, b)
+                except Exception as exc:
+                    failed.setdefault(id(rows[b].job), exc)
             logits = logits.clone()
             apply_bitmask(logits, bitmask, rows=constrained)
         by_job: dict[int, tuple[_Job, list[EngineEvent]]] = {}
@@ -414,23 +422,43 @@ class LocalEngine:
                 row.finish_reason = "cancelled"
                 events.append(self._finished(row))
                 continue
-            token = row.sampler.sample(logits[b], row.completion_ids)
-            logprob = float(logprobs_all[b, token])
-            row.completion_ids.append(token)
-            row.logprobs.append(logprob)
-            top: tuple[tuple[int, float], ...] = ()
-            if row.sampler.params.top_logprobs:
-                values, indices = logprobs_all[b].topk(row.sampler.params.top_logprobs)
-                top = tuple(zip(indices.tolist(), values.tolist(), strict=True))
-            if row.constraint is not None:
-                row.constraint.consume(token)
-            delta = self._advance_text(row, token)
-            events.append(TokenEvent(row.index, token, logprob, delta, top))
-            if row.finish_reason is not None:
-                events.append(self._finished(row))
+            if id(row.job) in failed:
+                row.finish_reason = "error"
+                continue
+            try:
+                events.extend(self._advance_row(row, b, logits, logprobs_all))
+            except Exception as exc:
+                failed.setdefault(id(row.job), exc)
+                row.finish_reason = "error"
         for job, events in by_job.values():
-            _post(job, events)
+            if id(job) in failed:
+                why = failed[id(job)]
+                logger.error("request %s failed alone: %r", job.request.request_id, why)
+                job.cancelled = True  # its other rows leave the batch at the next step
+                _fail(job, EngineError(f"generation failed: {why}"))
+            else:
+                _post(job, events)
         self._retire([b for b, row in enumerate(rows) if row.finish_reason is not None], rows)
+
+    def _advance_row(
+        self, row: _Row, b: int, logits: torch.Tensor, logprobs_all: torch.Tensor
+    ) -> list[EngineEvent]:
+        """Sample row `b`'s next token from `logits` (B, V); return its events."""
+        token = row.sampler.sample(logits[b], row.completion_ids)
+        logprob = float(logprobs_all[b, token])
+        row.completion_ids.append(token)
+        row.logprobs.append(logprob)
+        top: tuple[tuple[int, float], ...] = ()
+        if row.sampler.params.top_logprobs:
+            values, indices = logprobs_all[b].topk(row.sampler.params.top_logprobs)
+            top = tuple(zip(indices.tolist(), values.tolist(), strict=True))
+        if row.constraint is not None:
+            row.constraint.consume(token)
+        delta = self._advance_text(row, token)
+        events: list[EngineEvent] = [TokenEvent(row.index, token, logprob, delta, top)]
+        if row.finish_reason is not None:
+            events.append(self._finished(row))
+        return events
 
     def _advance_text(self, row: _Row, token: int) -> str:
         """Update the row's text and finish state after `token`; return the newly visible text."""
@@ -497,7 +525,7 @@ class LocalEngine:
         jobs = {id(r.job): r.job for r in self._rows}
         jobs.update({id(j): j for j in self._waiting})
         for job in jobs.values():
-            job.loop.call_soon_threadsafe(job.events.put_nowait, error)
+            _fail(job, error)
         self._rows, self._waiting, self._batch = [], [], None
 
 
@@ -510,6 +538,10 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
                 longest = max(longest, k)
                 break
     return longest
+
+
+def _fail(job: _Job, error: BaseException) -> None:
+    job.loop.call_soon_threadsafe(job.events.put_nowait, error)
 
 
 def _post(job: _Job, events: list[EngineEvent]) -> None:

@@ -12,6 +12,10 @@ import torch
 
 from proxy.engines.base import SamplingParams
 
+SEED_SPACE = 2**64
+"""A generator's seed is 64 bits; any integer seed is taken modulo this, so `seed + i` (row i of
+a request) can never be out of range."""
+
 
 class RowSampler:
     """Draws tokens for one choice. temperature 0 means greedy."""
@@ -19,7 +23,7 @@ class RowSampler:
     def __init__(self, params: SamplingParams, *, seed: int | None, device: torch.device) -> None:
         self.params = params
         self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed if seed is not None else secrets.randbits(63))
+        self.generator.manual_seed(seed % SEED_SPACE if seed is not None else secrets.randbits(63))
 
     def sample(self, logits: torch.Tensor, generated: list[int]) -> int:
         """`logits`: (V,) for this row, already masked by any grammar (-inf where forbidden)."""
@@ -36,8 +40,12 @@ class RowSampler:
             )
         if p.temperature <= 0:
             return int(torch.argmax(logits))
-        logits = logits / p.temperature
-        probs = torch.softmax(logits, dim=-1)
+        scaled = logits / p.temperature
+        if not torch.isfinite(scaled.max()):
+            # A temperature so small that the best logit overflows: the distribution is the
+            # greedy one (softmax of inf would be NaN).
+            return int(torch.argmax(logits))
+        probs = torch.softmax(scaled, dim=-1)
         if p.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
             cumulative = sorted_probs.cumsum(-1)

@@ -326,3 +326,40 @@ def running_rows_after(server, seconds: float) -> int:
         if rows == 0 or time.monotonic() > deadline:
             return rows
         time.sleep(0.5)
+
+
+# ----------------------------------------------------------------------------- bad neighbours
+
+
+def _post_chat(http: httpx.Client, **body: Any) -> httpx.Response:
+    payload = {"model": "rlproxy", "messages": HI, "max_tokens": 6, **body}
+    return http.post("/v1/chat/completions", json=payload)
+
+
+@pytest.mark.parametrize(
+    ("bad", "status"),
+    [
+        ({"temperature": 1e-45}, 200),  # the greedy distribution, not NaN
+        ({"seed": 2**64}, 400),  # outside OpenAI's integer range: refused before the engine
+        ({"seed": -(2**63) - 1}, 400),
+        ({"seed": 2**63 - 1, "n": 2}, 200),  # row 1's seed is past 64 bits: still a seed
+    ],
+)
+def test_a_bad_request_never_hurts_its_batch_neighbours(
+    http: httpx.Client, pool, bad: dict[str, Any], status: int
+) -> None:
+    neighbours = [pool.submit(_post_chat, http, temperature=0.7, seed=i) for i in range(3)]
+    odd = pool.submit(_post_chat, http, **bad)
+    more = [pool.submit(_post_chat, http, temperature=0.7, seed=10 + i) for i in range(2)]
+    response = odd.result(timeout=120)
+    if status == 400:
+        error = assert_openai_error(response, 400)
+        assert error["param"] == "seed"
+    else:
+        assert response.status_code == 200, response.text
+    for future in neighbours + more:
+        answer = future.result(timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    health = http.get("/health").json()
+    assert health["status"] == "ok" and health["engine"]["last_error"] is None

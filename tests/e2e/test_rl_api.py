@@ -184,6 +184,8 @@ def test_unknown_trajectory_is_404(rl_server: Server) -> None:
         b'{"reward": NaN, "source": "env"}',
         b'{"reward": Infinity, "source": "env"}',
         b'{"reward": 1e999, "source": "env"}',
+        b'{"reward": 1e308, "source": "env"}',  # finite, but its advantages would overflow
+        b'{"reward": -1000001, "source": "env"}',
         b'{"reward": "high", "source": "env"}',
         b'{"reward": true, "source": "env"}',
         b'{"source": "env"}',

@@ -99,3 +99,75 @@ async def test_closing_the_stream_cancels_the_row(engine, tokenizer) -> None:
         await asyncio.sleep(0.1)
     assert engine.health().detail["running_rows"] == 0
     assert engine.steps - steps < 50
+
+
+# --- one bad row fails alone ------------------------------------------------------------------
+
+
+class _BrokenGrammar:
+    """Follows the engine's grammar protocol (`proxy.chat.grammar.Grammar.new_row` and the row's
+    `fill_bitmask` / `consume` / `is_stopped`), but fails where a real one could: when its row's
+    matcher is built (`fail_at` None), or when the `fail_at`-th token is consumed."""
+
+    def __init__(self, fail_at: int | None) -> None:
+        self.fail_at = fail_at
+
+    def new_row(self, info: object) -> _BrokenRow:
+        if self.fail_at is None:
+            raise RuntimeError("this grammar cannot make a matcher")
+        return _BrokenRow(self.fail_at)
+
+
+class _BrokenRow:
+    def __init__(self, fail_at: int) -> None:
+        self.fail_at = fail_at
+        self.consumed = 0
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        pass  # every token allowed
+
+    def consume(self, token_id: int) -> None:
+        self.consumed += 1
+        if self.consumed >= self.fail_at:
+            raise RuntimeError("the matcher rejected a token")
+
+    def is_stopped(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("fail_at", [None, 1, 4])
+async def test_a_failing_row_fails_alone(engine, loaded_model, fail_at: int | None) -> None:
+    from proxy.engines.base import EngineError
+
+    tok = loaded_model.tokenizer
+    params = SamplingParams(max_tokens=10, temperature=0)
+    good = [GenerationRequest(prompt_ids(tok, p), params) for p in PROMPTS]
+    alone = [(await run(engine, r))[1][0].completion_token_ids for r in good]
+    broken = GenerationRequest(prompt_ids(tok, PROMPTS[0]), params, grammar=_BrokenGrammar(fail_at))
+    results = await asyncio.gather(
+        run(engine, broken), *(run(engine, r) for r in good), return_exceptions=True
+    )
+    assert isinstance(results[0], EngineError), results[0]
+    together = [r[1][0].completion_token_ids for r in results[1:]]  # type: ignore[index]
+    assert together == alone
+    assert engine.health().ok
+    assert (await run(engine, good[0]))[1][0].completion_token_ids == alone[0]
+
+
+async def test_a_vanishing_temperature_samples_greedily(engine, loaded_model) -> None:
+    """1e-45 divides the logits into infinities; it is the greedy distribution, not NaN."""
+    ids = prompt_ids(loaded_model.tokenizer, PROMPTS[1])
+    greedy = GenerationRequest(ids, SamplingParams(max_tokens=8, temperature=0))
+    tiny = GenerationRequest(ids, SamplingParams(max_tokens=8, temperature=1e-45, seed=3))
+    neighbour = GenerationRequest(ids, SamplingParams(max_tokens=8, temperature=0))
+    (_, a), (_, b), (_, c) = await asyncio.gather(
+        run(engine, greedy), run(engine, tiny), run(engine, neighbour)
+    )
+    assert a[0].completion_token_ids == b[0].completion_token_ids == c[0].completion_token_ids
+
+
+async def test_any_integer_seed_is_a_valid_generator_seed(engine, loaded_model) -> None:
+    ids = prompt_ids(loaded_model.tokenizer, PROMPTS[2])
+    request = GenerationRequest(ids, SamplingParams(max_tokens=4, seed=2**64 - 1), n=2)
+    _, finished = await run(engine, request)
+    assert sorted(finished) == [0, 1]

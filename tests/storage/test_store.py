@@ -128,6 +128,9 @@ async def test_end_and_rewards_close(store: Store, make_call: Any) -> None:
         await store.end_trajectory("nope")
     with pytest.raises(TrajectoryNotFound):
         await store.add_reward("nope", 1.0, "env")
+    for bad in (1e308, -1e7, float("nan"), float("inf")):
+        with pytest.raises(InvalidRecord, match="finite number"):
+            await store.add_reward(b, bad, "env")
     assert await store.count_trajectories("closed") == 2
 
 

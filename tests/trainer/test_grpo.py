@@ -165,3 +165,14 @@ def test_kl_without_reference_is_refused() -> None:
         grpo_loss(
             torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1), kl_beta=0.1
         )
+
+
+def test_advantages_of_huge_rewards_are_finite_or_refused() -> None:
+    """Normalising never overflows into inf or NaN advantages: it is exact, or a ValueError."""
+    for rewards in ([1e308, 1e308, 0.0], [1e6, -1e6, 0.0]):
+        advantages = group_advantages(rewards)
+        assert advantages is not None and all(math.isfinite(a) for a in advantages)
+        unit = [r / max(abs(x) for x in rewards) for r in rewards]
+        assert advantages == pytest.approx(group_advantages(unit), rel=1e-5)  # eps / std
+    with pytest.raises(ValueError, match="too large"):
+        group_advantages([1.7e308, -1.7e308, 1.7e308])  # reward - mean itself overflows

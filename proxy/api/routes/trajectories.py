@@ -24,14 +24,19 @@ from pydantic import BaseModel, Field, field_validator
 from proxy.api.deps import StoreDep
 from proxy.api.errors import InvalidRequestError, NotFoundError
 from storage.errors import TrajectoryNotFound
-from storage.records import TrajectoryDetail, TrajectorySummary
+from storage.records import MAX_ABS_REWARD, TrajectoryDetail, TrajectorySummary
 from storage.store import Store
 
 router = APIRouter(prefix="/rl/trajectories")
 
 
 class RewardBody(BaseModel):
-    reward: float = Field(allow_inf_nan=False, description="The trajectory's reward.")
+    reward: float = Field(
+        allow_inf_nan=False,
+        ge=-MAX_ABS_REWARD,
+        le=MAX_ABS_REWARD,
+        description="The trajectory's reward (any scale within ±1e6: GRPO normalises per group).",
+    )
     source: str = Field("api", min_length=1, max_length=200, description="Who gave it.")
     explanation: str | None = Field(None, description="Why (optional).")
 
