@@ -120,6 +120,37 @@ def _match_header(buf: str) -> tuple[int, str] | Literal[False] | None:
     return pos, name
 
 
+def _in_string(text: str, start: bool = False) -> bool:
+    """Whether the end of `text` is inside a JSON string, `start` saying whether its beginning
+    was (backslash escapes followed; text outside strings is not checked)."""
+    inside, escaped = start, False
+    for ch in text:
+        if not inside:
+            inside = ch == '"'
+        elif escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == '"':
+            inside = False
+    return inside
+
+
+def _call_end(before: str, buf: str) -> re.Match[str] | None:
+    """The first end of a call in `buf` that is not inside a JSON string of the arguments
+    (`before`: the arguments' text that precedes `buf`). A `</tool_call>` inside a string value
+    is part of the value; the grammar allows it."""
+    inside = _in_string(before)
+    pos = 0
+    for m in _CALL_END.finditer(buf):
+        inside = _in_string(buf[pos : m.start()], inside)
+        if not inside:
+            return m
+        inside = _in_string(m.group(), inside)
+        pos = m.end()
+    return None
+
+
 def _args_holdback(buf: str) -> int:
     """Index in `buf` from which the text might still be part of `}` + `</tool_call>`."""
     for start in range(len(buf)):
@@ -270,7 +301,7 @@ class ToolCallStreamParser:
                 self._state = "args"
                 continue
             if self._state == "held":
-                m = _CALL_END.search(self._buf)
+                m = _call_end("", self._buf)
                 if m is None:
                     return events  # finish() emits a cut-off call as it is
                 args = self._buf[: m.start()].lstrip(_WS)
@@ -286,7 +317,7 @@ class ToolCallStreamParser:
             if not self.tool_calls[self._index]["function"]["arguments"]:
                 # Whitespace between the header and the arguments is not part of them.
                 self._buf = self._buf.lstrip(_WS)
-            m = _CALL_END.search(self._buf)
+            m = _call_end(self.tool_calls[self._index]["function"]["arguments"], self._buf)
             if m is not None:
                 if m.start():
                     events.append(self._emit_args(self._buf[: m.start()]))

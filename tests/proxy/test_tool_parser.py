@@ -43,6 +43,11 @@ CORPUS = [
     CALL_W + "\n<tool",  # cut while starting the next call
     CALL_W + '\n<tool_call>{"name": "get_ti',
     CALL_W + " and <tool",
+    # The closing markup inside a JSON string of the arguments is part of the string.
+    '<tool_call>{"name": "f", "arguments": {"html": "<b>x</b> then </tool_call> appears"}}'
+    "</tool_call>",
+    '<tool_call>{"name": "f", "arguments": {"s": "a}</tool_call> \\" }</tool_call>"}}</tool_call>',
+    CALL_W + '\n<tool_call>{"name": "f", "arguments": {"s": "}</tool_call>"}}</tool_call>',
 ]
 
 
@@ -220,3 +225,22 @@ def test_a_later_call_cut_off_by_max_tokens_is_kept_partial() -> None:
     _, calls = parse_complete(text)
     assert [c["function"]["name"] for c in calls] == ["a", "b"]
     assert calls[1]["function"]["arguments"] == '{"x": 1'
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["<b>x</b> then </tool_call> appears", "a}</tool_call>", '} </tool_call> \\" }</tool_call>'],
+)
+@pytest.mark.parametrize("tool_names", [None, {"f", "get_weather"}])
+def test_closing_markup_inside_a_json_string_does_not_end_the_call(
+    value: str, tool_names: set[str] | None
+) -> None:
+    """The grammar lets a string value hold `}</tool_call>`; the parser follows JSON strings."""
+    arguments = json.dumps({"html": value})
+    one = f'<tool_call>{{"name": "f", "arguments": {arguments}}}</tool_call>'
+    for text in (one, CALL_W + "\n" + one):  # alone, and as a later (held) parallel call
+        content, calls = parse_complete(text, tool_names)
+        assert content is None
+        assert json.loads(calls[-1]["function"]["arguments"]) == {"html": value}
+        events, _ = _stream(text, list(range(1, len(text))))
+        assert _strip_ids(collect(events)[1]) == _strip_ids(calls)
