@@ -57,6 +57,11 @@ class Settings(BaseSettings):
         ge=0,
         description="The same messages within this window after a failed attempt are a retry.",
     )
+    max_body_bytes: int = Field(
+        8 * 2**20,
+        ge=1024,
+        description="Largest request body accepted, in bytes (larger: 413 before parsing).",
+    )
     max_batch_size: int = Field(16, ge=1, description="Rows decoded together by the local engine.")
     max_n: int = Field(8, ge=1, description="Largest `n` (choices per request) accepted.")
     default_max_tokens: int = Field(

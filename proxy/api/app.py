@@ -59,6 +59,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(trajectory_routes.router)
     app.include_router(group_routes.router)
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestIdMiddleware)
     return app
 
@@ -89,7 +90,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
+            exc.status_code
+        )
         message = str(exc.detail)
         if exc.status_code == 404:
             message = f"Unknown request URL: {request.method} {request.url.path}."
@@ -106,6 +109,49 @@ def install_error_handlers(app: FastAPI) -> None:
                 "server_error",
             ),
             status_code=500,
+        )
+
+
+class BodySizeLimitMiddleware:
+    """Refuse a request body over `max_bytes` with a 413 before it is parsed or stored.
+
+    A declared `content-length` over the limit is answered at once; a body that streams past it
+    (chunked) stops being read, and the route's body parsing ends in the same 413.
+    """
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            response = JSONResponse(
+                error_body(self._message(), "invalid_request_error", None, "request_too_large"),
+                status_code=413,
+            )
+            await response(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise StarletteHTTPException(413, detail=self._message())
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _message(self) -> str:
+        return (
+            f"The request body is larger than this server's limit of {self.max_bytes} bytes "
+            "(RLPROXY_MAX_BODY_BYTES)."
         )
 
 

@@ -63,6 +63,7 @@ def prepare_chat(
     max_context: int,
     max_n: int,
     default_max_tokens: int,
+    max_token_chars: int = 0,
 ) -> PreparedChat:
     """Validate `call.request` (every 4xx the chat route can give); turn it into engine inputs."""
     req, request_id = call.request, call.request_id
@@ -104,9 +105,18 @@ def prepare_chat(
         text = render_prompt(messages, rendered_tools)
     except ValueError as exc:
         raise InvalidRequestError(str(exc), param="messages") from exc
-    prompt_ids = tokenizer.encode(text, add_special_tokens=False)
     max_tokens = req.max_completion_tokens or req.max_tokens
     limit = max_context
+    if max_token_chars and len(text) > limit * max_token_chars:
+        # No token spells more than `max_token_chars` characters, so this prompt cannot fit:
+        # refuse it without tokenizing (megabytes of text take seconds to tokenize).
+        raise ContextLengthError(
+            f"This model's maximum context length is {limit} tokens. However, your messages "
+            f"resulted in more than {len(text) // max_token_chars} tokens. Please reduce the "
+            "length of the messages.",
+            param="messages",
+        )
+    prompt_ids = tokenizer.encode(text, add_special_tokens=False)
     if len(prompt_ids) + (max_tokens or 1) > limit:
         raise ContextLengthError(
             f"This model's maximum context length is {limit} tokens. However, you requested "

@@ -86,6 +86,10 @@ class ChatService:
         self.shadow_turns = shadow_turns
         self._rng = random.Random()
         self._token_text: dict[int, str] = {}
+        # The longest token's spelling bounds the characters per token (byte-level BPE spells
+        # each byte as one character): a longer prompt cannot fit, whatever it tokenizes to.
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        self.max_token_chars = max((len(t) for t in vocab), default=0)
 
     # ----------------------------------------------------------------- validation
 
@@ -97,6 +101,7 @@ class ChatService:
             max_context=self.engine.max_context,
             max_n=self.max_n,
             default_max_tokens=self.default_max_tokens,
+            max_token_chars=self.max_token_chars,
         )
 
     async def complete_json(self, body: dict[str, Any]) -> dict[str, Any]:

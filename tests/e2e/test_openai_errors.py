@@ -363,3 +363,31 @@ def test_a_bad_request_never_hurts_its_batch_neighbours(
         assert answer.json()["choices"][0]["finish_reason"] in ("stop", "length")
     health = http.get("/health").json()
     assert health["status"] == "ok" and health["engine"]["last_error"] is None
+
+
+# ----------------------------------------------------------------------------- big bodies
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(http: httpx.Client) -> None:
+    big = b'{"model": "rlproxy", "messages": [{"role": "user", "content": "' + b"x" * (9 * 2**20)
+    error = assert_openai_error(http.post("/v1/chat/completions", content=big + b'"}]}'), 413)
+    assert error["code"] == "request_too_large" and error["type"] == "invalid_request_error"
+
+    def chunks():  # no content-length: the limit holds while the body streams in
+        yield big[:1024]
+        for _ in range(10):
+            yield b"x" * 2**20
+        yield b'"}]}'
+
+    error = assert_openai_error(http.post("/v1/chat/completions", content=chunks()), 413)
+    assert error["code"] == "request_too_large"
+    assert http.get("/health").json()["status"] == "ok"
+
+
+def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(client: OpenAI) -> None:
+    """A few megabytes of text would take seconds to tokenize, blocking the event loop."""
+    huge = [{"role": "user", "content": "hello world " * 400_000}]  # 4.8 MB, under the limit
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="rlproxy", messages=huge, max_tokens=1)
+    assert_sdk_error(info.value, 400, param="messages", code="context_length_exceeded")
+    assert "more than" in info.value.message
