@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -49,12 +50,22 @@ def encode_cursor(created_at: float, trajectory_id: str) -> str:
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
+MAX_CURSOR_CHARS = 512
+"""Cursors this store writes are under 100 characters; a longer one is not one of them."""
+
+
 def decode_cursor(cursor: str) -> tuple[float, str]:
+    """(created_at, id) from a cursor of `encode_cursor`; ValueError for anything else."""
+    if len(cursor) > MAX_CURSOR_CHARS:
+        raise ValueError(f"invalid cursor (longer than {MAX_CURSOR_CHARS} characters)")
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         created_at, trajectory_id = json.loads(raw)
-        return float(created_at), str(trajectory_id)
-    except (ValueError, TypeError) as e:
+        at = float(created_at)
+        if not math.isfinite(at) or not isinstance(trajectory_id, str):
+            raise ValueError("not a (time, id) pair")
+        return at, trajectory_id
+    except (ValueError, TypeError, OverflowError, RecursionError) as e:
         raise ValueError(f"invalid cursor {cursor!r}") from e
 
 

@@ -18,6 +18,13 @@ from dataclasses import dataclass, field
 from proxy.api.errors import ModelNotFoundError
 
 
+def parse_version(suffix: str) -> int | None:
+    """The N of `NAME@N`: ASCII digits only, at most nine of them; None for anything else."""
+    if 0 < len(suffix) <= 9 and suffix.isascii() and suffix.isdigit():
+        return int(suffix)
+    return None
+
+
 def adapter_name(version: int) -> str:
     """The engine-side name of adapter version N."""
     return f"v{version}"
@@ -75,8 +82,9 @@ class ServedModels:
         if sep and base == self.policy:
             if suffix == "base":
                 return Resolved(name, None)
-            if suffix.isdigit() and int(suffix) in self._loaded:
-                return Resolved(name, int(suffix))
+            version = parse_version(suffix)
+            if version is not None and version in self._loaded:
+                return Resolved(name, version)
         raise ModelNotFoundError(name)
 
     def model_ids(self) -> list[str]:
@@ -87,6 +95,6 @@ class ServedModels:
 
     def model_object(self, model_id: str) -> dict[str, object]:
         self.resolve(model_id)  # raises ModelNotFoundError for unknown ids
-        suffix = model_id.partition("@")[2]
-        created = self._loaded.get(int(suffix), self.created) if suffix.isdigit() else self.created
+        version = parse_version(model_id.partition("@")[2])
+        created = self.created if version is None else self._loaded.get(version, self.created)
         return {"id": model_id, "object": "model", "created": created, "owned_by": "rlproxy"}

@@ -108,9 +108,15 @@ def call_record(
 
 
 def request_params(req: ChatCompletionRequest) -> dict[str, Any]:
-    """The request's parameters; messages, tools and model have columns of their own."""
+    """The request's known parameters; messages, tools and model have columns of their own.
+
+    Top-level fields rlproxy does not know are not stored (they are logged by name when the
+    request is validated): a client's junk, or a key it put in the body, never reaches the
+    database."""
     params: dict[str, Any] = req.model_dump(
-        exclude_none=True, by_alias=True, exclude={"messages", "tools", "model"}
+        exclude_none=True,
+        by_alias=True,
+        exclude={"messages", "tools", "model", *req.unknown_fields()},
     )
     return params
 

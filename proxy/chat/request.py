@@ -103,6 +103,13 @@ def prepare_chat(
     rendered_tools = tools if choice.kind != "none" else None
     try:
         text = render_prompt(messages, rendered_tools)
+        text.encode("utf-8")  # a lone surrogate ("\ud800") is valid JSON but not text
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"The messages or tools contain a lone surrogate ({exc.object[exc.start]!r}), "
+            "which is not valid Unicode text.",
+            param="messages",
+        ) from exc
     except ValueError as exc:
         raise InvalidRequestError(str(exc), param="messages") from exc
     max_tokens = req.max_completion_tokens or req.max_tokens

@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 
 async def train_command(settings: Settings, steps: int | None = None) -> int:
     """Train until stopped (or for `steps` steps); return an exit code."""
+    from proxy.cli.trainer_process import stop_with_parent
+
+    stop_with_parent()
     from proxy.engines.loader import ensure_fp32_cache
     from proxy.runtime import open_runtime
     from trainer.config import TrainerConfig

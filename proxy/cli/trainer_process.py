@@ -3,7 +3,9 @@
 On CPU the trainer needs its own copy of the model and its own interpreter, so serving never
 waits on a training step (the GIL and torch's threads would otherwise make every request wait).
 The child gets the server's settings through the environment and shares its database and
-checkpoint folder; its output goes to `<data-dir>/trainer.log`. It is stopped with the server.
+checkpoint folder; its output goes to `<data-dir>/trainer.log`. It is stopped with the server,
+and on Linux it also stops when the server dies without stopping it (SIGKILL, a crash):
+`stop_with_parent`, called by the child, asks the kernel for a SIGTERM then.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import sys
 from proxy.settings import Settings
 
 logger = logging.getLogger(__name__)
+
+PARENT_PID_ENV = "RLPROXY_TRAINER_PARENT_PID"
 
 
 class TrainerProcess:
@@ -33,6 +37,7 @@ class TrainerProcess:
             "RLPROXY_DATABASE_URL": s.resolved_database_url,
         }
         env["RLPROXY_TRAIN_THREADS"] = str(s.train_threads or 1)
+        env[PARENT_PID_ENV] = str(os.getpid())  # the child stops when this process dies
         if s.model_dir is not None:
             env["RLPROXY_MODEL_DIR"] = str(s.model_dir)
         log = (s.data_dir / "trainer.log").open("ab")
@@ -58,3 +63,18 @@ class TrainerProcess:
             logger.warning("trainer did not stop in %.0f s; killing it", timeout_s)
             self.proc.kill()
             self.proc.wait()
+
+
+def stop_with_parent() -> None:
+    """In the trainer child: SIGTERM when the server that started it dies (Linux), so that a
+    restarted server never finds a second trainer on its database and checkpoint folder."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent or sys.platform != "linux":
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != int(parent):  # it died before the request was in place
+        logger.warning("the server that started this trainer is gone; stopping")
+        raise SystemExit(0)

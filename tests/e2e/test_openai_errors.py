@@ -391,3 +391,45 @@ def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(client: OpenAI) 
         client.chat.completions.create(model="rlproxy", messages=huge, max_tokens=1)
     assert_sdk_error(info.value, 400, param="messages", code="context_length_exceeded")
     assert "more than" in info.value.message
+
+
+# ----------------------------------------------------------------------------- odd input, 4xx
+
+
+def test_a_lone_surrogate_is_a_400(http: httpx.Client) -> None:
+    body = b'{"model": "rlproxy", "max_tokens": 2, "messages": [{"role": "user", "content": '
+    body += b'"a\\ud800b"}]}'
+    error = assert_openai_error(
+        http.post(
+            "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+        ),
+        400,
+    )
+    assert error["param"] == "messages" and "surrogate" in error["message"]
+
+
+@pytest.mark.parametrize("model", ["rlproxy@\u00b2", "rlproxy@" + "1" * 5000, "rlproxy@-1"])
+def test_odd_version_suffixes_are_model_not_found(http: httpx.Client, model: str) -> None:
+    chat = http.post("/v1/chat/completions", json={"model": model, "messages": HI})
+    assert assert_openai_error(chat, 404)["code"] == "model_not_found"
+    retrieve = http.get(f"/v1/models/{model}")
+    assert assert_openai_error(retrieve, 404)["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'[1e999, "x"]',
+        b"[" + b"9" * 400 + b', "x"]',
+        b"[" * 5000 + b"]" * 5000,
+        b"[1, 2]",
+        b"x" * 600,
+    ],
+)
+@pytest.mark.parametrize("route", ["/rl/trajectories", "/rl/groups"])
+def test_a_forged_page_cursor_is_a_400(http: httpx.Client, route: str, raw: bytes) -> None:
+    import base64
+
+    cursor = base64.urlsafe_b64encode(raw).decode().rstrip("=")
+    error = assert_openai_error(http.get(route, params={"cursor": cursor}), 400)
+    assert error["param"] == "cursor"

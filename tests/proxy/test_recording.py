@@ -159,3 +159,9 @@ def test_settings_refuse_upstream_names_that_clash() -> None:
         Settings(upstream_models={"rlproxy@3": {"model": "openai/x"}})
     ok = Settings(upstream_models={"openai/gpt-4o-mini": {"model": "openai/gpt-4o-mini"}})
     assert ok.upstream_models["openai/gpt-4o-mini"].model == "openai/gpt-4o-mini"
+
+
+def test_unknown_top_level_fields_are_not_stored() -> None:
+    req = _request(temperature=0.3, api_key="sk-in-the-body", junk="x" * 100_000)
+    params = call_record(CallInfo(req, "req_1"), engine="local", status="completed").params
+    assert params == {"temperature": 0.3}
