@@ -23,6 +23,8 @@ beyond connection pragmas.
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -55,7 +57,7 @@ def _sqlite_engine(
         # Stop the driver from issuing its own BEGIN; _on_begin below emits ours.
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
+        _set_wal(cursor, busy_timeout_s)
         cursor.execute(f"PRAGMA synchronous={synchronous}")
         cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
         cursor.execute("PRAGMA foreign_keys=ON")
@@ -66,6 +68,25 @@ def _sqlite_engine(
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
     return engine
+
+
+def _set_wal(cursor: Any, busy_timeout_s: float) -> None:
+    """`PRAGMA journal_mode=WAL`, retried while another connection holds the lock it needs.
+
+    SQLite answers "database is locked" at once, without its busy handler, when two connections
+    switch a new file to WAL together (several processes or stores opening one fresh database);
+    the mode is persistent, so once one of them succeeds the others' switch is a no-op."""
+    deadline = time.monotonic() + busy_timeout_s
+    delay = 0.005
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay)  # a connect callback: synchronous, on the driver's own thread
+        delay = min(delay * 2, 0.2)
 
 
 def create_engines(
