@@ -5,7 +5,7 @@ and no other: those named by explicit ids; per prefix hash, the newest open traj
 continue there (the rule takes the newest, and each call of the batch takes at most one); per
 request hash, the open trajectories whose standing call could be the same turn (it started
 after one of the calls did, or it failed within the retry window, or, for a call that says it is
-a retry, the newest that started before it). Every query is a range of an index
+a retry, the newest that started before it). Every lookup is a range of an index
 (`ix_trajectories_prefix_lookup`, `ix_trajectories_request_lookup`) bounded by the batch, by
 time or by failures, never by how many calls of one task are stored: linking costs the same at
 100 and at 100,000 stored runs of a task. Rows are locked with FOR UPDATE on Postgres until the
@@ -23,13 +23,14 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from sqlalchemy import Select, select
+from sqlalchemy import TextualSelect, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage.models import trajectories_table as T
 from storage.records import CALL_STATUSES, CallRecord, LinkKeys, TrajectoryState
 
 _CHUNK = 2000  # bound parameters per IN (...) query, well under SQLite's and asyncpg's limits
+_LOOKUPS_PER_QUERY = 200  # bounded lookups per UNION ALL (SQLite allows 500 compound terms)
 
 
 @dataclass
@@ -145,63 +146,109 @@ async def load_view(
     *,
     retry_window_s: float,
 ) -> TrajectoryView:
-    """Every trajectory the batch may link to, row-locked on Postgres until the commit."""
-    rows: dict[str, Trajectory] = {}
-    columns = [T.c[n] for n in TRAJECTORY_FIELDS]
+    """Every trajectory the batch may link to, row-locked on Postgres until the commit.
 
-    async def read(stmt: Select[Any]) -> None:
-        for row in await conn.execute(stmt.with_for_update()):
-            rows.setdefault(row.id, Trajectory(**row._asdict()))
-
-    def newest(*where: Any, limit: int | None = None) -> Select[Any]:
-        stmt = select(*columns).where(T.c.status == "open", *where)
-        return stmt.order_by(T.c.updated_at.desc(), T.c.id.desc()).limit(limit)
-
-    explicit = [r.explicit_trajectory_id for r in records if r.explicit_trajectory_id]
-    for chunk in _chunks(explicit):  # any status: an explicit id reopens its trajectory
-        await read(select(*columns).where(T.c.id.in_(chunk)).order_by(T.c.id))
-
+    All the bounded lookups go in one UNION ALL, whatever the batch or the conversations' depth
+    (a conversation of k turns has k prefix hashes): on SQLite it returns the rows (BEGIN
+    IMMEDIATE already excludes other writers); on Postgres the ids, whose rows a second
+    statement reads FOR UPDATE (a UNION cannot be locked)."""
+    lookups = _Lookups()
+    explicit = sorted({r.explicit_trajectory_id for r in records if r.explicit_trajectory_id})
+    for trajectory_id in explicit:  # any status: an explicit id reopens its trajectory
+        lookups.add("id = {}", trajectory_id, only_open=False)
     for prefix, uses in sorted(Counter(h for k in keys for h in k.prefix_hashes).items()):
-        await read(newest(T.c.next_prefix_hash == prefix, limit=uses))
+        # The rule takes the newest open trajectory per prefix hash and each call of the batch
+        # takes at most one: the newest `uses` are all the batch can reach.
+        lookups.add("next_prefix_hash = {}", prefix, newest=uses)
 
     by_request: dict[str, list[CallRecord]] = defaultdict(list)
     for record, k in zip(records, keys, strict=True):
         if k.request_hash is not None:
             by_request[k.request_hash].append(record)
     for request_hash, calls in sorted(by_request.items()):
-        same = T.c.last_request_hash == request_hash
         first = min(c.created_at for c in calls)
         # Standing calls that started after one of these did (a late earlier attempt is
-        # "stale"); such a trajectory was updated after `first`. (The status list lets the
-        # lookup index range over `updated_at` within each status.)
-        await read(
-            newest(
-                same,
-                T.c.last_call_status.in_(sorted(CALL_STATUSES)),
-                T.c.updated_at > first,
-                T.c.last_call_created_at > first,
-            )
+        # "stale"); such a trajectory was updated after `first`. (Naming the statuses lets the
+        # lookup index range over `updated_at` within each.)
+        lookups.add(
+            f"last_request_hash = {{}} AND last_call_status IN ({_ALL})"
+            " AND updated_at > {} AND last_call_created_at > {}",
+            request_hash,
+            first,
+            first,
         )
         # Failed standing calls that finished within the retry window (the time rule).
         if retry_window_s > 0:
-            await read(
-                newest(
-                    same,
-                    T.c.last_call_status.in_(sorted(CALL_STATUSES - {"completed"})),
-                    T.c.updated_at >= first - retry_window_s,
-                    T.c.last_call_finished_at >= first - retry_window_s,
-                )
+            since = first - retry_window_s
+            lookups.add(
+                f"last_request_hash = {{}} AND last_call_status IN ({_FAILED})"
+                " AND updated_at >= {} AND last_call_finished_at >= {}",
+                request_hash,
+                since,
+                since,
             )
         # A call that says it retries (x-stainless-retry-count): the newest standing call of
         # each status that started before it.
         for call in (c for c in calls if c.retry_count > 0):
             for status in sorted(CALL_STATUSES):
-                await read(
-                    newest(
-                        same,
-                        T.c.last_call_status == status,
-                        T.c.last_call_created_at <= call.created_at,
-                        limit=1,
-                    )
+                lookups.add(
+                    "last_request_hash = {} AND last_call_status = {}"
+                    " AND last_call_created_at <= {}",
+                    request_hash,
+                    status,
+                    call.created_at,
+                    newest=1,
                 )
-    return TrajectoryView(rows.values())
+
+    found: dict[str, Trajectory] = {}
+    if conn.dialect.name != "postgresql":
+        for stmt in lookups.statements(ids_only=False):
+            for row in await conn.execute(stmt):
+                found.setdefault(row.id, Trajectory(**row._asdict()))
+        return TrajectoryView(found.values())
+    ids: set[str] = set()
+    for stmt in lookups.statements(ids_only=True):
+        ids.update(row.id for row in await conn.execute(stmt))
+    columns = [T.c[n] for n in TRAJECTORY_FIELDS]
+    for chunk in _chunks(ids):
+        locked = select(*columns).where(T.c.id.in_(chunk)).order_by(T.c.id).with_for_update()
+        for row in await conn.execute(locked):
+            found[row.id] = Trajectory(**row._asdict())
+    return TrajectoryView(found.values())
+
+
+_ALL = ", ".join(f"'{s}'" for s in sorted(CALL_STATUSES))
+_FAILED = ", ".join(f"'{s}'" for s in sorted(CALL_STATUSES - {"completed"}))
+
+
+class _Lookups:
+    """Bounded lookups of trajectory rows, sent as UNION ALL statements. Written as SQL text:
+    building one Core subquery per lookup (a deep conversation has dozens) cost more than
+    running them."""
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[str, dict[str, Any]]] = []  # (condition, its bound values)
+
+    def add(
+        self, where: str, *values: Any, only_open: bool = True, newest: int | None = None
+    ) -> None:
+        """Rows matching `where`, each `{}` in it a bound value; `newest`: only the newest n."""
+        names = [f"v{len(self._parts)}_{i}" for i in range(len(values))]
+        sql = where.format(*(f":{name}" for name in names))
+        if only_open:
+            sql = f"status = 'open' AND {sql}"
+        if newest is not None:
+            sql += f" ORDER BY updated_at DESC, id DESC LIMIT {int(newest)}"
+        self._parts.append((sql, dict(zip(names, values, strict=True))))
+
+    def statements(self, *, ids_only: bool) -> Iterator[TextualSelect]:
+        fields = ["id"] if ids_only else TRAJECTORY_FIELDS
+        listed = ", ".join(fields)
+        for start in range(0, len(self._parts), _LOOKUPS_PER_QUERY):
+            chunk = self._parts[start : start + _LOOKUPS_PER_QUERY]
+            sql = " UNION ALL ".join(
+                f"SELECT {listed} FROM (SELECT {listed} FROM {T.name} WHERE {where}) AS q{i}"
+                for i, (where, _) in enumerate(chunk)
+            )
+            params = {name: value for _, values in chunk for name, value in values.items()}
+            yield text(sql).bindparams(**params).columns(*(T.c[n] for n in fields))
