@@ -158,17 +158,6 @@ class LocalEngine:
                 if adapter not in self._adapters or adapter in self._pending_unload:
                     raise EngineError(f"adapter {adapter!r} is not loaded")
                 self._in_use[adapter] += 1
-        try:
-            async for event in self._generate(request):
-                yield event
-        finally:
-            if adapter is not None:
-                with self._adapter_lock:
-                    self._in_use[adapter] -= 1
-                    if self._in_use[adapter] <= 0:
-                        del self._in_use[adapter]
-
-    async def _generate(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]:
         loop = asyncio.get_running_loop()
         job = _Job(request=request, loop=loop, events=asyncio.Queue(), rows_left=request.n)
         self._inbox.put(job)
@@ -183,6 +172,11 @@ class LocalEngine:
         finally:
             # Closing the stream early (client gone, task cancelled) stops its rows.
             job.cancelled = True
+            if adapter is not None:
+                with self._adapter_lock:
+                    self._in_use[adapter] -= 1
+                    if self._in_use[adapter] <= 0:
+                        del self._in_use[adapter]
 
     async def load_adapter(self, name: str, path: str) -> None:
         await self._control(lambda: self._load_adapter(name, path))
@@ -265,9 +259,9 @@ class LocalEngine:
         for name in list(self._pending_unload):
             with self._adapter_lock:
                 busy = self._in_use.get(name, 0) > 0
-            busy = busy or any(row.adapter == name for row in self._rows)
-            busy = busy or any(job.request.adapter == name for job in self._waiting)
-            if not busy:
+            # A request whose stream closed early still has rows in the batch until the next
+            # step retires them as cancelled.
+            if not busy and not any(row.adapter == name for row in self._rows):
                 self._delete_adapter(name)
 
     def _delete_adapter(self, name: str) -> None:

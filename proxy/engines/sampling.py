@@ -12,13 +12,16 @@ import torch
 
 from proxy.engines.base import SamplingParams
 
+GREEDY_BELOW = 1e-30
+"""Temperatures under this sample greedily: logits divided by them overflow float32 (the
+distribution they ask for is the greedy one anyway). Decided once per row, not per token."""
 SEED_SPACE = 2**64
 """A generator's seed is 64 bits; any integer seed is taken modulo this, so `seed + i` (row i of
 a request) can never be out of range."""
 
 
 class RowSampler:
-    """Draws tokens for one choice. temperature 0 means greedy."""
+    """Draws tokens for one choice. temperature 0 (or under GREEDY_BELOW) means greedy."""
 
     def __init__(self, params: SamplingParams, *, seed: int | None, device: torch.device) -> None:
         self.params = params
@@ -38,14 +41,9 @@ class RowSampler:
                 - p.frequency_penalty * counts
                 - p.presence_penalty * (counts > 0).to(logits.dtype)
             )
-        if p.temperature <= 0:
+        if p.temperature < GREEDY_BELOW:  # 0, or so small that logits / it overflow
             return int(torch.argmax(logits))
-        scaled = logits / p.temperature
-        if not torch.isfinite(scaled.max()):
-            # A temperature so small that the best logit overflows: the distribution is the
-            # greedy one (softmax of inf would be NaN).
-            return int(torch.argmax(logits))
-        probs = torch.softmax(scaled, dim=-1)
+        probs = torch.softmax(logits / p.temperature, dim=-1)
         if p.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
             cumulative = sorted_probs.cumsum(-1)
