@@ -19,7 +19,7 @@ import asyncio
 import logging
 from pathlib import Path
 
-from proxy.adapters.registry import ServedModels, adapter_name, parse_version
+from proxy.adapters.registry import ServedModels, adapter_name
 from proxy.api.errors import APIError, InvalidRequestError, NotFoundError
 from proxy.engines.base import Engine
 from trainer import checkpoints
@@ -115,9 +115,8 @@ class AdapterManager:
 
     async def ensure_servable(self, model: str) -> None:
         """Load `NAME@N` on demand when a client pins a version that is on disk, not loaded."""
-        base, sep, suffix = model.partition("@")
-        version = parse_version(suffix)
-        if not sep or base != self.registry.policy or version is None:
+        version = self.registry.pinned(model)
+        if version is None:
             return
         if version in self.registry.loaded_versions() or not self.path_for(version).is_dir():
             return

@@ -78,14 +78,17 @@ class ServedModels:
     def resolve(self, name: str) -> Resolved:
         if name == self.policy or name in self.aliases:
             return Resolved(name, self._active)
-        base, sep, suffix = name.partition("@")
-        if sep and base == self.policy:
-            if suffix == "base":
-                return Resolved(name, None)
-            version = parse_version(suffix)
-            if version is not None and version in self._loaded:
-                return Resolved(name, version)
+        if name == f"{self.policy}@base":
+            return Resolved(name, None)
+        version = self.pinned(name)
+        if version is not None and version in self._loaded:
+            return Resolved(name, version)
         raise ModelNotFoundError(name)
+
+    def pinned(self, name: str) -> int | None:
+        """N when `name` is `NAME@N` (loaded or not), else None."""
+        base, sep, suffix = name.partition("@")
+        return parse_version(suffix) if sep and base == self.policy else None
 
     def model_ids(self) -> list[str]:
         ids = [self.policy, f"{self.policy}@base"]
