@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +32,8 @@ from proxy.engines.base import Engine
 from proxy.settings import Settings
 from storage.grouping import SignatureGrouper
 from storage.store import Store
+from trainer.rewards.litellm_judge import LiteLLMJudge
+from trainer.rewards.local_judge import ChatComplete, LocalJudge
 from trainer.rewards.ruler import DEFAULT_RUBRIC, Judge
 from trainer.rewards.scoring import Scorer, ScoringConfig
 
@@ -77,7 +79,7 @@ async def open_runtime(
             rt.served = await _serve(settings, store, engine, stack, rt.tasks)
         if serving or scoring:
             judge_complete = None
-            if engine is not None:
+            if not settings.judge_model:
                 registry = rt.served.registry if rt.served else ServedModels(settings.model_name)
                 # The judge's own service: it has no record sink, so judge calls never become
                 # calls (nor training data).
@@ -114,12 +116,9 @@ async def local_engine(settings: Settings) -> AsyncIterator[Any]:
 def build_scorer(
     settings: Settings,
     store: Store,
-    judge_complete: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]] | None,
+    judge_complete: ChatComplete | None,
 ) -> Scorer:
     """RULER's scorer with the configured judge (the local model when none is configured)."""
-    from trainer.rewards.litellm_judge import LiteLLMJudge
-    from trainer.rewards.local_judge import LocalJudge
-
     judge: Judge
     if settings.judge_model:
         key_env = settings.judge_api_key_env
