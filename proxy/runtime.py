@@ -4,7 +4,8 @@
     async with open_runtime(settings, scoring=True) as rt:   # score: + the scorer (and the local
                                                              #   engine when it is the judge)
     async with open_runtime(settings, serving=True) as rt:   # serve: + engine, chat, adapters,
-                                                             #   background tasks, trainer child
+                                                             #   background tasks, trainer child,
+                                                             #   telemetry (proxy.telemetry)
 
 Every command opens the store the same way (one URL, one retry window), builds the judge the same
 way and stops what it started in reverse order. `rlproxy serve` puts the runtime on the app in
@@ -25,11 +26,15 @@ from typing import Any
 from proxy.adapters.manager import AdapterManager
 from proxy.adapters.publisher import Publisher
 from proxy.adapters.registry import ServedModels
+from proxy.chat.request import RequestLimits
 from proxy.chat.service import ChatService
 from proxy.chat.upstream import UpstreamChat
 from proxy.cli.trainer_process import TrainerProcess
 from proxy.engines.base import Engine
+from proxy.redact import Redactor
 from proxy.settings import Settings
+from proxy.telemetry.metrics import Metrics, Sources
+from proxy.telemetry.telemetry import Telemetry, open_telemetry
 from storage.grouping import SignatureGrouper
 from storage.store import Store
 from trainer.rewards.litellm_judge import LiteLLMJudge
@@ -50,6 +55,8 @@ class Served:
     adapters: AdapterManager
     publisher: Publisher
     upstream: UpstreamChat | None = None
+    trainer: TrainerProcess | None = None
+    """The supervised trainer child (None with RLPROXY_TRAIN=false)."""
 
 
 @dataclass
@@ -60,23 +67,37 @@ class Runtime:
     served: Served | None = None
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     """Background loops (idle closing, scoring, publishing), cancelled on close."""
+    redact: Redactor = field(default_factory=Redactor)
+    """Scrubs credentials from provider errors, stored error texts and the trainer's log tail."""
+    telemetry: Telemetry | None = None
+    """Metrics, spans and Langfuse scores (serving only)."""
 
 
 @asynccontextmanager
 async def open_runtime(
-    settings: Settings, *, scoring: bool = False, serving: bool = False
+    settings: Settings,
+    *,
+    scoring: bool = False,
+    serving: bool = False,
+    metrics: Metrics | None = None,
 ) -> AsyncIterator[Runtime]:
+    """`metrics`: the app's registry (serving); a fresh one when not given."""
     async with AsyncExitStack() as stack:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-        store = await open_store(settings)
+        redact = Redactor.for_settings(settings)
+        store = await open_store(settings, redact)
         stack.push_async_callback(store.close)
-        rt = Runtime(settings, store)
+        rt = Runtime(settings, store, redact=redact)
         engine: Any = None
         if serving or (scoring and not settings.judge_model):
             engine = await stack.enter_async_context(local_engine(settings))
+        if serving:  # closed after the background tasks stop, so their last scores still go out
+            rt.telemetry = await stack.enter_async_context(
+                open_telemetry(settings, metrics or Metrics(), os.environ)
+            )
         stack.push_async_callback(_cancel, rt.tasks)  # before the engine and the store stop
         if serving:
-            rt.served = await _serve(settings, store, engine, stack, rt.tasks)
+            rt.served = await _serve(settings, store, engine, stack, redact, rt.telemetry)
         if serving or scoring:
             judge_complete = None
             if not settings.judge_model:
@@ -86,14 +107,22 @@ async def open_runtime(
                 judge_chat = ChatService(engine, registry, engine.tokenizer, max_n=1)
                 judge_complete = judge_chat.complete_json
             rt.scorer = build_scorer(settings, store, judge_complete)
+        if rt.telemetry is not None and rt.served is not None:
+            _observe(settings, rt, rt.telemetry, rt.served)
         if serving:
             _start_background(settings, rt)
         yield rt
 
 
-async def open_store(settings: Settings) -> Store:
+async def open_store(settings: Settings, redact: Redactor) -> Store:
+    """The store every command uses; `redact` scrubs error texts and params before writing."""
     url = settings.resolved_database_url
-    store = await Store.open(url, retry_window_s=settings.retry_window_s)
+    store = await Store.open(
+        url,
+        retry_window_s=settings.retry_window_s,
+        probe_interval_s=settings.storage_probe_s,
+        redact=redact,
+    )
     logger.info("storing every call in %s (%s)", _redact(url), store.dialect)
     return store
 
@@ -149,6 +178,7 @@ def build_scorer(
         rubrics=dict(settings.judge_rubrics),
         judge_explicit_groups=settings.judge_explicit_groups,
         reward_policy=settings.reward_policy,
+        lease_s=settings.scoring_lease_s,
     )
     return Scorer(store, judge, grouper, config)
 
@@ -158,8 +188,10 @@ async def _serve(
     store: Store,
     engine: Any,
     stack: AsyncExitStack,
-    tasks: list[asyncio.Task[Any]],
+    redact: Redactor,
+    telemetry: Telemetry | None = None,
 ) -> Served:
+    record = store.record_call if telemetry is None else telemetry.recorder(store.record_call)
     registry = ServedModels(policy=settings.model_name, aliases=tuple(settings.aliases))
     adapters = AdapterManager(
         engine, registry, settings.checkpoints_dir, keep_previous=settings.keep_adapters
@@ -170,25 +202,45 @@ async def _serve(
         engine.tokenizer,
         max_n=settings.max_n,
         default_max_tokens=settings.default_max_tokens,
-        record=store.record_call,
+        record=record,
         shadow_samples=settings.shadow_samples,
         shadow_turns=settings.shadow_turns,
+        limits=RequestLimits(
+            max_messages=settings.max_messages,
+            max_schema_depth=settings.max_schema_depth,
+            max_schema_nodes=settings.max_schema_nodes,
+        ),
+        max_queued_rows=settings.max_queued_rows,
     )
     served = Served(engine, registry, chat, adapters, Publisher(adapters, store))
     if settings.publish_adapters:
         await served.publisher.check()  # a restart serves the newest good version
     if settings.train:
-        trainer = TrainerProcess(settings)
-        trainer.start()
-        stack.push_async_callback(asyncio.to_thread, trainer.stop)
+        served.trainer = TrainerProcess(settings, redact=redact)
+        served.trainer.start()
+        stack.push_async_callback(served.trainer.stop)
     if settings.upstream_models:
         from proxy.engines.upstream import UpstreamEngine
 
-        upstream = UpstreamEngine(settings.upstream_models, timeout_s=settings.upstream_timeout_s)
+        upstream = UpstreamEngine(
+            settings.upstream_models,
+            timeout_s=settings.upstream_timeout_s,
+            redact=redact,
+        )
         upstream.start()
-        served.upstream = UpstreamChat(upstream, record=store.record_call)
+        served.upstream = UpstreamChat(upstream, record=record)
         logger.info("upstream models: %s", ", ".join(settings.upstream_models))
     return served
+
+
+def _observe(settings: Settings, rt: Runtime, telemetry: Telemetry, served: Served) -> None:
+    """Metrics read the serving parts at scrape time and hear every commit; scored groups reach
+    telemetry (judge figures, Langfuse scores)."""
+    sources = Sources(rt.store, served.engine, served.registry, served.adapters)
+    telemetry.metrics.watch(sources, cache_s=settings.metrics_cache_s)
+    rt.store.observe_commits(telemetry.metrics.observe_commit)
+    if rt.scorer is not None:
+        rt.scorer.on_scored = telemetry.group_scored
 
 
 def _start_background(settings: Settings, rt: Runtime) -> None:

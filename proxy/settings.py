@@ -49,6 +49,12 @@ class Settings(BaseSettings):
     database_url: str | None = Field(
         None, description="SQLAlchemy async URL; default sqlite+aiosqlite:///<data_dir>/rlproxy.db"
     )
+    storage_probe_s: float = Field(
+        5.0,
+        gt=0,
+        description="While the database cannot be written (disk full, read-only, unreachable), "
+        "how often a tiny probe write tries it again; chat requests get a 503 until one commits.",
+    )
     trajectory_idle_timeout_s: float = Field(
         600.0, gt=0, description="A trajectory with no new call for this long is closed."
     )
@@ -76,6 +82,88 @@ class Settings(BaseSettings):
         600.0, gt=0, description="Timeout of one upstream provider call, in seconds."
     )
     log_level: str = Field("INFO", description="Python logging level.")
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="Addresses of reverse proxies whose X-Forwarded-For names the client "
+        '(e.g. ["127.0.0.1"]); by default the connecting address is the client.',
+    )
+    insecure_no_auth: bool = Field(
+        False,
+        description="Serve beyond loopback with no API keys (anyone who reaches the port may do "
+        "anything). Without it, a public bind needs at least one key (`rlproxy keys create`).",
+    )
+    key_refresh_s: float = Field(
+        5.0,
+        gt=0,
+        description="How often serving re-reads the API keys (a key created or revoked by "
+        "`rlproxy keys` takes effect within this time).",
+    )
+
+    # --- limits ---------------------------------------------------------------------------
+    # Each is answered with an OpenAI-shaped 4xx before any work is done (429s with
+    # `retry-after`); `max_body_bytes` above is one of them.
+    max_messages: int = Field(
+        2048, ge=1, description="Most messages one chat request may carry (OpenAI's limit)."
+    )
+    max_schema_depth: int = Field(
+        32,
+        ge=1,
+        description="Deepest nesting of objects and arrays in a tool's parameters or a "
+        "response_format schema (32 is about 15 levels of nested object properties).",
+    )
+    max_schema_nodes: int = Field(
+        10_000,
+        ge=1,
+        description="Most JSON values in all of a request's schemas together (tool parameters "
+        "and response_format), a bound on the grammar compiled from them (~0.4 s at most).",
+    )
+    caller_requests_per_minute: int = Field(
+        600,
+        ge=0,
+        description="Requests per minute each caller (API key, else client address) may send to "
+        "/v1/*, as a token bucket that holds a minute's worth; beyond it: 429 (0: no limit).",
+    )
+    caller_concurrency: int = Field(
+        64,
+        ge=0,
+        description="Requests to /v1/* one caller may have in flight, streamed bodies included; "
+        "beyond it: 429 (0: no limit).",
+    )
+    max_queued_rows: int = Field(
+        64,
+        ge=0,
+        description="Rows (choices) waiting for a place in the local engine's batch; a request "
+        "that would queue more is refused with a 429 before it starts (0: no bound).",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="A connection whose request line and headers are not complete this many "
+        "seconds after it opens (or after the first byte of a later request on it) is closed "
+        "(slowloris). Idle keep-alive connections are uvicorn's (5 s).",
+    )
+
+    # --- telemetry ------------------------------------------------------------------------
+    # Where spans go is read from the standard variables, not from here: OTLP/HTTP with
+    # OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, Langfuse with
+    # LANGFUSE_PUBLIC_KEY, LANGFUSE_SECRET_KEY and LANGFUSE_HOST (see proxy/telemetry/).
+    metrics_auth: Literal["open", "inference", "admin"] = Field(
+        "open",
+        description="Who may scrape GET /metrics once API keys exist: anyone (`open`: the "
+        "metrics hold counts, never prompt text), any key (`inference`), or an admin key.",
+    )
+    metrics_cache_s: float = Field(
+        5.0,
+        ge=0,
+        description="How long /metrics reuses the figures it reads from the database "
+        "(trajectories and groups by status, the trainer's newest step) before reading again.",
+    )
+    telemetry_capture_content: bool = Field(
+        False,
+        description="Put request and response messages on chat spans (gen_ai.input.messages, "
+        "gen_ai.output.messages; Langfuse's input and output). Off: spans hold ids and counts, "
+        "no text. OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true turns it on too.",
+    )
 
     # --- groups and RULER ----------------------------------------------------------------
     shadow_samples: int = Field(
@@ -107,6 +195,13 @@ class Settings(BaseSettings):
     )
     scoring_interval_s: float = Field(
         5.0, gt=0, description="How often the background scorer looks for ready groups."
+    )
+    scoring_lease_s: float = Field(
+        60.0,
+        gt=0,
+        description="A group being judged is leased to its replica for this long, renewed every "
+        "third of it while the judge works; another replica takes it back only once the lease "
+        "has run out (its scorer died).",
     )
     judge_model: str | None = Field(
         None,
@@ -145,6 +240,24 @@ class Settings(BaseSettings):
         "trainer.config.TrainerConfig.",
     )
     train_poll_s: float = Field(5.0, gt=0, description="How often the trainer looks for groups.")
+    trainer_command: list[str] | None = Field(
+        None,
+        description="The command line of serve's trainer child (default: this interpreter's "
+        '`-m proxy.cli train`), e.g. ["nice", "-n", "10", "/opt/rlproxy/bin/rlproxy", "train"].',
+    )
+    trainer_restart_s: float = Field(
+        1.0,
+        gt=0,
+        description="A trainer child that exits is restarted after this delay, doubled after "
+        "each exit in a row up to RLPROXY_TRAINER_RESTART_MAX_S.",
+    )
+    trainer_restart_max_s: float = Field(
+        300.0,
+        gt=0,
+        description="The longest wait before restarting the trainer. A child that ran a minute "
+        "(or this long, if longer) counts as healthy: its next exit waits "
+        "RLPROXY_TRAINER_RESTART_S again.",
+    )
     train_threads: int | None = Field(
         None,
         ge=1,
@@ -194,7 +307,7 @@ class Settings(BaseSettings):
 
     @property
     def public_bind(self) -> bool:
-        """True when the server listens beyond loopback (rlproxy has no authentication yet)."""
+        """True when the server listens beyond loopback (then it needs API keys)."""
         return not _is_loopback(self.host)
 
     @property

@@ -61,3 +61,13 @@ def _record(row: Row[Any]) -> AdapterRecord:
 async def list_adapters(conn: AsyncConnection, policy: str) -> list[AdapterRecord]:
     rows = await conn.execute(select(A).where(A.c.policy == policy).order_by(A.c.version))
     return [_record(r) for r in rows]
+
+
+async def latest_adapter(conn: AsyncConnection, policy: str) -> AdapterRecord | None:
+    """The newest version recorded for `policy` (one indexed row, however many exist)."""
+    row = (
+        await conn.execute(
+            select(A).where(A.c.policy == policy).order_by(A.c.version.desc()).limit(1)
+        )
+    ).first()
+    return None if row is None else _record(row)

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import delete, exists, insert, select, update
+from sqlalchemy import and_, delete, exists, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage.grouping import SignatureGrouper
@@ -32,6 +32,17 @@ from storage.records import (
 
 _CANDIDATE_BATCH = 500
 CLAIMABLE = ("ready", "failed", "scored", "forming")
+DEFAULT_LEASE_S = 60.0
+"""How long a claim holds without renewal: the scorer renews it every third of this while the
+judge works, so it only runs out when the scorer's process is gone (or cannot write)."""
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Who claims a group for scoring (a store's `instance_id`) and for how long."""
+
+    owner: str
+    lease_s: float
 
 
 @dataclass
@@ -90,7 +101,7 @@ def shadow_group_rows(
         }
         for position, (_, entry) in enumerate(entries)
     ]
-    group = _group_row(group_id, GroupKey("shadow", record.id), now)
+    group = _group_row(group_id, GroupKey("shadow", record.id, record.owner_key_id), now)
     group.update(status="ready", ready_at=now, member_count=len(members))
     return group, members
 
@@ -116,6 +127,7 @@ def _group_row(group_id: str, gk: GroupKey, now: float) -> dict[str, Any]:
         "failure": None,
         "trained_step": None,
         "trained_at": None,
+        "owner_key_id": gk.owner,
     }
 
 
@@ -142,6 +154,7 @@ async def _candidates(conn: AsyncConnection, trajectory_ids: list[str]) -> list[
                 task_signature=r.task_signature,
                 first_messages=call.request_messages if call is not None else [],
                 tools=call.tools if call is not None else None,
+                owner_key_id=r.owner_key_id,
             )
         )
     return sorted(out, key=lambda c: (c.closed_at, c.trajectory_id))
@@ -187,6 +200,9 @@ class _Forming:
                 .where(
                     G.c.source == gk.source,
                     G.c.key == gk.key,
+                    G.c.owner_key_id.is_(None)
+                    if gk.owner is None
+                    else G.c.owner_key_id == gk.owner,
                     G.c.status == "forming",
                     G.c.member_count < self.max_size,
                 )
@@ -253,31 +269,87 @@ async def form_groups(conn: AsyncConnection, grouper: SignatureGrouper, now: flo
     return result
 
 
-async def claim_group(conn: AsyncConnection, group_id: str | None, now: float) -> str | None:
-    """Mark a group "scoring" and return its id: the given one, else the oldest ready one."""
+def _lease_expired(now: float) -> Any:
+    """A "scoring" group whose scorer is gone: its lease ran out (or, claimed before leases
+    existed, it has none)."""
+    return and_(G.c.status == "scoring", or_(G.c.lease_until.is_(None), G.c.lease_until < now))
+
+
+async def claim_group(
+    conn: AsyncConnection, group_id: str | None, claim: Claim, now: float
+) -> str | None:
+    """Lease a group to `claim.owner` and return its id: the given one, else the oldest ready
+    one (or one whose lease expired). Rows another transaction is claiming are skipped (Postgres
+    `FOR UPDATE SKIP LOCKED`; SQLite's write lock already serialises claims)."""
     if group_id is None:
+        claimable = or_(G.c.status == "ready", _lease_expired(now))
         row = (
             await conn.execute(
-                select(G.c.id).where(G.c.status == "ready").order_by(G.c.ready_at, G.c.id).limit(1)
+                select(G.c.id)
+                .where(claimable)
+                .order_by(G.c.ready_at, G.c.id)
+                .limit(1)
+                .with_for_update(skip_locked=True)
             )
         ).first()
         if row is None:
             return None
         group_id = row.id
-        allowed: tuple[str, ...] = ("ready",)
     else:
-        allowed = CLAIMABLE
+        claimable = or_(G.c.status.in_(CLAIMABLE), _lease_expired(now))
     result = await conn.execute(
         update(G)
-        .where(G.c.id == group_id, G.c.status.in_(allowed), G.c.member_count >= 2)
-        .values(status="scoring", updated_at=now)
+        .where(G.c.id == group_id, claimable, G.c.member_count >= 2)
+        .values(
+            status="scoring",
+            claimed_by=claim.owner,
+            lease_until=now + claim.lease_s,
+            updated_at=now,
+        )
     )
     return group_id if result.rowcount == 1 else None
 
 
+def _held_by(group_id: str, owner: str) -> Any:
+    return and_(G.c.id == group_id, G.c.status == "scoring", G.c.claimed_by == owner)
+
+
+async def renew_claim(conn: AsyncConnection, group_id: str, claim: Claim, now: float) -> bool:
+    """Push the lease of a group `claim.owner` still holds; False when it holds it no more."""
+    result = await conn.execute(
+        update(G)
+        .where(_held_by(group_id, claim.owner))
+        .values(lease_until=now + claim.lease_s, updated_at=now)
+    )
+    return result.rowcount == 1
+
+
 async def finish_scoring(
-    conn: AsyncConnection, group_id: str, outcome: JudgeOutcome, now: float
-) -> None:
+    conn: AsyncConnection, group_id: str, owner: str, outcome: JudgeOutcome, now: float
+) -> bool:
+    """Store the outcome if `owner` still holds the claim (an expired lease nobody took over
+    still counts); False, writing nothing, when another scorer has the group now."""
+    result = await conn.execute(
+        update(G)
+        .where(_held_by(group_id, owner))
+        .values(
+            status=outcome.status,
+            scored_at=now,
+            updated_at=now,
+            claimed_by=None,
+            lease_until=None,
+            judge_model=outcome.judge_model,
+            rubric_hash=outcome.rubric_hash,
+            judge_latency_s=outcome.latency_s,
+            judge_attempts=outcome.attempts,
+            judge_prompt_tokens=outcome.prompt_tokens,
+            judge_completion_tokens=outcome.completion_tokens,
+            judge_cost_usd=outcome.cost_usd,
+            failure=outcome.failure,
+        )
+    )
+    if result.rowcount != 1:
+        return False
     if outcome.scores:
         await conn.execute(
             insert(S),
@@ -298,29 +370,20 @@ async def finish_scoring(
                 for s in outcome.scores
             ],
         )
-    await conn.execute(
+    return True
+
+
+async def release_scoring(
+    conn: AsyncConnection, group_id: str | None, owner: str, now: float
+) -> int:
+    """Put "scoring" groups back to "ready": the one `owner` holds, or (no id) every one whose
+    lease has expired. Another scorer's live lease is left alone."""
+    where = _held_by(group_id, owner) if group_id is not None else _lease_expired(now)
+    result = await conn.execute(
         update(G)
-        .where(G.c.id == group_id)
-        .values(
-            status=outcome.status,
-            scored_at=now,
-            updated_at=now,
-            judge_model=outcome.judge_model,
-            rubric_hash=outcome.rubric_hash,
-            judge_latency_s=outcome.latency_s,
-            judge_attempts=outcome.attempts,
-            judge_prompt_tokens=outcome.prompt_tokens,
-            judge_completion_tokens=outcome.completion_tokens,
-            judge_cost_usd=outcome.cost_usd,
-            failure=outcome.failure,
-        )
+        .where(where)
+        .values(status="ready", claimed_by=None, lease_until=None, updated_at=now)
     )
-
-
-async def release_scoring(conn: AsyncConnection, group_id: str | None, now: float) -> int:
-    """Put "scoring" groups back to "ready": one group, or every one (left by a dead process)."""
-    where = [G.c.status == "scoring"] + ([G.c.id == group_id] if group_id is not None else [])
-    result = await conn.execute(update(G).where(*where).values(status="ready", updated_at=now))
     return int(result.rowcount or 0)
 
 

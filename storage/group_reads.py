@@ -8,9 +8,10 @@ import this module.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Row, and_, or_, select
+from sqlalchemy import Row, and_, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage import read_ops
@@ -52,6 +53,7 @@ def _summary(row: Row[Any]) -> GroupSummary:
         judge_cost_usd=row.judge_cost_usd,
         failure=row.failure,
         trained_step=row.trained_step,
+        owner_key_id=row.owner_key_id,
     )
 
 
@@ -64,6 +66,7 @@ async def list_groups(
     limit: int,
     cursor: str | None,
     oldest_first: bool = False,
+    owner: str | None = None,
 ) -> GroupPage:
     if limit < 1:
         raise ValueError("limit must be at least 1")
@@ -74,6 +77,8 @@ async def list_groups(
         stmt = stmt.where(G.c.source == source)
     if untrained:
         stmt = stmt.where(G.c.trained_step.is_(None))
+    if owner is not None:
+        stmt = stmt.where(G.c.owner_key_id == owner)
     if cursor is not None:
         c_at, c_id = decode_cursor(cursor)
         if oldest_first:
@@ -223,3 +228,14 @@ async def group_ids_of_trajectory(conn: AsyncConnection, trajectory_id: str) -> 
         select(GM.c.group_id).where(GM.c.trajectory_id == trajectory_id).distinct()
     )
     return sorted(r.group_id for r in rows)
+
+
+async def group_status_counts(
+    conn: AsyncConnection, statuses: Sequence[str] | None = None
+) -> dict[str, int]:
+    """Groups per status, through the (status, created_at) index: only the rows of `statuses`
+    are read (all statuses: the whole index)."""
+    stmt = select(G.c.status, func.count()).group_by(G.c.status)
+    if statuses is not None:
+        stmt = stmt.where(G.c.status.in_(statuses))
+    return {str(status): int(n) for status, n in await conn.execute(stmt)}

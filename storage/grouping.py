@@ -11,6 +11,8 @@ Sources, in order of precedence (the first that applies wins):
 4. a cohort (same agent: same system prompt and tools), only when enabled, and only for a
    trajectory whose task group did not fill within the window: source "cohort".
 
+Groups never mix API keys: every key above is taken per owner (`GroupKey.owner`).
+
 A forming group is ready when it has `min_size` members, or when its window has passed and it has
 at least two. A part never grows past `max_size`; the next member starts a new part. This module
 is the pure rule: the store (`storage.group_ops`) does the SQL and calls it.
@@ -45,9 +47,9 @@ class SignatureGrouper:
 
     def assign(self, candidate: GroupCandidate) -> GroupKey | None:
         if candidate.group_key:
-            return GroupKey("explicit", candidate.group_key)
+            return GroupKey("explicit", candidate.group_key, candidate.owner_key_id)
         if candidate.task_signature:
-            return GroupKey("task", candidate.task_signature)
+            return GroupKey("task", candidate.task_signature, candidate.owner_key_id)
         if self.cohort:
             return self._cohort(candidate)
         return None
@@ -65,4 +67,5 @@ class SignatureGrouper:
         return self._cohort(candidate)
 
     def _cohort(self, candidate: GroupCandidate) -> GroupKey:
-        return GroupKey("cohort", agent_signature(candidate.first_messages, candidate.tools))
+        signature = agent_signature(candidate.first_messages, candidate.tools)
+        return GroupKey("cohort", signature, candidate.owner_key_id)

@@ -121,10 +121,20 @@ def _chain(previous: str, message: dict[str, Any]) -> str:
     return hashlib.sha256(data.encode()).hexdigest()
 
 
-def _hashes(messages: Sequence[dict[str, Any]]) -> tuple[str, dict[str, int]]:
+def _owner_seed(owner: str | None) -> str:
+    """The chain's start: one per API key, so equal messages of two keys never hash equal and
+    a call can only ever link to its own key's trajectories (no query needs an owner filter)."""
+    if owner is None:
+        return _SEED
+    return hashlib.sha256(f"{_SEED}\nowner:{owner}".encode()).hexdigest()
+
+
+def _hashes(
+    messages: Sequence[dict[str, Any]], owner: str | None = None
+) -> tuple[str, dict[str, int]]:
     """(hash of all messages, {hash of each assistant-ending prefix: its length}), one pass."""
     prefixes: dict[str, int] = {}
-    h = _SEED
+    h = _owner_seed(owner)
     for i, m in enumerate(messages):
         h = _chain(h, m)
         if m.get("role") == "assistant":
@@ -175,7 +185,7 @@ class PrefixLinker:
 
     def keys(self, record: CallRecord) -> LinkKeys:
         messages = record.request_messages
-        request_hash, prefix_hashes = _hashes(messages)
+        request_hash, prefix_hashes = _hashes(messages, record.owner_key_id)
         next_prefix_hash = None
         if record.status == "completed" and record.choices:
             answer = {"role": "assistant", **record.choices[0].message}

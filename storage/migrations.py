@@ -13,6 +13,7 @@ do not race. This module knows nothing about calls or trajectories beyond their 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -249,10 +250,49 @@ def _m003_bounded_linking(conn: Connection) -> None:
     )
 
 
+def _m004_keys_owners_leases(conn: Connection) -> None:
+    """API keys (a salted hash of each secret, never the secret); the key that owns each
+    trajectory and group, so a key sees and continues only its own; a lease on a group being
+    scored, so a replica never takes a group another replica is judging; one random salt per
+    installation for hashing the bearer tokens of unauthenticated clients."""
+    md = MetaData()
+    Table(
+        "api_keys",
+        md,
+        Column("id", String, primary_key=True),
+        Column("name", String, nullable=False),
+        Column("scope", String, nullable=False),
+        Column("salt", String, nullable=False),
+        Column("secret_hash", String, nullable=False),
+        Column("created_at", Double, nullable=False),
+        Column("revoked_at", Double),
+    )
+    Table(
+        "installation",
+        md,
+        Column("name", String, primary_key=True),
+        Column("value", Text, nullable=False),
+    )
+    md.create_all(conn)
+    conn.execute(
+        text("INSERT INTO installation (name, value) VALUES ('key_salt', :salt)"),
+        {"salt": secrets.token_hex(32)},
+    )
+    conn.execute(text("ALTER TABLE trajectories ADD COLUMN owner_key_id VARCHAR"))
+    conn.execute(text("ALTER TABLE groups ADD COLUMN owner_key_id VARCHAR"))
+    conn.execute(text("ALTER TABLE groups ADD COLUMN claimed_by VARCHAR"))
+    conn.execute(text("ALTER TABLE groups ADD COLUMN lease_until DOUBLE PRECISION"))
+    conn.execute(
+        text("CREATE INDEX ix_trajectories_owner ON trajectories (owner_key_id, created_at, id)")
+    )
+    conn.execute(text("CREATE INDEX ix_groups_owner ON groups (owner_key_id, created_at, id)"))
+
+
 MIGRATIONS: list[Migration] = [
     Migration(1, "m001_initial", _m001_initial),
     Migration(2, "m002_groups_and_adapters", _m002_groups_and_adapters),
     Migration(3, "m003_bounded_linking", _m003_bounded_linking),
+    Migration(4, "m004_keys_owners_leases", _m004_keys_owners_leases),
 ]
 
 

@@ -68,6 +68,8 @@ class Trajectory(Base):
     last_call_created_at: Mapped[float | None] = mapped_column(Double)
     last_call_finished_at: Mapped[float | None] = mapped_column(Double)
     last_call_status: Mapped[str | None] = mapped_column(String)
+    # The API key whose calls make up this trajectory (None when the server has no keys).
+    owner_key_id: Mapped[str | None] = mapped_column(String)
 
     __table_args__ = (
         # Linking's lookups (storage.trajectory_view): newest first within one hash.
@@ -85,6 +87,7 @@ class Trajectory(Base):
         Index("ix_trajectories_status_created_at_id", "status", "created_at", "id"),
         Index("ix_trajectories_group_key", "group_key"),
         Index("ix_trajectories_task_signature", "task_signature"),
+        Index("ix_trajectories_owner", "owner_key_id", "created_at", "id"),
     )
 
 
@@ -190,12 +193,41 @@ class Group(Base):
     failure: Mapped[str | None] = mapped_column(Text)
     trained_step: Mapped[int | None] = mapped_column(Integer)
     trained_at: Mapped[float | None] = mapped_column(Double)
+    # The API key whose trajectories form this group (None when the server has no keys).
+    owner_key_id: Mapped[str | None] = mapped_column(String)
+    # The scorer holding a "scoring" group, and until when; an expired lease may be taken.
+    claimed_by: Mapped[str | None] = mapped_column(String)
+    lease_until: Mapped[float | None] = mapped_column(Double)
 
     __table_args__ = (
         Index("ix_groups_source_key_status", "source", "key", "status"),
         Index("ix_groups_status_created_at", "status", "created_at"),
         Index("ix_groups_created_at_id", "created_at", "id"),
+        Index("ix_groups_owner", "owner_key_id", "created_at", "id"),
     )
+
+
+class ApiKey(Base):
+    """A client key: only a salted hash of its secret is kept."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String, primary_key=True)
+    name: Mapped[str] = mapped_column(String)
+    scope: Mapped[str] = mapped_column(String)  # "inference" | "admin"
+    salt: Mapped[str] = mapped_column(String)
+    secret_hash: Mapped[str] = mapped_column(String)
+    created_at: Mapped[float] = mapped_column(Double)
+    revoked_at: Mapped[float | None] = mapped_column(Double)
+
+
+class Installation(Base):
+    """Facts of this installation, written once by a migration (`key_salt`)."""
+
+    __tablename__ = "installation"
+
+    name: Mapped[str] = mapped_column(String, primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
 
 
 class GroupMember(Base):
@@ -263,3 +295,4 @@ groups_table = cast(Table, Group.__table__)
 group_members_table = cast(Table, GroupMember.__table__)
 scores_table = cast(Table, Score.__table__)
 adapters_table = cast(Table, Adapter.__table__)
+api_keys_table = cast(Table, ApiKey.__table__)

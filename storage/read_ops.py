@@ -12,6 +12,7 @@ import base64
 import json
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,8 @@ class TrajectoryFilter:
     """Created at or after (epoch seconds)."""
     until: float | None = None
     """Created before (epoch seconds)."""
+    owner: str | None = None
+    """Only this API key's trajectories (None: every one)."""
 
 
 def encode_cursor(created_at: float, trajectory_id: str) -> str:
@@ -83,6 +86,7 @@ def _summary(row: Row[Any]) -> TrajectorySummary:
         call_count=row.call_count,
         task_signature=row.task_signature,
         explicit=bool(row.explicit),
+        owner_key_id=row.owner_key_id,
     )
 
 
@@ -98,6 +102,8 @@ async def list_trajectories(
         stmt = stmt.where(T.c.group_key == f.group_key)
     if f.model is not None:
         stmt = stmt.where(T.c.model == f.model)
+    if f.owner is not None:
+        stmt = stmt.where(T.c.owner_key_id == f.owner)
     if f.since is not None:
         stmt = stmt.where(T.c.created_at >= f.since)
     if f.until is not None:
@@ -265,6 +271,17 @@ async def count_calls(conn: AsyncConnection, trajectory_id: str | None = None) -
     return int((await conn.execute(stmt)).scalar_one())
 
 
+async def trajectory_status_counts(
+    conn: AsyncConnection, statuses: Sequence[str] | None = None
+) -> dict[str, int]:
+    """Trajectories per status, through the (status, ...) index: only the rows of `statuses`
+    are read (all statuses: the whole index)."""
+    stmt = select(T.c.status, func.count()).group_by(T.c.status)
+    if statuses is not None:
+        stmt = stmt.where(T.c.status.in_(statuses))
+    return {str(status): int(n) for status, n in await conn.execute(stmt)}
+
+
 async def count_trajectories(conn: AsyncConnection, status: str | None = None) -> int:
     stmt = select(func.count()).select_from(T)
     if status is not None:
@@ -279,3 +296,8 @@ async def trajectory_of_completion(conn: AsyncConnection, completion_id: str) ->
         )
     ).first()
     return None if row is None else str(row.trajectory_id)
+
+
+async def trajectory_owner(conn: AsyncConnection, trajectory_id: str) -> tuple[bool, str | None]:
+    row = (await conn.execute(select(T.c.owner_key_id).where(T.c.id == trajectory_id))).first()
+    return (False, None) if row is None else (True, row.owner_key_id)

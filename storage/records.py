@@ -68,6 +68,10 @@ class CallRecord:
     status: CallStatus = "completed"
     error: str | None = None
     api_key_id: str | None = None
+    """The caller: an API key's id, or a salted hash of an unregistered bearer token."""
+    owner_key_id: str | None = None
+    """The API key that owns this call and its trajectory (None when the server has no keys).
+    Linking and grouping never cross owners."""
     stream: bool = False
     token_ids_note: str | None = None
     """Why token ids are missing, e.g. "provider returned no token ids"."""
@@ -81,6 +85,9 @@ class CallRecord:
     shadow_samples: list[ChoiceRecord] = field(default_factory=list)
     """Alternatives sampled beside the returned choice and never shown to the client (shadow
     sampling). Stored in their own table; together with choice 0 they form a "shadow" group."""
+    time_to_first_token_s: float | None = None
+    """Seconds from arrival to the first generated token (None when no token came, or the
+    provider's answer arrived whole). Not stored: telemetry reads it from the record."""
 
     def token_counts(self) -> tuple[int | None, int | None]:
         """(prompt, completion) tokens: from `usage`, else from the stored token ids."""
@@ -136,6 +143,8 @@ class TrajectorySummary:
     task_signature: str | None
     explicit: bool
     """True when the trajectory was created from an explicit id."""
+    owner_key_id: str | None = None
+    """The API key whose calls make it up (None when the server has no keys)."""
 
 
 @dataclass
@@ -251,12 +260,15 @@ class GroupCandidate:
     first_messages: list[dict[str, Any]]
     """The request messages of the trajectory's first turn."""
     tools: list[dict[str, Any]] | None
+    owner_key_id: str | None = None
 
 
 @dataclass(frozen=True)
 class GroupKey:
     source: GroupSource
     key: str
+    owner: str | None = None
+    """The API key whose trajectories the group holds: groups never mix keys."""
 
 
 @dataclass(frozen=True)
@@ -290,6 +302,8 @@ class GroupSummary:
     judge_cost_usd: float | None
     failure: str | None
     trained_step: int | None
+    owner_key_id: str | None = None
+    """The API key whose trajectories make it up (None when the server has no keys)."""
 
 
 @dataclass

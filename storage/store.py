@@ -11,24 +11,36 @@ trajectory happens inside that transaction, by the rule in `storage.linking`; fo
 follows the rule in `storage.grouping`. Reads use their own connections and never wait for the
 writer.
 
+`health` says whether the database takes writes (`storage.health`): a full disk or a read-only
+file makes it unwritable at the first failed write, and a probe write every `probe_interval_s`
+brings it back without a restart. A group being scored is leased to one store (`instance_id`,
+a uuid per `Store.open`): claiming sets the lease, the scorer renews it, finishing needs it, and
+another store only takes the group back once the lease has expired. Error texts (a call's
+`error`, a group's `failure`) and a call's `params` pass through `redact` before they are
+written, so a credential a provider echoed never reaches the database.
+
 The store knows nothing about HTTP, engines or training; it does not import `proxy` or `trainer`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from storage import adapter_ops, group_ops, group_reads, read_ops, write_ops
+from storage import adapter_ops, api_keys, group_ops, group_reads, read_ops, stats, write_ops
+from storage.api_keys import ApiKeyRecord, KeyScope
 from storage.engines import Engines, SqliteSynchronous, create_engines
 from storage.errors import InvalidRecord, TrajectoryNotFound
 from storage.group_ops import FormResult
 from storage.grouping import SignatureGrouper
+from storage.health import WriteHealth, probe_write
 from storage.linking import PrefixLinker
 from storage.migrations import migrate
 from storage.read_ops import TrajectoryFilter
@@ -45,19 +57,33 @@ from storage.records import (
     TrajectoryPage,
 )
 from storage.trajectory_view import LinkStats
-from storage.writer import GroupCommitWriter, WriterStats
+from storage.writer import CommitObserver, GroupCommitWriter, WriterStats
 
 log = logging.getLogger(__name__)
+
+LIVE_TRAJECTORIES = ("open",)
+LIVE_GROUPS = ("forming", "ready", "scoring")
+"""Statuses of rows still on their way (few at any time): what `live_counts` counts."""
 
 
 class Store:
     """Open with `await Store.open(url)`; always `await store.close()`."""
 
-    def __init__(self, engines: Engines, linker: PrefixLinker, writer: GroupCommitWriter) -> None:
+    def __init__(
+        self,
+        engines: Engines,
+        linker: PrefixLinker,
+        writer: GroupCommitWriter,
+        *,
+        redact: Callable[[str], str] | None = None,
+    ) -> None:
         self._engines = engines
         self._linker = linker
         self._writer = writer
         self._link_stats = LinkStats()
+        self._redact = redact
+        self.instance_id = uuid.uuid4().hex
+        """Who this store is when it claims a group for scoring (`groups.claimed_by`)."""
 
     @classmethod
     async def open(
@@ -69,6 +95,8 @@ class Store:
         sqlite_synchronous: SqliteSynchronous = "FULL",
         max_batch: int = 500,
         postgres_schema: str | None = None,
+        probe_interval_s: float = 5.0,
+        redact: Callable[[str], str] | None = None,
     ) -> Store:
         """Connect, apply pending migrations, start the writer.
 
@@ -76,7 +104,9 @@ class Store:
         `busy_timeout_s` and
         `sqlite_synchronous` apply to SQLite (see `storage.engines`); `postgres_schema` keeps
         the tables in an existing Postgres schema instead of `public`. `max_batch` caps how
-        many writes share one transaction.
+        many writes share one transaction. `probe_interval_s`: how often an unwritable database
+        is tried again. `redact` scrubs credentials from error texts and call params before
+        they are written (the proxy passes `proxy.redact.Redactor`).
         """
         engines = create_engines(
             url,
@@ -90,9 +120,11 @@ class Store:
             await engines.dispose()
             raise
         linker = PrefixLinker(retry_window_s=retry_window_s)
-        writer = GroupCommitWriter(engines.write, max_batch=max_batch)
+        writer = GroupCommitWriter(
+            engines.write, max_batch=max_batch, probe=probe_write, probe_interval_s=probe_interval_s
+        )
         writer.start()
-        return cls(engines, linker, writer)
+        return cls(engines, linker, writer, redact=redact)
 
     async def close(self) -> None:
         """Finish every write already submitted, then release the connections."""
@@ -120,11 +152,28 @@ class Store:
         """Counters of the group-commit writer (commits, batches, jobs)."""
         return self._writer.stats
 
+    def observe_commits(self, observer: CommitObserver | None) -> None:
+        """Tell `observer` of every commit: payloads in it and its seconds (metrics)."""
+        self._writer.on_commit = observer
+
+    @property
+    def health(self) -> WriteHealth:
+        """Whether writes commit; if not, why and since when (`storage.health`)."""
+        return self._writer.health
+
     # --- writes ----------------------------------------------------------------------------
 
     async def record_call(self, record: CallRecord) -> str:
-        """Store one call, linked to its trajectory; return the trajectory id once committed."""
+        """Store one call, linked to its trajectory; return the trajectory id once committed.
+
+        Raises `StoreUnavailable` when the database takes no writes (see `health`)."""
         _validate(record)
+        if self._redact is not None:
+            record = dataclasses.replace(
+                record,
+                error=None if record.error is None else self._redact(record.error),
+                params=_redact_json(record.params, self._redact),
+            )
         result: str = await self._writer.submit(self._write_calls, record)
         return result
 
@@ -175,30 +224,69 @@ class Store:
         )
         return result
 
-    async def claim_group(self, group_id: str | None = None) -> str | None:
-        """Mark a group "scoring" and return its id, or None when there is nothing to claim.
+    async def claim_group(
+        self,
+        group_id: str | None = None,
+        *,
+        lease_s: float = group_ops.DEFAULT_LEASE_S,
+        now: float | None = None,
+    ) -> str | None:
+        """Mark a group "scoring", leased to this store for `lease_s`; return its id, or None
+        when there is nothing to claim.
 
-        Without an id: the oldest ready group. With one: that group, if it has at least two
-        members and is not being scored already (a failed or scored group is scored again).
+        Without an id: the oldest ready group, or a "scoring" one whose lease expired (its
+        scorer died). With one: that group, if it has at least two members and nobody holds a
+        live lease on it (a failed or scored group is scored again).
         """
+        claim = group_ops.Claim(self.instance_id, lease_s)
+        t = time.time() if now is None else now
         claimed: str | None = await self._writer.submit(
-            self._run_ops, lambda conn: group_ops.claim_group(conn, group_id, time.time())
+            self._run_ops, lambda conn: group_ops.claim_group(conn, group_id, claim, t)
         )
         return claimed
 
-    async def finish_scoring(self, group_id: str, outcome: JudgeOutcome) -> None:
-        """Store a claimed group's scores (or its failure) and set its status."""
+    async def renew_claim(
+        self,
+        group_id: str,
+        *,
+        lease_s: float = group_ops.DEFAULT_LEASE_S,
+        now: float | None = None,
+    ) -> bool:
+        """Extend this store's lease on a group it is scoring; False when it no longer holds it."""
+        claim = group_ops.Claim(self.instance_id, lease_s)
+        t = time.time() if now is None else now
+        held: bool = await self._writer.submit(
+            self._run_ops, lambda conn: group_ops.renew_claim(conn, group_id, claim, t)
+        )
+        return held
+
+    async def finish_scoring(self, group_id: str, outcome: JudgeOutcome) -> bool:
+        """Store a claimed group's scores (or its failure) and set its status.
+
+        False (and nothing written) when this store no longer holds the claim: another scorer
+        took the group over after the lease expired, and its result stands.
+        """
         if outcome.status not in ("scored", "failed"):
             raise InvalidRecord(f"JudgeOutcome.status must be scored or failed: {outcome.status}")
-        await self._writer.submit(
+        if outcome.failure is not None and self._redact is not None:
+            outcome = dataclasses.replace(outcome, failure=self._redact(outcome.failure))
+        owner = self.instance_id
+        done: bool = await self._writer.submit(
             self._run_ops,
-            lambda conn: group_ops.finish_scoring(conn, group_id, outcome, time.time()),
+            lambda conn: group_ops.finish_scoring(conn, group_id, owner, outcome, time.time()),
         )
+        return done
 
-    async def release_scoring(self, group_id: str | None = None) -> int:
-        """Put a claimed group (or every group a dead scorer left "scoring") back to "ready"."""
+    async def release_scoring(
+        self, group_id: str | None = None, *, now: float | None = None
+    ) -> int:
+        """Put groups back to "ready": one this store claimed (`group_id`), or, without an id,
+        every "scoring" group whose lease has expired (its scorer died). A live lease of another
+        store is never released."""
+        owner = self.instance_id
+        t = time.time() if now is None else now
         n: int = await self._writer.submit(
-            self._run_ops, lambda conn: group_ops.release_scoring(conn, group_id, time.time())
+            self._run_ops, lambda conn: group_ops.release_scoring(conn, group_id, owner, t)
         )
         return n
 
@@ -218,8 +306,10 @@ class Store:
         limit: int = 50,
         cursor: str | None = None,
         oldest_first: bool = False,
+        owner: str | None = None,
     ) -> GroupPage:
-        """Newest first (or oldest first), keyset-paged on (created_at, id)."""
+        """Newest first (or oldest first), keyset-paged on (created_at, id); `owner`: only that
+        API key's groups."""
         async with self._engines.read.connect() as conn:
             return await group_reads.list_groups(
                 conn,
@@ -229,6 +319,7 @@ class Store:
                 limit=limit,
                 cursor=cursor,
                 oldest_first=oldest_first,
+                owner=owner,
             )
 
     async def get_group(
@@ -266,10 +357,53 @@ class Store:
         async with self._engines.read.connect() as conn:
             return await adapter_ops.list_adapters(conn, policy)
 
+    async def latest_adapter(self, policy: str) -> AdapterRecord | None:
+        """The newest version the trainer recorded for `policy`, with its step metrics."""
+        async with self._engines.read.connect() as conn:
+            return await adapter_ops.latest_adapter(conn, policy)
+
     async def trajectory_of_completion(self, completion_id: str) -> str | None:
         """The trajectory of the call that returned this `chatcmpl-...` id, if any."""
         async with self._engines.read.connect() as conn:
             return await read_ops.trajectory_of_completion(conn, completion_id)
+
+    async def trajectory_owner(self, trajectory_id: str) -> tuple[bool, str | None]:
+        """(whether the trajectory exists, the API key that owns it)."""
+        async with self._engines.read.connect() as conn:
+            return await read_ops.trajectory_owner(conn, trajectory_id)
+
+    # --- API keys ----------------------------------------------------------------------------
+
+    async def create_api_key(self, name: str, scope: KeyScope) -> tuple[ApiKeyRecord, str]:
+        """Store a new key and return it with its printable form (shown once, never stored)."""
+        record, key = api_keys.new_key(name, scope)
+        await self._writer.submit(self._run_ops, lambda conn: api_keys.insert_key(conn, record))
+        return record, key
+
+    async def list_api_keys(self) -> list[ApiKeyRecord]:
+        """Every key ever created, revoked ones included, oldest first."""
+        async with self._engines.read.connect() as conn:
+            return await api_keys.all_keys(conn)
+
+    async def revoke_api_key(self, key_id: str) -> bool:
+        """Revoke a key; False when no active key has that id."""
+        done: bool = await self._writer.submit(
+            self._run_ops, lambda conn: api_keys.revoke_key(conn, key_id, time.time())
+        )
+        return done
+
+    async def delete_key_data(self, key_id: str) -> dict[str, int]:
+        """Delete everything a key's calls left: trajectories, calls, rewards, groups, scores.
+        Returns the rows deleted per table. The key itself stays (revoke it separately)."""
+        counts: dict[str, int] = await self._writer.submit(
+            self._run_ops, lambda conn: api_keys.delete_owner_data(conn, key_id)
+        )
+        return counts
+
+    async def installation_salt(self) -> str:
+        """This installation's random salt (for naming unregistered bearer tokens)."""
+        async with self._engines.read.connect() as conn:
+            return await api_keys.installation_salt(conn)
 
     # Writer handlers: each gets every consecutive payload of its kind in the batch.
 
@@ -315,9 +449,11 @@ class Store:
         until: float | None = None,
         limit: int = 50,
         cursor: str | None = None,
+        owner: str | None = None,
     ) -> TrajectoryPage:
-        """Newest first, keyset-paged on (created_at, id); `since`/`until` bound created_at."""
-        f = TrajectoryFilter(status, group_key, model, since, until)
+        """Newest first, keyset-paged on (created_at, id); `since`/`until` bound created_at;
+        `owner`: only that API key's trajectories."""
+        f = TrajectoryFilter(status, group_key, model, since, until, owner)
         async with self._engines.read.connect() as conn:
             return await read_ops.list_trajectories(conn, f, limit, cursor)
 
@@ -372,6 +508,61 @@ class Store:
     async def count_trajectories(self, status: str | None = None) -> int:
         async with self._engines.read.connect() as conn:
             return await read_ops.count_trajectories(conn, status)
+
+    async def live_counts(self) -> dict[str, dict[str, int]]:
+        """Open trajectories, and groups forming, ready or being scored (for metrics):
+        {"trajectories": {"open": n}, "groups": {status: n}}. Index ranges over the rows still in
+        the pipeline only, so the cost does not grow with history (closed trajectories and
+        scored groups are not counted: that would scan the tables, see `totals`)."""
+        async with self._engines.read.connect() as conn:
+            return {
+                "trajectories": await read_ops.trajectory_status_counts(conn, LIVE_TRAJECTORIES),
+                "groups": await group_reads.group_status_counts(conn, LIVE_GROUPS),
+            }
+
+    # --- figures (the dashboard, `rlproxy status`; SQL in storage.stats) ---------------------
+
+    async def calls_per_minute(
+        self, *, minutes: int = 60, now: float | None = None, owner: str | None = None
+    ) -> list[stats.MinuteCount]:
+        """Calls and failed calls per minute over the last `minutes`, oldest first."""
+        t = time.time() if now is None else now
+        async with self._engines.read.connect() as conn:
+            return await stats.calls_per_minute(
+                conn, now=t, minutes=minutes, owner=owner, dialect=self.dialect
+            )
+
+    async def reward_by_version(
+        self, *, window: int = 1000, owner: str | None = None
+    ) -> list[stats.VersionReward]:
+        """Mean ± standard error of explicit rewards and of judge scores per adapter version,
+        over the newest `window` of each."""
+        async with self._engines.read.connect() as conn:
+            return await stats.reward_by_version(conn, window=window, owner=owner)
+
+    async def group_queue(
+        self, *, owner: str | None = None, untrained_window: int = 500
+    ) -> stats.GroupQueue:
+        """Groups forming, ready and being scored; scored groups no step has used yet (among
+        the newest `untrained_window`); the newest scored and failed group."""
+        async with self._engines.read.connect() as conn:
+            return await stats.group_queue(conn, owner=owner, untrained_window=untrained_window)
+
+    async def totals(self) -> stats.Totals:
+        """Whole-table counts (scans: for the command line, not for polling)."""
+        async with self._engines.read.connect() as conn:
+            return await stats.totals(conn)
+
+
+def _redact_json(value: Any, redact: Callable[[str], str]) -> Any:
+    """`value` with `redact` applied to every string in it, keys included."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {_redact_json(k, redact): _redact_json(v, redact) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact_json(v, redact) for v in value]
+    return value
 
 
 def _validate(record: CallRecord) -> None:

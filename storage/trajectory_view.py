@@ -65,6 +65,7 @@ class Trajectory:
     last_call_created_at: float | None
     last_call_finished_at: float | None
     last_call_status: str | None
+    owner_key_id: str | None
 
     def state(self) -> TrajectoryState:
         return TrajectoryState(

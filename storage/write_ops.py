@@ -13,7 +13,7 @@ Callers go through `storage.store.Store`; nothing else should import this module
 from __future__ import annotations
 
 import uuid
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from typing import Any
 
 from sqlalchemy import bindparam, insert, select, update
@@ -37,7 +37,7 @@ from storage.trajectory_view import (
     load_view,
 )
 
-_SKIP = frozenset({"choices", "shadow_samples"})
+_SKIP = frozenset({"choices", "shadow_samples", "time_to_first_token_s"})  # no columns
 
 
 async def _turn_of(conn: AsyncConnection, call_id: str, pending: dict[str, dict[str, Any]]) -> int:
@@ -87,6 +87,11 @@ async def record_calls(
     for record, k in zip(records, keys, strict=True):
         explicit_id = record.explicit_trajectory_id
         explicit = view.by_id.get(explicit_id) if explicit_id else None
+        if explicit is not None and explicit.owner_key_id != record.owner_key_id:
+            # Another key's trajectory: never continued by this one (the HTTP edge refuses such a
+            # call with a 403 first; this holds if one slips past it). It starts its own.
+            record = replace(record, explicit_trajectory_id=None)
+            explicit_id, explicit = None, None
         decision = linker.choose(
             record, k, explicit.state() if explicit else None, view.candidates(k)
         )
@@ -112,6 +117,7 @@ async def record_calls(
                 last_call_created_at=record.created_at,
                 last_call_finished_at=record.finished_at,
                 last_call_status=record.status,
+                owner_key_id=record.owner_key_id,
             )
             view.add(t)
             turn = 0

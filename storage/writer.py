@@ -8,6 +8,12 @@ handler can write a whole batch in a few statements. If a batch fails, its paylo
 one per transaction, so one bad payload cannot fail its neighbours; its own error reaches its
 waiter as the exception. Deadlocks and serialisation failures (Postgres) are retried.
 
+A failure that says the database takes no writes at all (a full disk, a read-only file, an
+unreachable server: `storage.health`) fails the whole batch at once as `StoreUnavailable` and
+marks the writer unwritable (`health`). While it is, a probe write is submitted every
+`probe_interval_s`; the first that commits marks it writable again, with no restart. Other writes
+are still tried meanwhile, but only the probe decides recovery (see `storage.health` for why).
+
 A waiter that is cancelled (its client went away) does not cancel its write: it still
 happens. This module knows nothing about calls or trajectories.
 """
@@ -15,8 +21,10 @@ happens. This module knows nothing about calls or trajectories.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,12 +32,18 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from storage.errors import StoreClosed
+from storage.errors import StoreClosed, StoreUnavailable
+from storage.health import WriteHealth, driver_message, unwritable_reason
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[AsyncConnection, list[Any]], Awaitable[list[Any]]]
 """Writes a list of payloads inside the batch transaction; returns one result per payload."""
+Probe = Callable[[AsyncConnection], Awaitable[None]]
+"""A tiny real write (`storage.health.probe_write`): committing it proves the database writable."""
+CommitObserver = Callable[[int, float], None]
+"""Told of every commit: the payloads it held and the seconds its transaction took (telemetry).
+Called on the writer task, so it must be quick and must not raise."""
 
 _TRANSIENT_SQLSTATES = {"40001", "40P01"}  # serialization_failure, deadlock_detected
 _TRANSIENT_ATTEMPTS = 5
@@ -66,16 +80,36 @@ def _is_transient(e: DBAPIError) -> bool:
 
 
 class GroupCommitWriter:
-    def __init__(self, engine: AsyncEngine, *, max_batch: int = 500) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        max_batch: int = 500,
+        probe: Probe | None = None,
+        probe_interval_s: float = 5.0,
+    ) -> None:
         self._engine = engine
         self._max_batch = max_batch
         self._queue: asyncio.Queue[_Item | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self.stats = WriterStats()
+        self._probe = probe
+        self._probe_interval_s = probe_interval_s
+        self._prober: asyncio.Task[None] | None = None
+        self._health = WriteHealth()
+        self._unwritable = asyncio.Event()
+        self.on_commit: CommitObserver | None = None
+
+    @property
+    def health(self) -> WriteHealth:
+        """Writable, or why not and since when (see `storage.health`)."""
+        return self._health
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="rlproxy-store-writer")
+        if self._probe is not None:
+            self._prober = asyncio.create_task(self._probe_while_unwritable(), name="store-probe")
 
     async def submit(self, handler: Handler, payload: Any) -> Any:
         """Write `payload` in the next batch; return its result once the batch has committed."""
@@ -91,6 +125,10 @@ class GroupCommitWriter:
         if self._closed:
             return
         self._closed = True
+        if self._prober is not None:
+            self._prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prober
         self._queue.put_nowait(None)
         if self._task is not None:
             await self._task
@@ -123,16 +161,19 @@ class GroupCommitWriter:
             results = await self._transaction(batch)
         except Exception as e:
             self.stats.failed_batches += 1
-            if len(batch) == 1:
-                _fail(batch[0], e)
-                self.stats.jobs += 1
+            if self._note_unwritable(e) or len(batch) == 1:
+                # Nothing would commit one by one either: every waiter hears it now.
+                for item in batch:
+                    _fail(item, self._as_unavailable(e))
+                self.stats.jobs += len(batch)
                 return
             log.warning("batch of %d writes failed (%r); rerunning them one by one", len(batch), e)
             for item in batch:
                 try:
                     (result,) = await self._transaction([item])
                 except Exception as e1:
-                    _fail(item, e1)
+                    self._note_unwritable(e1)
+                    _fail(item, self._as_unavailable(e1))
                 else:
                     _resolve(item, result)
                 self.stats.jobs += 1
@@ -145,6 +186,7 @@ class GroupCommitWriter:
         for attempt in range(1, _TRANSIENT_ATTEMPTS + 1):
             try:
                 results: list[Any] = []
+                started = time.perf_counter()
                 async with self._engine.begin() as conn:
                     for handler, group in itertools.groupby(items, key=lambda i: i.handler):
                         payloads = [i.payload for i in group]
@@ -153,6 +195,9 @@ class GroupCommitWriter:
                             raise RuntimeError(f"{handler!r} returned {len(out)} results")
                         results.extend(out)
                 self.stats.commits += 1
+                if self._probe is None:  # no probe to decide recovery: any commit does
+                    self._note_writable()
+                self._tell_commit(len(items), time.perf_counter() - started)
                 return results
             except DBAPIError as e:
                 if not _is_transient(e) or attempt == _TRANSIENT_ATTEMPTS:
@@ -160,6 +205,79 @@ class GroupCommitWriter:
                 log.warning("transient database error (attempt %d): %r; retrying", attempt, e)
                 await asyncio.sleep(0.01 * attempt)
         raise AssertionError("unreachable")
+
+    def _tell_commit(self, payloads: int, seconds: float) -> None:
+        """Tell `on_commit`; its failure is logged, never the batch's (the batch committed)."""
+        if self.on_commit is None:
+            return
+        try:
+            self.on_commit(payloads, seconds)
+        except Exception:
+            log.exception("the commit observer failed")
+
+    # --- health ----------------------------------------------------------------------------
+
+    def _note_unwritable(self, e: Exception) -> bool:
+        """True (and the state says so) when `e` means the database takes no writes at all."""
+        reason = unwritable_reason(e)
+        if reason is None:
+            return False
+        was = self._health
+        self._health = WriteHealth(
+            writable=False,
+            reason=reason,
+            error=driver_message(e),
+            since=was.since if not was.writable else time.time(),
+        )
+        if was.writable:
+            log.error(
+                "%s; chat requests are refused with 503 until a probe write commits (one every "
+                "%g s)",
+                self._health.describe(),
+                self._probe_interval_s,
+            )
+        self._unwritable.set()
+        return True
+
+    def _note_writable(self) -> None:
+        was = self._health
+        if was.writable:
+            return
+        self._health = WriteHealth()
+        self._unwritable.clear()
+        down = time.time() - (was.since or time.time())
+        log.warning("the database is writable again after %.1f s (%s)", down, was.reason)
+
+    def _as_unavailable(self, e: Exception) -> Exception:
+        """`StoreUnavailable` (cause chained) for a database that takes no writes; else `e`."""
+        reason = unwritable_reason(e)
+        if reason is None:
+            return e
+        error = StoreUnavailable(reason, driver_message(e))
+        error.__cause__ = e
+        return error
+
+    async def _probe_while_unwritable(self) -> None:
+        assert self._probe is not None
+        probe = self._probe
+
+        async def handler(conn: AsyncConnection, payloads: list[Any]) -> list[Any]:
+            await probe(conn)
+            return [None] * len(payloads)
+
+        while True:
+            await self._unwritable.wait()
+            await asyncio.sleep(self._probe_interval_s)
+            if self._health.writable or self._closed:  # a real write got through first
+                continue
+            try:
+                await self.submit(handler, None)
+            except StoreUnavailable:
+                pass  # still unwritable: `health` already says why
+            except Exception as e:
+                log.warning("the write probe failed: %r", e)
+            else:
+                self._note_writable()
 
 
 def _resolve(item: _Item, result: Any) -> None:

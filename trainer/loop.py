@@ -27,6 +27,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,7 @@ class TrainingLoop:
         policy: str,
         reward_policy: str = "explicit",
         poll_s: float = 5.0,
+        step_hooks: Sequence[Callable[[StepReport], None]] = (),
     ) -> None:
         self.store = store
         self.trainer = trainer
@@ -71,6 +73,9 @@ class TrainingLoop:
         self.reward_policy = reward_policy
         self.poll_s = poll_s
         self.config = trainer.config
+        self.step_hooks = list(step_hooks)
+        """Called with each written step's report (metrics logging, e.g. `trainer.wandb_log`);
+        a hook that raises is logged and never stops training."""
 
     async def resume(self) -> int:
         """Load the newest complete checkpoint, if any; return the step it restored (0: none)."""
@@ -169,6 +174,11 @@ class TrainingLoop:
             metrics.tokens_per_s,
             path,
         )
+        for hook in self.step_hooks:
+            try:
+                await asyncio.to_thread(hook, report)
+            except Exception:
+                logger.exception("step hook %r failed on step %d", hook, report.version)
         return report
 
     async def _collect(

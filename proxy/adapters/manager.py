@@ -39,10 +39,21 @@ class AdapterManager:
         self.keep_previous = keep_previous
         self._locks: dict[int, asyncio.Lock] = {}
         self._history: list[int] = []  # versions activated, oldest first, no repeats
+        self.swaps = 0  # activations that changed what the policy name serves
         self._evicting = asyncio.Lock()
 
     def path_for(self, version: int) -> Path:
         return checkpoints.version_dir(self.root, version)
+
+    def shown_path(self, version: int) -> str:
+        """The folder as clients see it: relative to the data directory, never the server's
+        own absolute paths."""
+        return f"checkpoints/{self.root.name}/{self.path_for(version).name}"
+
+    def _public(self, message: str, version: int) -> str:
+        return message.replace(str(self.path_for(version)), self.shown_path(version)).replace(
+            str(self.root), f"checkpoints/{self.root.name}"
+        )
 
     def available(self) -> list[int]:
         """Versions on disk, ascending."""
@@ -63,16 +74,22 @@ class AdapterManager:
             try:
                 await asyncio.to_thread(checkpoints.validate_adapter, path)
             except checkpoints.CheckpointMissing as exc:
-                raise NotFoundError(str(exc), param="version", code="adapter_not_found") from exc
+                raise NotFoundError(
+                    f"No adapter version {version} (no folder {self.shown_path(version)}).",
+                    param="version",
+                    code="adapter_not_found",
+                ) from exc
             except checkpoints.CheckpointError as exc:
                 raise InvalidRequestError(
-                    str(exc), param="version", code="adapter_rejected"
+                    self._public(str(exc), version), param="version", code="adapter_rejected"
                 ) from exc
             try:
                 await self.engine.load_adapter(adapter_name(version), str(path))
             except Exception as exc:
+                logger.warning("the engine rejected adapter version %d: %s", version, exc)
                 raise InvalidRequestError(
-                    f"adapter version {version} was rejected by the engine: {exc}",
+                    f"adapter version {version} was rejected by the engine: "
+                    f"{self._public(str(exc), version)}",
                     param="version",
                     code="adapter_rejected",
                 ) from exc
@@ -82,6 +99,8 @@ class AdapterManager:
         """Serve `version` (None: the base model) under the policy name; unload what is not kept."""
         if version is not None:
             await self.load(version)
+        if version != self.registry.active:
+            self.swaps += 1
         self.registry.activate(version)
         if version is not None:
             self._history = [v for v in self._history if v != version] + [version]
@@ -137,7 +156,7 @@ class AdapterManager:
             {
                 "version": v,
                 "id": f"{self.registry.policy}@{v}",
-                "path": str(self.path_for(v)),
+                "path": self.shown_path(v),
                 "loaded": v in loaded,
                 "active": v == self.registry.active,
             }

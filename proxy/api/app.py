@@ -20,23 +20,36 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from proxy.api.auth import AuthMiddleware, KeyRing
 from proxy.api.deps import RUNTIME_KEY
-from proxy.api.errors import APIError, error_body
+from proxy.api.errors import APIError, StorageUnavailableError, error_body
+from proxy.api.http_metrics import HttpMetricsMiddleware
+from proxy.api.limits import CallerLimitsMiddleware
 from proxy.api.routes import adapters as adapter_routes
 from proxy.api.routes import completions as completion_routes
+from proxy.api.routes import dashboard as dashboard_routes
 from proxy.api.routes import groups as group_routes
+from proxy.api.routes import metrics as metrics_routes
 from proxy.api.routes import models as model_routes
+from proxy.api.routes import stats as stats_routes
 from proxy.api.routes import trajectories as trajectory_routes
 from proxy.runtime import open_runtime
 from proxy.settings import Settings
+from proxy.telemetry.metrics import Metrics
+from storage.errors import StoreUnavailable
 
 logger = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings) -> FastAPI:
+    keys = KeyRing(refresh_s=settings.key_refresh_s)
+    metrics = Metrics()  # this app's own registry
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with open_runtime(settings, serving=True) as runtime:
+        async with open_runtime(settings, serving=True, metrics=metrics) as runtime:
+            await keys.open(runtime.store)
+            check_exposure(settings, keys)
             setattr(app.state, RUNTIME_KEY, runtime)
             logger.info(
                 "serving %s (aliases: %s) on the local engine; data directory %s",
@@ -46,28 +59,63 @@ def create_app(settings: Settings) -> FastAPI:
             )
             yield
 
-    if settings.public_bind:
-        logger.warning(
-            "listening on %s: rlproxy has no authentication yet, so anyone who can reach this "
-            "address can call the model and the /rl admin routes",
-            settings.host,
-        )
     app = FastAPI(title="rlproxy", version="0.1.0", lifespan=lifespan)
     app.include_router(completion_routes.router)
     app.include_router(model_routes.router)
     app.include_router(adapter_routes.router)
     app.include_router(trajectory_routes.router)
     app.include_router(group_routes.router)
+    app.include_router(stats_routes.router)
+    app.include_router(dashboard_routes.router)
+    app.include_router(metrics_routes.router)
     install_error_handlers(app)
+    # Starlette runs the middleware added last first: request id, metrics (which see every
+    # answer), body size, auth, then limits (which need the caller the auth middleware found).
+    app.add_middleware(
+        CallerLimitsMiddleware,
+        per_minute=settings.caller_requests_per_minute,
+        concurrency=settings.caller_concurrency,
+    )
+    app.add_middleware(AuthMiddleware, keys=keys, metrics=settings.metrics_auth)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
     app.add_middleware(RequestIdMiddleware)
     return app
+
+
+class UnsafeExposure(RuntimeError):
+    """Serving beyond loopback with no API keys, without saying so."""
+
+
+def check_exposure(settings: Settings, keys: KeyRing) -> None:
+    """No keys means no authentication: that is served on loopback only, unless the operator
+    passed `--insecure-no-auth` (RLPROXY_INSECURE_NO_AUTH), which is logged loudly."""
+    if keys.enabled or not settings.public_bind:
+        return
+    if not settings.insecure_no_auth:
+        raise UnsafeExposure(
+            f"refusing to listen on {settings.host} with no API keys: anyone who can reach it "
+            "could read every stored call and roll the model back. Create a key first "
+            "(`rlproxy keys create --name admin --scope admin`), bind to 127.0.0.1, or pass "
+            "--insecure-no-auth if something in front of rlproxy authenticates callers."
+        )
+    logger.warning(
+        "listening on %s with no API keys (--insecure-no-auth): anyone who can reach this "
+        "address can call the model, read every stored call and use the /rl admin routes",
+        settings.host,
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status_code)
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(StoreUnavailable)
+    async def store_unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        # A write failed because the database takes none (the store's health now says so).
+        error = StorageUnavailableError(str(exc))
+        return JSONResponse(error.body(), status_code=error.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

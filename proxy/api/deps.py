@@ -15,11 +15,14 @@ from fastapi import Depends, Request
 from proxy.adapters.manager import AdapterManager
 from proxy.adapters.publisher import Publisher
 from proxy.adapters.registry import ServedModels
+from proxy.api.errors import StorageUnavailableError
 from proxy.chat.service import ChatService
 from proxy.chat.upstream import UpstreamChat
+from proxy.cli.trainer_process import TrainerProcess
 from proxy.engines.base import Engine
 from proxy.runtime import Runtime, Served
 from proxy.settings import Settings
+from proxy.telemetry.telemetry import Telemetry
 from storage.store import Store
 from trainer.rewards.scoring import Scorer
 
@@ -79,6 +82,24 @@ def _engine(served: ServedDep) -> Engine:
     return served.engine
 
 
+def _trainer(served: ServedDep) -> TrainerProcess | None:
+    return served.trainer
+
+
+def _telemetry(runtime: RuntimeDep) -> Telemetry:
+    if runtime.telemetry is None:
+        raise RuntimeError("the runtime was opened without serving")
+    return runtime.telemetry
+
+
+def require_writable_store(runtime: RuntimeDep) -> None:
+    """A 503 (`storage_unavailable`) before any work when the database takes no writes: a call
+    that cannot be stored is not made. Declared on the routes that generate."""
+    health = runtime.store.health
+    if not health.writable:
+        raise StorageUnavailableError(health.describe())
+
+
 SettingsDep = Annotated[Settings, Depends(_settings)]
 StoreDep = Annotated[Store, Depends(_store)]
 Chat = Annotated[ChatService, Depends(_chat)]
@@ -87,7 +108,9 @@ Registry = Annotated[ServedModels, Depends(_registry)]
 Adapters = Annotated[AdapterManager, Depends(_adapters)]
 PublisherDep = Annotated[Publisher, Depends(_publisher)]
 EngineDep = Annotated[Engine, Depends(_engine)]
+TrainerDep = Annotated[TrainerProcess | None, Depends(_trainer)]
 ScorerDep = Annotated[Scorer, Depends(get_scorer)]
+TelemetryDep = Annotated[Telemetry, Depends(_telemetry)]
 
 
 def request_id(request: Request) -> str:

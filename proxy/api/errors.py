@@ -5,16 +5,22 @@
     │   └── ContextLengthError    400, code "context_length_exceeded"
     ├── NotFoundError             404 invalid_request_error, code e.g. "adapter_not_found"
     │   └── ModelNotFoundError    404, code "model_not_found"
+    ├── RateLimitError            429 requests, code "rate_limit_exceeded", with `retry-after`
+    │   └── OverloadedError       429, code "server_overloaded" (the engine's queue is full)
     ├── ServerError               500 server_error (the engine failed; retrying may help)
+    ├── StorageUnavailableError   503 server_error, code "storage_unavailable" (the database
+    │                             takes no writes: a call could not be stored, so none is made)
     └── UpstreamError             the provider's status (proxy.engines.upstream)
 
 Errors are raised anywhere below the routes and rendered only at the HTTP edge, as
 `{"error": {"message", "type", "param", "code"}}` with a string code. A deterministic failure
-(bad input) is always a 4xx: clients retry 5xx.
+(bad input) is always a 4xx: clients retry 5xx. A 429 is retried too: the openai SDK raises
+`openai.RateLimitError` and waits for `retry-after` before trying again.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -31,6 +37,11 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Headers the response carries beside the body (e.g. `retry-after`)."""
+        return {}
 
 
 class InvalidRequestError(APIError):
@@ -58,10 +69,59 @@ class ModelNotFoundError(NotFoundError):
         )
 
 
+class RateLimitError(APIError):
+    """Too many requests now: OpenAI's 429 (type "requests", code "rate_limit_exceeded").
+
+    `retry_after_s` becomes the `retry-after` header (whole seconds, at least 1), which the
+    openai SDK honours before its automatic retry.
+    """
+
+    status_code = 429
+    type = "requests"
+    default_code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after_s: float, code: str | None = None):
+        super().__init__(message, code=code)
+        self.retry_after_s = max(1, math.ceil(retry_after_s))
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": str(self.retry_after_s)}
+
+
+class OverloadedError(RateLimitError):
+    """The server as a whole is at capacity (the engine's queue is full), not this caller.
+
+    A 429 rather than OpenAI's 503 for an overloaded engine: it is refused before any work, so
+    retrying is always safe, and a 4xx tells clients and monitors that nothing failed (the
+    openai SDK retries both, honouring `retry-after`). TGI answers its own "model is
+    overloaded" with a 429 too.
+    """
+
+    default_code = "server_overloaded"
+
+
 class ServerError(APIError):
     status_code = 500
     type = "server_error"
     default_code = "server_error"
+
+
+class StorageUnavailableError(APIError):
+    """The database cannot be written (disk full, read-only, unreachable): every call is stored
+    before it is acknowledged, so none is served. Raised before generating when the store
+    already knows (`storage.health`), and for a call generated before it found out."""
+
+    status_code = 503
+    type = "server_error"
+    default_code = "storage_unavailable"
+
+    def __init__(self, why: str) -> None:
+        """`why`: "the database cannot be written: disk full (...)" (`storage.health`)."""
+        super().__init__(
+            f"{why[:1].upper()}{why[1:]}. Every call is stored before it is answered, so this "
+            "server answers none until the database can be written again; please retry later."
+        )
 
 
 def error_body(

@@ -3,7 +3,8 @@
 Request models mirror https://platform.openai.com/docs/api-reference/chat/create field by field,
 in the spec's order. They allow extra fields: clients send fields rlproxy has never heard of, and
 those are logged and ignored rather than refused. Fields that are not in OpenAI's spec are marked
-"rlproxy extension".
+"rlproxy extension". Numbers are strict, as OpenAI's are: `"max_tokens": "5"` or `5.0` is a 400,
+never coerced (a float field takes a JSON integer, as JSON has one number type).
 
 Responses are plain dicts built by the helpers at the bottom: they are produced on the hot path
 (one per streamed token) and must match OpenAI's JSON exactly, nulls included.
@@ -15,7 +16,7 @@ import logging
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, model_validator
 
 logger = logging.getLogger(__name__)
 
@@ -94,29 +95,29 @@ class ChatCompletionRequest(OpenAIModel):
     messages: list[ChatMessage] = Field(min_length=1)
     model: str
     audio: dict[str, Any] | None = None
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     logprobs: bool | None = None
-    max_completion_tokens: int | None = Field(None, ge=1)
-    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
     metadata: dict[str, Any] | None = None
     modalities: list[str] | None = None
-    n: int | None = Field(None, ge=1)
+    n: StrictInt | None = Field(None, ge=1)
     parallel_tool_calls: bool | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
     reasoning_effort: str | None = None
     response_format: ResponseFormat | None = None
-    seed: int | None = None
+    seed: StrictInt | None = None
     service_tier: str | None = None
     stop: str | list[str] | None = None
     store: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     tools: list[Tool] | None = None
-    top_logprobs: int | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_logprobs: StrictInt | None = Field(None, ge=0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
     user: str | None = None
     # rlproxy extension: {"trajectory_id": ..., "group_id": ...}
     rlproxy: dict[str, Any] | None = None

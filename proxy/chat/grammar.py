@@ -60,6 +60,13 @@ class GrammarError(ValueError):
     """A schema, tool list or tool_choice that cannot be turned into a grammar (HTTP 400)."""
 
 
+# How deeply a JSON schema may nest (objects and arrays). llguidance refuses schemas a little
+# shallower than this anyway (serde_json's recursion limit of 128 counts its own wrapping too);
+# checking first, without recursion, keeps the recursive walks below from exhausting Python's
+# stack on a hostile schema hundreds of levels deep (a RecursionError: a 500, not a 400).
+MAX_SCHEMA_DEPTH = 128
+
+
 @dataclass(frozen=True)
 class ToolChoice:
     """A request's `tool_choice`, typed: `kind` says what is allowed, `name` which tool must be
@@ -234,6 +241,22 @@ def _validated(source: str, kind: str) -> Grammar:
     return Grammar(source, kind)
 
 
+def _check_depth(schema: Any, kind: str) -> None:
+    """Raise GrammarError if `schema` nests deeper than MAX_SCHEMA_DEPTH (walked iteratively)."""
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, Mapping):
+            children: Any = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth > MAX_SCHEMA_DEPTH:
+            raise GrammarError(f"{kind}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        stack.extend((child, depth + 1) for child in children)
+
+
 def _closed_objects(schema: Any) -> Any:
     """A copy of `schema` where objects that list `properties` but say nothing about
     `additionalProperties` allow no others (what OpenAI's strict mode requires). Output stays
@@ -264,6 +287,7 @@ def constraint_for_json_schema(schema: Mapping[str, Any], kind: str = "json_sche
     """response_format {"type": "json_schema"}: JSON valid against `schema`."""
     if not isinstance(schema, Mapping):
         raise GrammarError(f"{kind}: the schema must be a JSON object")
+    _check_depth(schema, kind)
     try:
         source = LLMatcher.grammar_from_json_schema(json.dumps(_with_json_options(schema)))
     except (ValueError, TypeError) as e:

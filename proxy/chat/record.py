@@ -6,13 +6,13 @@
 `CallInfo` is what is known when a request arrives (the request, its id, its headers, when it
 started); `call_record` completes it with how the call ended. Both the local service and the
 upstream service build their records here, so the explicit ids a client may send (trajectory
-and group keys), the retry count and the API key id are read one way only. The linking rule
+and group keys) and the retry count are read one way only; the caller (`owner`, `client_ref`)
+comes from `proxy.api.auth`. The linking rule
 itself lives in `storage.linking` and runs inside the store.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -38,9 +38,25 @@ class CallInfo:
     """Epoch seconds when the request arrived."""
     started: float = field(default_factory=time.monotonic)
     """The same moment on the monotonic clock, for the latency."""
+    owner: str | None = None
+    """The API key that owns the call and its trajectory (None when the server has no keys)."""
+    client_ref: str | None = None
+    """Who called: the key id, or a salted hash of an unregistered bearer token."""
+    first_token: float | None = None
+    """When the first token was generated, on the monotonic clock (None: none yet)."""
 
     def __post_init__(self) -> None:
         self.headers = {k.lower(): v for k, v in self.headers.items()}
+
+    def token_arrived(self) -> None:
+        """Note the first generated token (later calls change nothing)."""
+        if self.first_token is None:
+            self.first_token = time.monotonic()
+
+    @property
+    def explicit_trajectory_id(self) -> str | None:
+        req = self.request
+        return explicit_id(self.headers, req.metadata, req.rlproxy, "trajectory")
 
     @property
     def completion_id(self) -> str:
@@ -98,12 +114,14 @@ def call_record(
         latency_s=latency,
         status=status,
         error=error,
-        api_key_id=api_key_id(headers.get("authorization")),
+        api_key_id=call.client_ref,
+        owner_key_id=call.owner,
         stream=bool(req.stream),
         token_ids_note=token_ids_note,
-        explicit_trajectory_id=explicit_id(headers, req.metadata, req.rlproxy, "trajectory"),
+        explicit_trajectory_id=call.explicit_trajectory_id,
         explicit_group_key=explicit_id(headers, req.metadata, req.rlproxy, "group"),
         retry_count=retry_count(headers.get(RETRY_HEADER)),
+        time_to_first_token_s=None if call.first_token is None else call.first_token - call.started,
     )
 
 
@@ -136,14 +154,6 @@ def explicit_id(
         if value:
             return str(value)
     return None
-
-
-def api_key_id(authorization: str | None) -> str | None:
-    """A stable, non-reversible id for the client's bearer key (never the key itself)."""
-    if not authorization or not authorization.lower().startswith("bearer "):
-        return None
-    key = authorization[7:].strip()
-    return "key_" + hashlib.sha256(key.encode()).hexdigest()[:16] if key else None
 
 
 def retry_count(value: str | None) -> int:

@@ -1,9 +1,15 @@
 """Validating a chat-completions request and turning it into what the engine needs.
 
-`prepare_chat` raises every 4xx the chat route can give (unknown model, invalid parameters, an
-over-long prompt, a schema or tool list that cannot become a grammar) before any token is
-generated; what it returns, `PreparedChat`, holds the rendered prompt ids, sampling parameters
-and grammar. No generation and no HTTP here.
+`prepare_chat` raises every 4xx the chat route can give (a request too big in shape, unknown
+model, invalid parameters, an over-long prompt, a schema or tool list that cannot become a
+grammar) before any token is generated; what it returns, `PreparedChat`, holds the rendered
+prompt ids, sampling parameters and grammar. No generation and no HTTP here.
+
+The shape limits (`check_shape`) run first, before anything that costs in proportion to them:
+messages, stop strings and tools are counted, and every schema (tool parameters,
+response_format) is bounded in depth and, all together, in size. Both bound the work of the
+grammar compiler, which runs on the event loop; a schema nested a few hundred deep would
+otherwise exhaust Python's stack in it (a 500).
 """
 
 from __future__ import annotations
@@ -25,6 +31,21 @@ logger = logging.getLogger(__name__)
 
 MAX_TOP_LOGPROBS = 20
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+MAX_STOP = 4  # OpenAI's limits
+MAX_TOOLS = 128
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds on a request's shape (settings `max_messages`, `max_schema_depth`,
+    `max_schema_nodes`)."""
+
+    max_messages: int = 2048
+    max_schema_depth: int = 32
+    max_schema_nodes: int = 10_000
+
+
+DEFAULT_LIMITS = RequestLimits()
 
 
 @dataclass
@@ -64,9 +85,11 @@ def prepare_chat(
     max_n: int,
     default_max_tokens: int,
     max_token_chars: int = 0,
+    limits: RequestLimits = DEFAULT_LIMITS,
 ) -> PreparedChat:
     """Validate `call.request` (every 4xx the chat route can give); turn it into engine inputs."""
     req, request_id = call.request, call.request_id
+    check_shape(req, limits)
     if req.unknown_fields():
         logger.info("request %s: ignoring unknown fields %s", request_id, req.unknown_fields())
     resolved = registry.resolve(req.model)
@@ -157,6 +180,72 @@ def prepare_chat(
         grammar=constraint,
         include_usage=include_usage,
     )
+
+
+def check_shape(req: ChatCompletionRequest, limits: RequestLimits) -> None:
+    """Refuse a request whose size alone is too much (400), before any work that grows with it."""
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    _at_most("messages", len(req.messages), limits.max_messages)
+    _at_most("stop", len(stops), MAX_STOP)
+    _at_most("tools", len(req.tools or []), MAX_TOOLS)
+    schemas = [
+        (f"tools[{i}].function.parameters", tool.function.parameters)
+        for i, tool in enumerate(req.tools or [])
+        if tool.function.parameters is not None
+    ]
+    fmt = req.response_format
+    if fmt is not None and fmt.json_schema is not None and fmt.json_schema.schema_ is not None:
+        schemas.append(("response_format.json_schema.schema", fmt.json_schema.schema_))
+    nodes = 0
+    for param, schema in schemas:
+        depth, size = json_shape(schema)
+        if depth > limits.max_schema_depth:
+            raise InvalidRequestError(
+                f"Invalid schema for '{param}': objects and arrays are nested {depth} deep, "
+                f"above this server's limit of {limits.max_schema_depth} "
+                "(RLPROXY_MAX_SCHEMA_DEPTH).",
+                param=param,
+            )
+        nodes += size
+    if nodes > limits.max_schema_nodes:
+        raise InvalidRequestError(
+            f"The request's schemas (tool parameters and response_format) hold {nodes} JSON "
+            f"values together, above this server's limit of {limits.max_schema_nodes} "
+            "(RLPROXY_MAX_SCHEMA_NODES).",
+            param="tools" if req.tools else "response_format",
+        )
+
+
+def _at_most(param: str, length: int, limit: int) -> None:
+    if length > limit:
+        raise InvalidRequestError(
+            f"Invalid '{param}': array too long. Expected an array with maximum length {limit}, "
+            f"but got an array with length {length} instead.",
+            param=param,
+            code="array_above_max_length",
+        )
+
+
+def json_shape(value: Any) -> tuple[int, int]:
+    """(deepest nesting of objects and arrays, number of JSON values) of a parsed JSON value.
+
+    Iterative: a value nested thousands deep must not exhaust Python's stack here too.
+    `{"type": "string"}` is (1, 2); `[]` is (1, 1); `5` is (0, 1).
+    """
+    deepest, count = 0, 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        count += 1
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest, count
 
 
 def tool_choice(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> ToolChoice:

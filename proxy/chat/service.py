@@ -7,6 +7,9 @@ parameters, grammar); `complete` and `stream` run it on the engine and build Ope
 (`proxy.chat.record.call_record`, then the store) before the response is acknowledged: the body
 of a non-streamed response, the `[DONE]` of a stream.
 
+Admission: `prepare` refuses a request the engine's queue cannot take (`max_queued_rows`) with
+a 429 (`OverloadedError`), before any work; requests already admitted are never touched.
+
 No HTTP here: `proxy.api.routes.completions` is a thin layer over this class, and tests can
 drive it directly.
 """
@@ -16,13 +19,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from proxy.adapters.registry import ServedModels
-from proxy.api.errors import APIError, ServerError
+from proxy.api.errors import APIError, OverloadedError, ServerError
 from proxy.api.protocol import (
     ChatCompletionRequest,
     assistant_message,
@@ -30,7 +35,7 @@ from proxy.api.protocol import (
     usage,
 )
 from proxy.chat.record import CallInfo, call_record
-from proxy.chat.request import PreparedChat, prepare_chat
+from proxy.chat.request import DEFAULT_LIMITS, PreparedChat, RequestLimits, prepare_chat
 from proxy.chat.streaming import Chunks, text_deltas
 from proxy.chat.tool_parser import ToolCallStreamParser, parse_complete
 from proxy.engines.base import (
@@ -63,6 +68,38 @@ class _Plan:
         return [r for r in range(self.rows) if r not in self.visible]
 
 
+class _Admissions:
+    """Rows of requests admitted by `ChatService.prepare` that the engine does not count yet.
+
+    Between `prepare` and the engine call there are awaits (a stream sends its first chunks
+    before its generation starts), so the engine's own count alone would let a burst of requests
+    all see the same room. An admitted request holds its rows here until `release`, called right
+    before the engine call with no await between; a request dropped without running (a stream
+    never read) releases them when it is freed (`weakref.finalize`).
+    """
+
+    def __init__(self) -> None:
+        self.rows = 0
+        self._held: dict[int, weakref.finalize] = {}
+        self._lock = threading.Lock()  # a finalizer may run on any thread (cyclic GC)
+
+    def hold(self, prep: PreparedChat, rows: int) -> None:
+        with self._lock:
+            self.rows += rows
+            self._held[id(prep)] = weakref.finalize(prep, self._drop, id(prep), rows)
+
+    def release(self, prep: PreparedChat) -> None:
+        """The engine counts `prep`'s rows from now on (or they will never run)."""
+        held = self._held.get(id(prep))
+        if held is not None:
+            held()  # a finalizer runs at most once
+
+    def _drop(self, key: int, rows: int) -> None:
+        with self._lock:
+            self.rows -= rows
+            self._held.pop(key, None)
+
+
 class ChatService:
     def __init__(
         self,
@@ -75,6 +112,8 @@ class ChatService:
         record: RecordSink | None = None,
         shadow_samples: int = 0,
         shadow_turns: Literal["first", "every"] = "first",
+        limits: RequestLimits = DEFAULT_LIMITS,
+        max_queued_rows: int = 0,
     ) -> None:
         self.engine = engine
         self.registry = registry
@@ -84,6 +123,9 @@ class ChatService:
         self.record = record
         self.shadow_samples = shadow_samples
         self.shadow_turns = shadow_turns
+        self.limits = limits
+        self.max_queued_rows = max_queued_rows  # 0: no bound
+        self._admissions = _Admissions()
         self._rng = random.Random()
         self._token_text: dict[int, str] = {}
         # The longest token's spelling bounds the characters per token (byte-level BPE spells
@@ -93,8 +135,13 @@ class ChatService:
 
     # ----------------------------------------------------------------- validation
 
-    def prepare(self, call: CallInfo) -> PreparedChat:
-        return prepare_chat(
+    async def prepare(self, call: CallInfo) -> PreparedChat:
+        """Validate the request (every 400 and 404), then admit it to the engine's queue (429).
+
+        Validation runs in a worker thread: tokenizing a long prompt and compiling a grammar
+        never hold up the event loop (other requests, their streams, /health)."""
+        prep = await asyncio.to_thread(
+            prepare_chat,
             call,
             registry=self.registry,
             tokenizer=self.tokenizer,
@@ -102,13 +149,33 @@ class ChatService:
             max_n=self.max_n,
             default_max_tokens=self.default_max_tokens,
             max_token_chars=self.max_token_chars,
+            limits=self.limits,
         )
+        self._admit(prep)
+        return prep
+
+    def _admit(self, prep: PreparedChat) -> None:
+        """Refuse `prep` (429) if its rows would queue more than `max_queued_rows` behind the
+        engine's batch. A request alone in the queue is always admitted, whatever its size (as the
+        engine starts a request bigger than its batch alone)."""
+        if not self.max_queued_rows:
+            return
+        rows = self._plan(prep).rows
+        queued = self.engine.queued_rows() + self._admissions.rows
+        if queued and queued + rows > self.max_queued_rows:
+            raise OverloadedError(
+                f"The server is at capacity: {queued} choices are already waiting for the model "
+                f"(limit {self.max_queued_rows}, RLPROXY_MAX_QUEUED_ROWS). Please retry shortly.",
+                retry_after_s=1,
+            )
+        self._admissions.hold(prep, rows)
 
     async def complete_json(self, body: dict[str, Any]) -> dict[str, Any]:
         """A request body in, the response body out (no HTTP; for the local judge). Raises
         `APIError` for a request the route would refuse."""
         request = ChatCompletionRequest.model_validate(body)
-        return await self.complete(self.prepare(CallInfo(request, f"req_{uuid.uuid4().hex}")))
+        prep = await self.prepare(CallInfo(request, f"req_{uuid.uuid4().hex}"))
+        return await self.complete(prep)
 
     def _plan(self, prep: PreparedChat) -> _Plan:
         """Shadow sampling: k rows in one batched generation, one of them (at random) returned.
@@ -170,8 +237,10 @@ class ChatService:
         logprobs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(plan.rows)}
         finished: dict[int, ChoiceFinished] = {}
         try:
+            self._admissions.release(prep)  # the engine counts the rows at its first step
             async for event in self.engine.generate(self._engine_request(prep, plan)):
                 if isinstance(event, TokenEvent):
+                    prep.call.token_arrived()
                     if prep.params.logprobs and event.index in plan.visible:
                         logprobs[event.index].append(self._logprob_entry(event))
                 else:
@@ -232,6 +301,7 @@ class ChatService:
         try:
             for i in range(prep.n):
                 yield chunks.choice(i, {"role": "assistant", "content": "", "refusal": None})
+            self._admissions.release(prep)  # the engine counts the rows at its first step
             async for event in self.engine.generate(self._engine_request(prep, plan)):
                 client = plan.client_index(event.index)
                 if client is None:  # a shadow row: kept, never streamed
@@ -240,6 +310,7 @@ class ChatService:
                     continue
                 i = client
                 if isinstance(event, TokenEvent):
+                    prep.call.token_arrived()
                     deltas = text_deltas(parsers[i], event.text, final=False)
                     lp = [self._logprob_entry(event)] if prep.params.logprobs else None
                 else:
@@ -279,6 +350,7 @@ class ChatService:
             )
             yield exc.body()
         finally:
+            self._admissions.release(prep)  # gone before the generation started
             if status == "client_disconnected":
                 outcomes = self._stream_outcomes(prep, finished, parsers)
                 await asyncio.shield(self._record(prep, status, outcomes, None))

@@ -20,7 +20,7 @@ from proxy.api.protocol import assistant_message, completion_body
 from proxy.chat.record import CallInfo, call_record
 from proxy.chat.service import RecordSink
 from proxy.chat.streaming import Chunks
-from proxy.engines.upstream import UpstreamEngine, to_api_error
+from proxy.engines.upstream import UpstreamEngine
 from storage.records import CallStatus, ChoiceRecord
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class UpstreamChat:
             await asyncio.shield(self._record(call, "client_disconnected", [], None, None))
             raise
         except Exception as exc:
-            error = to_api_error(exc)
+            error = self.engine.api_error(exc)
             await self._record(call, "error", [], None, None, error.message)
             raise error from exc
         raw = response.model_dump()
@@ -72,7 +72,7 @@ class UpstreamChat:
         try:
             response = await self.engine.acompletion(request, stream=True)
         except Exception as exc:
-            error = to_api_error(exc)
+            error = self.engine.api_error(exc)
             await self._record(call, "error", [], None, None, error.message)
             raise error from exc
         acc = StreamAccumulator()
@@ -83,6 +83,7 @@ class UpstreamChat:
             async for raw in response:
                 choices, usage = acc.add(raw.model_dump())
                 if choices:
+                    call.token_arrived()
                     sent = True
                     yield chunks.make(choices)
                 if usage is not None and wants_usage:
@@ -92,7 +93,7 @@ class UpstreamChat:
             await self._record(call, status, acc.choices(), acc.body(chunks), acc.usage)
         except Exception as exc:
             status = "error"
-            error = to_api_error(exc)
+            error = self.engine.api_error(exc)
             await self._record(call, status, acc.choices(), None, acc.usage, error.message)
             if not sent:
                 raise error from exc

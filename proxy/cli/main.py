@@ -6,6 +6,11 @@ rlproxy export --format jsonl       write stored trajectories in OpenAI's chat f
 rlproxy score [--group ID] [--pending]
                                     form groups and score them with RULER now; print a table
 rlproxy train [--steps N]           the GRPO training loop alone (serve runs it by default)
+rlproxy status [--json]             calls, trajectories, groups, adapters, trainer and judge, from
+                                    the database
+rlproxy keys create --name N --scope inference|admin
+                                    make an API key (printed once); `keys list`, `keys revoke ID`,
+                                    `keys delete-data ID`
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from proxy.redact import Redactor, install_log_redaction
 from proxy.settings import Settings
 
 
@@ -37,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         default=None,
         help="serve only: no background trainer (RLPROXY_TRAIN=false)",
+    )
+    serve.add_argument(
+        "--insecure-no-auth",
+        dest="insecure_no_auth",
+        action="store_true",
+        default=None,
+        help="listen beyond loopback with no API keys (RLPROXY_INSECURE_NO_AUTH)",
     )
     train = sub.add_parser("train", help="run the GRPO training loop alone")
     train.add_argument("--steps", type=int, help="stop after this many steps")
@@ -61,6 +74,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     score.add_argument("--data-dir", type=Path, help="data directory (RLPROXY_DATA_DIR)")
     score.add_argument("--database-url", help="database URL (RLPROXY_DATABASE_URL)")
+    summary = sub.add_parser("status", help="summarise the database: calls to adapters")
+    summary.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    summary.add_argument("--data-dir", type=Path, help="data directory (RLPROXY_DATA_DIR)")
+    summary.add_argument("--database-url", help="database URL (RLPROXY_DATABASE_URL)")
+    summary.add_argument("--model-name", help="policy name (RLPROXY_MODEL_NAME)")
+    keys = sub.add_parser("keys", help="create, list and revoke API keys")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    create = keys_sub.add_parser("create", help="make a key and print it (only this once)")
+    create.add_argument("--name", required=True, help="who or what uses the key")
+    create.add_argument(
+        "--scope",
+        choices=["inference", "admin"],
+        default="inference",
+        help="inference: /v1 and its own trajectories; admin: everything",
+    )
+    keys_sub.add_parser("list", help="every key: id, scope, created, revoked, name")
+    revoke = keys_sub.add_parser("revoke", help="revoke a key by id (it stops working at once)")
+    revoke.add_argument("key_id", help="the key's id (from `rlproxy keys list`)")
+    forget = keys_sub.add_parser(
+        "delete-data", help="delete every trajectory, call, group and score of a key"
+    )
+    forget.add_argument("key_id", help="the key's id (from `rlproxy keys list`)")
+    for p in (create, keys_sub.choices["list"], revoke, forget):
+        p.add_argument("--data-dir", type=Path, help="data directory (RLPROXY_DATA_DIR)")
+        p.add_argument("--database-url", help="database URL (RLPROXY_DATABASE_URL)")
     args = parser.parse_args(argv)
 
     overrides = {
@@ -72,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             "model_name": getattr(args, "model_name", None),
             "database_url": getattr(args, "database_url", None),
             "train": getattr(args, "train", None),
+            "insecure_no_auth": getattr(args, "insecure_no_auth", None),
         }.items()
         if v is not None
     }
@@ -81,10 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # Every record, whichever logger or handler (uvicorn's, litellm's): no credential in a log.
+    install_log_redaction(Redactor.for_settings(settings))
     if args.command == "serve":
         import uvicorn
 
         from proxy.api.app import create_app  # the only command that imports the HTTP app
+        from proxy.api.server import http_protocol
 
         uvicorn.run(
             create_app(settings),
@@ -92,12 +134,19 @@ def main(argv: list[str] | None = None) -> int:
             port=settings.port,
             log_level=settings.log_level.lower(),
             timeout_graceful_shutdown=5,
+            http=http_protocol(settings.header_timeout_s),  # closes slowloris connections
+            # The caller's address keys the per-caller limits without API keys: believe
+            # X-Forwarded-For only from proxies the operator names.
+            proxy_headers=bool(settings.trusted_proxies),
+            forwarded_allow_ips=",".join(settings.trusted_proxies) or None,
         )
         return 0
     if args.command == "train":
         from proxy.cli.train import train_command
 
         return asyncio.run(train_command(settings, args.steps))
+    if args.command == "keys":
+        return asyncio.run(keys_command(settings, args))
     if settings.database_url is None and not settings.sqlite_path.exists():
         print(f"rlproxy {args.command}: no database at {settings.sqlite_path}", file=sys.stderr)
         return 1
@@ -105,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         from proxy.cli.score import score_command
 
         return asyncio.run(score_command(settings, args.group))
+    if args.command == "status":
+        from proxy.cli.status import status_command
+
+        return asyncio.run(status_command(settings, as_json=args.json))
     status = None if args.status == "all" else args.status
     if args.out is None:
         count = asyncio.run(export_jsonl(settings, sys.stdout, status, args.model, args.group_key))
@@ -115,6 +168,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+async def keys_command(settings: Settings, args: argparse.Namespace) -> int:
+    from proxy.cli import keys
+
+    if args.keys_command == "create":
+        return await keys.create_key(settings, args.name, args.scope, sys.stdout)
+    if args.keys_command == "list":
+        return await keys.list_keys(settings, sys.stdout)
+    if args.keys_command == "delete-data":
+        return await keys.delete_data(settings, args.key_id, sys.stdout)
+    return await keys.revoke_key(settings, args.key_id, sys.stdout)
+
+
 async def export_jsonl(
     settings: Settings,
     out: TextIO,
@@ -123,18 +188,23 @@ async def export_jsonl(
     group_key: str | None = None,
 ) -> int:
     """Write one fine-tuning line per trajectory with a completed answer; return the count."""
+    from proxy.cli.progress import progress
     from proxy.runtime import open_runtime
     from storage.export import to_finetune_line
 
     count = 0
     async with open_runtime(settings) as rt:
-        async for detail in rt.store.iter_trajectories_for_export(
-            status=status, model=model, group_key=group_key
-        ):
-            line = to_finetune_line(detail)
-            if line is not None:
-                out.write(json.dumps(line, ensure_ascii=False) + "\n")
-                count += 1
+        filtered = model is not None or group_key is not None
+        total = None if filtered else await rt.store.count_trajectories(status)
+        with progress(total, "export", "trajectories") as bar:
+            async for detail in rt.store.iter_trajectories_for_export(
+                status=status, model=model, group_key=group_key
+            ):
+                line = to_finetune_line(detail)
+                if line is not None:
+                    out.write(json.dumps(line, ensure_ascii=False) + "\n")
+                    count += 1
+                bar.update(1)
     return count
 
 

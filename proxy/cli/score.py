@@ -18,6 +18,7 @@ from storage.records import GroupDetail
 
 async def score_command(settings: Settings, group_id: str | None, out: TextIO = sys.stdout) -> int:
     """Score one group (`group_id`) or every ready one; print a table; return an exit code."""
+    from proxy.cli.progress import progress
     from proxy.runtime import open_runtime
 
     async with open_runtime(settings, scoring=True) as rt:
@@ -45,8 +46,12 @@ async def score_command(settings: Settings, group_id: str | None, out: TextIO = 
                 return 1
             scored.append(detail)
         else:
-            while (detail := await scorer.score_next()) is not None:
-                scored.append(detail)
+            waiting = await store.group_queue()
+            total = waiting.counts["ready"] + waiting.counts["scoring"]
+            with progress(total, "score", "groups") as bar:
+                while (detail := await scorer.score_next()) is not None:
+                    scored.append(detail)
+                    bar.update(1)
         print_table(scored, out)
         return 0 if all(d.summary.status == "scored" for d in scored) else 2
 

@@ -3,17 +3,23 @@
 `rlproxy serve` starts it as a child process; run it by hand on a separate machine that shares
 the database (Postgres) and the checkpoint folder with the servers. It resumes from the newest
 complete checkpoint, then trains whenever enough scored groups wait. SIGTERM stops it between
-steps or mid-step; a killed step leaves no checkpoint behind.
+steps or mid-step; a killed step leaves no checkpoint behind. With `--steps N` on a terminal it
+draws a progress bar; with `WANDB_PROJECT` set it logs each step's metrics to Weights & Biases
+(`trainer.wandb_log`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
+from contextlib import AsyncExitStack
 
+from proxy.cli.progress import progress
 from proxy.settings import Settings
 from trainer.loop import TrainingLoop
+from trainer.wandb_log import WandbLog
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +40,11 @@ async def train_command(settings: Settings, steps: int | None = None) -> int:
         torch.set_num_threads(settings.train_threads)
     config = TrainerConfig(**settings.trainer)
     model_dir = await asyncio.to_thread(ensure_fp32_cache, settings.model_dir or settings.data_dir)
-    async with open_runtime(settings) as rt:
+    async with open_runtime(settings) as rt, AsyncExitStack() as stack:
         trainer = await asyncio.to_thread(PeftTrainer, model_dir, config)
+        wandb = WandbLog.from_env(dataclasses.asdict(config), settings.model_name)
+        if wandb is not None:
+            stack.callback(wandb.close)
         loop = TrainingLoop(
             rt.store,
             trainer,
@@ -43,6 +52,7 @@ async def train_command(settings: Settings, steps: int | None = None) -> int:
             policy=settings.model_name,
             reward_policy=settings.reward_policy,
             poll_s=settings.train_poll_s,
+            step_hooks=[wandb] if wandb is not None else [],
         )
         await loop.resume()
         logger.info("training %s into %s", settings.model_name, settings.checkpoints_dir)
@@ -61,9 +71,17 @@ async def _train(loop: TrainingLoop, steps: int | None, poll_s: float) -> None:
     if steps is None:
         await loop.run()
         return
-    done = 0
-    while done < steps:
-        if await loop.step_once() is None:
-            await asyncio.sleep(poll_s)
-        else:
+    with progress(steps, "train", "steps") as bar:
+        done = 0
+        while done < steps:
+            report = await loop.step_once()
+            if report is None:
+                await asyncio.sleep(poll_s)
+                continue
             done += 1
+            bar.set_postfix(
+                version=report.version,
+                loss=f"{report.metrics.get('loss', float('nan')):.4f}",
+                reward=f"{report.mean_reward:.3f}",
+            )
+            bar.update(1)

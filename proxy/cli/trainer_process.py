@@ -1,4 +1,4 @@
-"""`rlproxy serve` runs the trainer beside it: `rlproxy train` as a child process.
+"""`rlproxy serve` runs the trainer beside it: `rlproxy train` as a child process, supervised.
 
 On CPU the trainer needs its own copy of the model and its own interpreter, so serving never
 waits on a training step (the GIL and torch's threads would otherwise make every request wait).
@@ -6,29 +6,97 @@ The child gets the server's settings through the environment and shares its data
 checkpoint folder; its output goes to `<data-dir>/trainer.log`. It is stopped with the server,
 and on Linux it also stops when the server dies without stopping it (SIGKILL, a crash):
 `stop_with_parent`, called by the child, asks the kernel for a SIGTERM then.
+
+A child that exits on its own (a crash, a bad configuration) is restarted after a delay that
+doubles with each exit in a row, from `RLPROXY_TRAINER_RESTART_S` up to
+`RLPROXY_TRAINER_RESTART_MAX_S`; a child that ran for `HEALTHY_RUN_S` (or the longest delay, if
+that is longer) counts as healthy, and its next exit starts from the short delay again. Serving
+never waits on any of it: the supervisor is one asyncio task that spawns, awaits and sleeps.
+`TrainerProcess.status()` (shown by /health under "trainer") says what it is doing, how often it
+exited in a row, its last exit code, when it restarts next, and the last lines of its log.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
-import subprocess
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
 
 from proxy.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 PARENT_PID_ENV = "RLPROXY_TRAINER_PARENT_PID"
+LOG_TAIL_LINES = 10
+HEALTHY_RUN_S = 60.0
+"""A child that ran this long got past its start (model loaded, store open): it was healthy."""
+_LOG_TAIL_BYTES = 8192
+_LOG_LINE_CHARS = 300
+
+
+def restart_delay(exits_in_a_row: int, first_s: float, max_s: float) -> float:
+    """The wait before restart number `exits_in_a_row` (1, 2, ...): first_s, 2x, 4x, ... max_s."""
+    return min(max_s, first_s * 2.0 ** max(0, exits_in_a_row - 1))
+
+
+@dataclass
+class TrainerStatus:
+    """What the supervisor knows about its child (a snapshot for /health and the logs)."""
+
+    state: Literal["starting", "running", "restarting", "stopped"] = "starting"
+    pid: int | None = None
+    started_at: float | None = None
+    """Epoch seconds of the current (or last) start."""
+    restarts: int = 0
+    """Starts after the first one."""
+    exits_in_a_row: int = 0
+    """Exits without a healthy run between them (what the restart delay grows with)."""
+    last_exit_code: int | None = None
+    """The child's last exit status (negative: killed by that signal); None before any exit or
+    when it could not be started at all (see `last_error`)."""
+    last_exit_at: float | None = None
+    last_error: str | None = None
+    """Why the last start failed, when the command could not even be run."""
+    next_restart_at: float | None = None
+    restart_delay_s: float | None = None
+    log: str = ""
+    log_tail: list[str] = field(default_factory=list)
+    """The last lines of the log after the last exit (credentials scrubbed)."""
 
 
 class TrainerProcess:
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.proc: subprocess.Popen[bytes] | None = None
+    """Start with `start()` inside a running event loop; `await stop()` on shutdown."""
 
-    def start(self) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        redact: Callable[[str], str] = str,
+        *,
+        healthy_run_s: float | None = None,
+    ) -> None:
+        self.settings = settings
+        self.redact = redact
+        self.healthy_run_s = (
+            max(HEALTHY_RUN_S, settings.trainer_restart_max_s)
+            if healthy_run_s is None
+            else healthy_run_s
+        )
+        self.log_path: Path = settings.data_dir / "trainer.log"
+        self.proc: asyncio.subprocess.Process | None = None
+        self._status = TrainerStatus(log=str(self.log_path))
+        self._task: asyncio.Task[None] | None = None
+
+    def command(self) -> list[str]:
+        return list(self.settings.trainer_command or [sys.executable, "-m", "proxy.cli", "train"])
+
+    def environment(self) -> dict[str, str]:
         s = self.settings
         env = {
             **os.environ,
@@ -40,29 +108,94 @@ class TrainerProcess:
         env[PARENT_PID_ENV] = str(os.getpid())  # the child stops when this process dies
         if s.model_dir is not None:
             env["RLPROXY_MODEL_DIR"] = str(s.model_dir)
-        log = (s.data_dir / "trainer.log").open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy.cli", "train"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # a Ctrl-C on the server's terminal reaches us, not it
-        )
-        log.close()
-        logger.info(
-            "trainer started (pid %d); its log is %s", self.proc.pid, s.data_dir / "trainer.log"
-        )
+        return env
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._supervise(), name="rlproxy-trainer-supervisor")
+
+    def status(self) -> dict[str, Any]:
+        return asdict(self._status)
+
+    async def stop(self, timeout_s: float = 15.0) -> None:
+        """Stop restarting, then SIGTERM the child (SIGKILL if it is not gone in `timeout_s`)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._status.state, self._status.next_restart_at = "stopped", None
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
             return
-        self.proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
         try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+            await asyncio.wait_for(proc.wait(), timeout_s)
+        except TimeoutError:
             logger.warning("trainer did not stop in %.0f s; killing it", timeout_s)
-            self.proc.kill()
-            self.proc.wait()
+            proc.kill()
+            await proc.wait()
+
+    # --- supervision -----------------------------------------------------------------------
+
+    async def _supervise(self) -> None:
+        s, st = self.settings, self._status
+        while True:
+            started = time.monotonic()
+            code, error = await self._run_once()
+            ran_s = time.monotonic() - started
+            if ran_s >= self.healthy_run_s:
+                st.exits_in_a_row = 0  # it was healthy: a new failure starts from the short delay
+            st.exits_in_a_row += 1
+            delay = restart_delay(st.exits_in_a_row, s.trainer_restart_s, s.trainer_restart_max_s)
+            st.state, st.pid = "restarting", None
+            st.last_exit_code, st.last_exit_at, st.last_error = code, time.time(), error
+            st.restart_delay_s, st.next_restart_at = delay, time.time() + delay
+            st.log_tail = self._log_tail()
+            logger.error(
+                "trainer %s after %.1f s (%d in a row); restarting in %.1f s. Its log is %s; "
+                "last lines:\n%s",
+                f"exited with code {code}" if error is None else f"could not start ({error})",
+                ran_s,
+                st.exits_in_a_row,
+                delay,
+                self.log_path,
+                "\n".join(f"    {line}" for line in st.log_tail) or "    (empty)",
+            )
+            await asyncio.sleep(delay)
+            st.restarts += 1
+
+    async def _run_once(self) -> tuple[int | None, str | None]:
+        """Start the child and wait for it to exit: (exit code, None), or (None, why it could
+        not start)."""
+        st = self._status
+        st.state, st.next_restart_at, st.started_at = "starting", None, time.time()
+        command = self.command()
+        try:
+            with self.log_path.open("ab") as log:
+                stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+                log.write(f"--- rlproxy serve: trainer start at {stamp} ---\n".encode())
+                log.flush()
+                self.proc = await asyncio.create_subprocess_exec(
+                    *command,
+                    env=self.environment(),
+                    stdout=log,
+                    stderr=asyncio.subprocess.STDOUT,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    start_new_session=True,  # a Ctrl-C on the server's terminal reaches us only
+                )
+        except OSError as e:
+            return None, f"{type(e).__name__}: {e}"
+        st.state, st.pid = "running", self.proc.pid
+        logger.info("trainer started (pid %d); its log is %s", self.proc.pid, self.log_path)
+        return await self.proc.wait(), None
+
+    def _log_tail(self) -> list[str]:
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - _LOG_TAIL_BYTES))
+                text = f.read().decode("utf-8", errors="replace")
+        except OSError as e:
+            return [f"(the log could not be read: {e})"]
+        lines = [line for line in text.splitlines() if line.strip()][-LOG_TAIL_LINES:]
+        return [self.redact(line[:_LOG_LINE_CHARS]) for line in lines]
 
 
 def stop_with_parent() -> None:

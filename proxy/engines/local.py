@@ -117,10 +117,15 @@ class LocalEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._waiting: list[_Job] = []
+        # Rows of the jobs in the inbox and in `_waiting`: counted by `generate` on the event
+        # loop, discounted by the worker when a job leaves `_waiting` (started, failed, dropped).
+        self._queued = 0
+        self._queued_lock = threading.Lock()
         self._rows: list[_Row] = []
         self._batch: KVBatch | None = None  # cache and mask of `_rows`, in the same order
         self._grammar_info: Any | None = None  # llguidance's tokenizer view, built on first use
         self.steps = 0
+        self.tokens = 0  # tokens sampled, every row and request (for tokens/s)
         self.last_error: str | None = None
 
     # ----------------------------------------------------------------- async facade
@@ -144,12 +149,21 @@ class LocalEngine:
             detail={
                 "running_rows": len(self._rows),
                 "waiting_requests": len(self._waiting) + self._inbox.qsize(),
+                "queued_rows": self._queued,
                 "steps": self.steps,
+                "tokens": self.tokens,
                 "adapters": sorted(self._adapters),
                 "device": str(self.device),
                 "last_error": self.last_error,
             },
         )
+
+    def queued_rows(self) -> int:
+        return self._queued
+
+    def _count_queued(self, rows: int) -> None:
+        with self._queued_lock:
+            self._queued += rows
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]:
         adapter = request.adapter
@@ -160,6 +174,7 @@ class LocalEngine:
                 self._in_use[adapter] += 1
         loop = asyncio.get_running_loop()
         job = _Job(request=request, loop=loop, events=asyncio.Queue(), rows_left=request.n)
+        self._count_queued(request.n)
         self._inbox.put(job)
         try:
             while job.rows_left > 0:
@@ -291,6 +306,7 @@ class LocalEngine:
             ):
                 break
             self._waiting.pop(0)
+            self._count_queued(-job.request.n)
             try:
                 new_rows.extend(self._rows_for(job))
             except Exception as exc:  # this request's own parameters or grammar: it fails alone
@@ -308,6 +324,7 @@ class LocalEngine:
 
     def _drop_if_cancelled(self, job: _Job) -> bool:
         if job.cancelled:
+            self._count_queued(-job.request.n)
             prompt = list(job.request.prompt_ids)
             adapter = job.request.adapter
             _post(
@@ -439,6 +456,7 @@ class LocalEngine:
     ) -> list[EngineEvent]:
         """Sample row `b`'s next token from `logits` (B, V); return its events."""
         token = row.sampler.sample(logits[b], row.completion_ids)
+        self.tokens += 1
         logprob = float(logprobs_all[b, token])
         row.completion_ids.append(token)
         row.logprobs.append(logprob)
@@ -518,6 +536,7 @@ class LocalEngine:
     def _fail_all(self, error: BaseException) -> None:
         jobs = {id(r.job): r.job for r in self._rows}
         jobs.update({id(j): j for j in self._waiting})
+        self._count_queued(-sum(j.request.n for j in self._waiting))
         for job in jobs.values():
             _fail(job, error)
         self._rows, self._waiting, self._batch = [], [], None

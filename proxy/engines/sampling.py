@@ -47,8 +47,10 @@ class RowSampler:
         if p.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
             cumulative = sorted_probs.cumsum(-1)
-            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            # keep the smallest prefix whose mass reaches top_p (always at least one token:
+            # a top_p below float32's smallest number, 5e-324, compares as 0 and cuts them all)
             cut = (cumulative - sorted_probs) >= p.top_p
+            cut[0] = False
             sorted_probs = sorted_probs.masked_fill(cut, 0.0)
             choice = torch.multinomial(sorted_probs, 1, generator=self.generator)
             return int(order[choice])

@@ -6,8 +6,10 @@
 
 Each served name maps to a litellm target (`provider/model`, an optional `api_base`, and the name
 of the server's environment variable holding the provider key: the key never comes from the
-request). Provider exceptions become OpenAI-shaped errors with `to_api_error` (a provider 4xx
-keeps its status, an unreachable provider is a 502, a timeout a 504).
+request). Provider exceptions become OpenAI-shaped errors with `UpstreamEngine.api_error` (a
+provider 4xx keeps its status, an unreachable provider is a 502, a timeout a 504), scrubbed of
+credentials first (`proxy.redact`): a provider that echoes the key it was sent must not hand the
+server's key to a client, the database or a log.
 
 Unlike the token-level engines (`base.Engine`), this one speaks messages: providers return no
 token ids, so its calls are stored but cannot be trained on. Re-framing responses and recording
@@ -19,11 +21,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from proxy.api.errors import APIError, ServerError
 from proxy.api.protocol import ChatCompletionRequest
+from proxy.redact import Redactor
 from proxy.settings import UpstreamTarget
 
 logger = logging.getLogger(__name__)
@@ -50,9 +53,23 @@ def _litellm() -> Any:
 
 
 class UpstreamEngine:
-    def __init__(self, targets: Mapping[str, UpstreamTarget], *, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        targets: Mapping[str, UpstreamTarget],
+        *,
+        timeout_s: float = 600.0,
+        redact: Callable[[str], str] | None = None,
+    ) -> None:
         self.targets = dict(targets)
         self.timeout_s = timeout_s
+        if redact is None:
+            names = [t.api_key_env for t in self.targets.values() if t.api_key_env]
+            redact = Redactor.from_environ(names)
+        self.redact = redact
+
+    def api_error(self, exc: Exception) -> APIError:
+        """A provider's exception as the error the client sees, with no credential in it."""
+        return to_api_error(exc, self.redact)
 
     def start(self) -> None:
         """Import litellm now (a few seconds) rather than on the first request."""
@@ -98,16 +115,21 @@ class UpstreamEngine:
         return kwargs
 
 
-def to_api_error(exc: Exception) -> APIError:
-    """A litellm/provider exception as the error the client sees."""
+def to_api_error(exc: Exception, redact: Callable[[str], str] | None = None) -> APIError:
+    """A litellm/provider exception as the error the client sees; every text the provider wrote
+    (message, type, param, code) passes through `redact` (default: the credential patterns of
+    `proxy.redact`, without the server's own key values)."""
     if isinstance(exc, APIError):
         return exc
+    if redact is None:
+        redact = Redactor()
     import openai
 
     status = getattr(exc, "status_code", None)
     body = getattr(exc, "body", None)
-    detail = body if isinstance(body, dict) else {}
-    message = str(detail.get("message") or getattr(exc, "message", None) or exc)
+    raw = body if isinstance(body, dict) else {}
+    detail = {k: redact(v) if isinstance(v, str) else v for k, v in raw.items()}
+    message = redact(str(detail.get("message") or getattr(exc, "message", None) or exc))
     if isinstance(exc, openai.APITimeoutError):
         return UpstreamError(
             f"The upstream provider timed out: {message}", 504, "server_error", code="timeout"

@@ -8,8 +8,10 @@ when `stream_options.include_usage` is set, and errors as `{"error": {message, t
 code}}` with the HTTP status. It answers with fixed text ("Hello from fake"), or with one call of
 the first tool when tools are given, and records every request (headers and body) it saw.
 
-A message whose content contains `trigger-400` gets a 400 `invalid_request_error`. It is not a
-model: nothing here looks at the meaning of the messages.
+A message whose content contains `trigger-400` gets a 400 `invalid_request_error`; one that
+contains `trigger-echo-key` gets a 401 whose message echoes the `Authorization` header it was
+sent, as careless providers do (OpenAI itself masks all but the key's last characters). It is
+not a model: nothing here looks at the meaning of the messages.
 """
 
 from __future__ import annotations
@@ -75,6 +77,15 @@ def build_app(fake: FakeOpenAI) -> FastAPI:
                 "code": "invalid_value",
             }
             return JSONResponse({"error": error}, status_code=400)
+        if any("trigger-echo-key" in str(m.get("content")) for m in body.get("messages", [])):
+            sent = request.headers.get("authorization", "")
+            error = {
+                "message": f"Incorrect API key provided: {sent}. Check the key you sent.",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "invalid_api_key",
+            }
+            return JSONResponse({"error": error}, status_code=401)
         call = _tool_call(body)
         created = int(time.time())
         if not body.get("stream"):

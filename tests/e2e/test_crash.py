@@ -113,7 +113,12 @@ def _check_after_restart(data_dir: Path, model_dir: Path, outcomes: list[Outcome
 
 def _run(tmp_path: Path, model_dir: Path, n: int, kill_after: int) -> None:
     data_dir = tmp_path / "crash-data"
-    env = {"RLPROXY_MAX_BATCH_SIZE": "4"}
+    # Every request in flight at the kill, none refused by the per-caller or queue limits.
+    env = {
+        "RLPROXY_MAX_BATCH_SIZE": "4",
+        "RLPROXY_CALLER_CONCURRENCY": "0",
+        "RLPROXY_MAX_QUEUED_ROWS": "0",
+    }
     proc, url, _ = start_server(data_dir, model_dir, env)
     try:
         outcomes = asyncio.run(_load_then_kill(url, proc, n, kill_after))

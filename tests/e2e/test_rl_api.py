@@ -188,6 +188,7 @@ def test_unknown_trajectory_is_404(rl_server: Server) -> None:
         b'{"reward": -1000001, "source": "env"}',
         b'{"reward": "high", "source": "env"}',
         b'{"reward": true, "source": "env"}',
+        b'{"reward": "0.5", "source": "env"}',  # a string is not a number, however it reads
         b'{"source": "env"}',
         b'{"reward": 1.0, "source": ""}',
         b"not json",
@@ -322,3 +323,19 @@ def test_reward_by_completion_id(rl_server: Server, client: OpenAI) -> None:
         f"{rl_server.url}/rl/trajectories/chatcmpl-nope/reward", json={"reward": 1}
     )
     assert missing.status_code == 404
+
+
+def test_errors_never_show_server_paths(rl_server: Server) -> None:
+    """An unknown adapter version, an unknown route: the answers name no folder of the server."""
+    secret_dir = str(rl_server.data_dir.resolve())
+    for method, path in (
+        ("POST", "/rl/adapters/42/load"),
+        ("POST", "/rl/adapters/42/activate"),
+        ("GET", "/no/such/route"),
+        ("GET", "/rl/adapters"),
+    ):
+        r = httpx.request(method, f"{rl_server.url}{path}", timeout=30)
+        assert secret_dir not in r.text, (method, path, r.text)
+        assert REPO.as_posix() not in r.text, (method, path)
+    r = httpx.post(f"{rl_server.url}/rl/adapters/42/load", timeout=30)
+    assert r.status_code == 404 and "checkpoints/rlproxy/0042" in r.json()["error"]["message"]

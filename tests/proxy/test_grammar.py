@@ -430,3 +430,27 @@ def test_a_tool_named_auto_is_forced_when_named() -> None:
     free = grammar_for(req, dumped, ToolChoice("auto"))
     assert forced is not None and free is not None
     assert "TEXT | head" in free.source and "TEXT | head" not in forced.source
+
+
+def _nested(depth: int, kind: str = "object") -> dict:
+    """A schema of `depth` nested containers: objects ({"a": {...}}) or arrays ([[...]])."""
+    inner: object = 1
+    for _ in range(depth - 1):
+        inner = {"a": inner} if kind == "object" else [inner]
+    return {"a": inner} if kind == "object" else {"enum": [inner]}
+
+
+@pytest.mark.parametrize("kind", ["object", "array"])
+@pytest.mark.parametrize("depth", [grammar.MAX_SCHEMA_DEPTH + 1, 900])
+def test_a_schema_nested_too_deep_is_a_grammar_error_not_a_recursion_error(
+    kind: str, depth: int
+) -> None:
+    """A hostile schema nested hundreds of levels deep (found by the hostile corpus: a 500)."""
+    with pytest.raises(GrammarError, match="deeper than"):
+        constraint_for_json_schema(_nested(depth, kind))
+    with pytest.raises(GrammarError, match="deeper than"):
+        constraint_for_tools([_tool("deep", _nested(depth, kind))], ToolChoice("auto"))
+
+
+def test_a_schema_at_the_depth_limit_still_compiles() -> None:
+    assert constraint_for_json_schema(_nested(grammar.MAX_SCHEMA_DEPTH - 8)).kind == "json_schema"

@@ -12,10 +12,11 @@ import pytest
 
 from proxy.api.errors import ServerError
 from proxy.api.protocol import ChatCompletionRequest
-from proxy.chat.record import CallInfo, api_key_id, call_record, explicit_id, retry_count
+from proxy.chat.record import CallInfo, call_record, explicit_id, retry_count
 from proxy.chat.upstream import NO_TOKEN_IDS, StreamAccumulator
 from proxy.engines.upstream import UpstreamEngine, to_api_error
 from proxy.settings import Settings, UpstreamTarget
+from storage.api_keys import client_ref
 
 
 def test_explicit_id_header_wins_then_metadata_then_body() -> None:
@@ -30,12 +31,14 @@ def test_explicit_id_header_wins_then_metadata_then_body() -> None:
     assert explicit_id({}, meta, None, "group") == "g-meta"
 
 
-def test_api_key_id_is_stable_and_not_the_key() -> None:
-    a = api_key_id("Bearer sk-secret")
-    assert a == api_key_id("bearer sk-secret") and a is not None
-    assert "sk-secret" not in a and a.startswith("key_")
-    assert api_key_id("Bearer sk-other") != a
-    assert api_key_id(None) is None and api_key_id("Basic abc") is None
+def test_client_ref_is_stable_salted_and_not_the_key() -> None:
+    a = client_ref("salt-1", "sk-secret")
+    assert a == client_ref("salt-1", "sk-secret")
+    assert "sk-secret" not in a and a.startswith("client_") and len(a) == len("client_") + 32
+    assert client_ref("salt-1", "sk-other") != a
+    # Another installation names the same token differently: the name cannot be looked up in a
+    # table of hashes of known keys.
+    assert client_ref("salt-2", "sk-secret") != a
 
 
 def _request(**kw: object) -> ChatCompletionRequest:
@@ -47,7 +50,7 @@ def test_upstream_record_has_no_token_ids_and_says_so() -> None:
     req = _request(metadata={"trajectory_id": "t-1"}, temperature=0.2, stream=True)
     headers = {"Authorization": "Bearer sk-client", "X-Stainless-Retry-Count": "2"}
     rec = call_record(
-        CallInfo(req, "req_1", headers),
+        CallInfo(req, "req_1", headers, client_ref="client_abc", owner="k1"),
         engine="upstream",
         status="completed",
         token_ids_note=NO_TOKEN_IDS,
@@ -55,7 +58,7 @@ def test_upstream_record_has_no_token_ids_and_says_so() -> None:
     assert rec.engine == "upstream" and rec.token_ids_note == NO_TOKEN_IDS
     assert rec.prompt_token_ids is None
     assert rec.explicit_trajectory_id == "t-1" and rec.retry_count == 2
-    assert rec.api_key_id == api_key_id("Bearer sk-client")
+    assert rec.api_key_id == "client_abc" and rec.owner_key_id == "k1"
     assert rec.params["temperature"] == 0.2 and "messages" not in rec.params
     assert rec.stream and rec.request_id == "req_1"
 

@@ -195,8 +195,10 @@ async def test_release_scoring_after_a_crash(store: Store, make_call: Any) -> No
     await _run(store, make_call, _task("crash"))
     await _run(store, make_call, _task("crash"))
     (gid,) = (await store.form_groups(SignatureGrouper(min_size=2))).ready
-    assert await store.claim_group() == gid
-    assert await store.release_scoring() == 1
+    t = time.time()
+    assert await store.claim_group(lease_s=60, now=t) == gid
+    assert await store.release_scoring(now=t + 30) == 0  # the lease is live: not a crash
+    assert await store.release_scoring(now=t + 61) == 1  # expired: its scorer is gone
     assert await store.claim_group() == gid
 
 
@@ -210,3 +212,49 @@ async def test_release_one_claimed_group(store: Store, make_call: Any) -> None:
     assert await store.release_scoring(first) == 1  # the other stays claimed
     assert await store.claim_group() == first
     assert await store.claim_group() is None
+
+
+async def test_groups_never_mix_api_keys(store: Store, make_call: Any) -> None:
+    """Two keys running the same task (or sending the same explicit group key) form one group
+    each: a key sees, and RULER compares, only its own runs."""
+    grouper = SignatureGrouper(min_size=2)
+    alice = [
+        await _run(store, make_call, _task("same task"), owner_key_id="alice") for _ in range(2)
+    ]
+    bob = [await _run(store, make_call, _task("same task"), owner_key_id="bob") for _ in range(2)]
+    shared = [
+        await _run(store, make_call, _task(t), owner_key_id=o, explicit_group_key="g")
+        for t, o in (("x", "alice"), ("y", "bob"), ("z", "alice"), ("w", "bob"))
+    ]
+    result = await store.form_groups(grouper)
+    assert len(result.ready) == 4
+    members: dict[tuple[str, str | None], set[str]] = {}
+    for gid in result.ready:
+        group = await store.get_group(gid)
+        assert group is not None
+        key = (group.summary.source, group.summary.owner_key_id)
+        members[key] = {m.trajectory_id for m in group.members}
+    assert members[("task", "alice")] == set(alice)
+    assert members[("task", "bob")] == set(bob)
+    assert members[("explicit", "alice")] == {shared[0], shared[2]}
+    assert members[("explicit", "bob")] == {shared[1], shared[3]}
+    mine = await store.list_groups(owner="alice")
+    assert {g.owner_key_id for g in mine.items} == {"alice"} and len(mine.items) == 2
+    assert len((await store.list_trajectories(owner="bob")).items) == 4
+
+
+async def test_deleting_a_keys_data_leaves_the_others(store: Store, make_call: Any) -> None:
+    grouper = SignatureGrouper(min_size=2)
+    for owner in ("alice", "bob"):
+        for _ in range(2):
+            tid = await _run(store, make_call, _task("t"), owner_key_id=owner)
+            await store.add_reward(tid, 1.0, "env")
+    ready = (await store.form_groups(grouper)).ready
+    claimed = await store.claim_group(ready[0])
+    assert claimed is not None
+    counts = await store.delete_key_data("alice")
+    assert counts["trajectories"] == 2 and counts["calls"] == 2 and counts["groups"] == 1
+    assert counts["rewards"] == 2 and counts["group_members"] == 2
+    assert (await store.list_trajectories(owner="alice")).items == []
+    assert len((await store.list_trajectories(owner="bob")).items) == 2
+    assert [g.owner_key_id for g in (await store.list_groups()).items] == ["bob"]

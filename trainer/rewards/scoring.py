@@ -9,21 +9,35 @@ A group whose members all carry explicit rewards from the environment is marked 
 judge call unless `judge_explicit_groups` is set; RULER's scores and explicit rewards are stored
 side by side, and `Store.get_group(reward_policy=...)` picks which one training uses. The judge
 itself (`trainer.rewards.ruler`) knows nothing of the database; the SQL lives in `storage`.
+
+Replicas share the database: a claimed group is leased to this scorer's store for
+`ScoringConfig.lease_s`, renewed every third of that while the judge works. Renewing rather than
+sizing the lease to the judge's timeout keeps the lease short (a dead replica's group is taken
+back within `lease_s`) whatever the judge takes: the local judge queues behind serving and has no
+timeout of its own. A scorer that lost its claim (its lease ran out, another took the group)
+stops judging and never overwrites the other's result.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from storage.group_ops import FormResult
+from storage.group_ops import DEFAULT_LEASE_S, FormResult
 from storage.grouping import SignatureGrouper
 from storage.records import GroupDetail, JudgeOutcome, ScoreRecord
 from storage.store import Store
 from trainer.rewards.ruler import DEFAULT_RUBRIC, Judge, JudgeGroup, JudgeMember, score_group
 
 logger = logging.getLogger(__name__)
+
+ScoredListener = Callable[[GroupDetail, JudgeOutcome], None]
+"""Told of each group whose scores (or failure) this scorer stored, right after the commit
+(serving's telemetry: judge metrics, scores sent to Langfuse). Must be quick; its errors are
+logged, never the scorer's."""
 
 
 @dataclass
@@ -35,6 +49,8 @@ class ScoringConfig:
     judge_explicit_groups: bool = False
     """Call the judge even when every member has an explicit reward."""
     reward_policy: str = "explicit"
+    lease_s: float = DEFAULT_LEASE_S
+    """How long a claim on a group holds without renewal (renewed every third of it)."""
 
 
 class Scorer:
@@ -44,18 +60,21 @@ class Scorer:
         judge: Judge,
         grouper: SignatureGrouper,
         config: ScoringConfig | None = None,
+        *,
+        on_scored: ScoredListener | None = None,
     ) -> None:
         self.store = store
         self.judge = judge
         self.grouper = grouper
         self.config = config or ScoringConfig()
+        self.on_scored = on_scored
 
     async def form(self) -> FormResult:
         return await self.store.form_groups(self.grouper)
 
     async def score_next(self) -> GroupDetail | None:
         """Score the oldest ready group; None when none is ready."""
-        group_id = await self.store.claim_group()
+        group_id = await self.store.claim_group(lease_s=self.config.lease_s)
         return None if group_id is None else await self._score_claimed(group_id)
 
     async def score(self, group_id: str) -> GroupDetail | None:
@@ -63,12 +82,14 @@ class Scorer:
 
         None when the group does not exist, has fewer than two members, or is being scored.
         """
-        claimed = await self.store.claim_group(group_id)
+        claimed = await self.store.claim_group(group_id, lease_s=self.config.lease_s)
         return None if claimed is None else await self._score_claimed(claimed)
 
     async def run(self, interval_s: float) -> None:
-        """Form groups and score every ready one, then sleep; forever, surviving any error."""
-        await self.store.release_scoring()
+        """Form groups and score every ready one, then sleep; forever, surviving any error.
+
+        Groups left "scoring" by a scorer that died are taken back once their lease expires
+        (`claim_group` takes them); a live replica's group is never taken."""
         while True:
             try:
                 await self.form()
@@ -82,7 +103,7 @@ class Scorer:
 
     async def _score_claimed(self, group_id: str) -> GroupDetail | None:
         try:
-            outcome = await self._judge(group_id)
+            outcome = await self._judge_holding_claim(group_id)
         except asyncio.CancelledError:
             await asyncio.shield(self.store.release_scoring(group_id))
             raise
@@ -94,12 +115,51 @@ class Scorer:
                 judge_model=self.judge.model,
                 failure=f"{type(exc).__name__}: {exc}",
             )
-        await self.store.finish_scoring(group_id, outcome)
-        if outcome.status == "failed":
+        stored = outcome is not None and await self.store.finish_scoring(group_id, outcome)
+        if outcome is None or not stored:
+            logger.warning(
+                "group %s: another scorer took it over (this one's lease ran out); its result "
+                "stands and this one is dropped",
+                group_id,
+            )
+        elif outcome.status == "failed":
             logger.warning("group %s: judging failed: %s", group_id, outcome.failure)
         else:
             logger.info("group %s scored by %s", group_id, outcome.judge_model)
-        return await self.store.get_group(group_id, reward_policy=self.config.reward_policy)
+        detail = await self.store.get_group(group_id, reward_policy=self.config.reward_policy)
+        if stored and outcome is not None and detail is not None:
+            self._tell(detail, outcome)
+        return detail
+
+    def _tell(self, detail: GroupDetail, outcome: JudgeOutcome) -> None:
+        if self.on_scored is None:
+            return
+        try:
+            self.on_scored(detail, outcome)
+        except Exception:
+            logger.exception("the listener of scored groups failed on group %s", detail.id)
+
+    async def _judge_holding_claim(self, group_id: str) -> JudgeOutcome | None:
+        """Judge the group, renewing the claim meanwhile; None when the claim was lost."""
+        judging = asyncio.ensure_future(self._judge(group_id))
+        try:
+            while True:
+                done, _ = await asyncio.wait({judging}, timeout=self.config.lease_s / 3)
+                if done:
+                    return judging.result()
+                try:
+                    held = await self.store.renew_claim(group_id, lease_s=self.config.lease_s)
+                except Exception:
+                    # The lease may run out; finishing will tell whether the claim survived.
+                    logger.exception("renewing the claim on group %s failed", group_id)
+                    continue
+                if not held:
+                    return None
+        finally:
+            if not judging.done():
+                judging.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await judging
 
     async def _judge(self, group_id: str) -> JudgeOutcome:
         group = await self.store.get_group(group_id)

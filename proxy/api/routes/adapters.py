@@ -33,7 +33,7 @@ async def list_adapters(adapters: Adapters, store: StoreDep) -> dict[str, object
             {
                 "version": version,
                 "id": f"{adapters.registry.policy}@{version}",
-                "path": record.path,
+                "path": adapters.shown_path(version),
                 "loaded": False,
                 "active": False,
                 **_record_fields(record),

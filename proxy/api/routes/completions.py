@@ -12,32 +12,45 @@ import contextlib
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from proxy.api.deps import Adapters, Chat, Upstream, request_id
+from proxy.api.auth import Caller, PermissionDeniedError, Principal
+from proxy.api.deps import Adapters, Chat, StoreDep, Upstream, request_id, require_writable_store
+from proxy.api.http_metrics import label_model
 from proxy.api.protocol import ChatCompletionRequest
 from proxy.chat.record import CallInfo
 from proxy.chat.streaming import SSE_HEADERS, prepend, sse
 from proxy.chat.upstream import UpstreamChat
+from storage.store import Store
 
 router = APIRouter()
 T = TypeVar("T")
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", dependencies=[Depends(require_writable_store)])
 async def create_chat_completion(
     body: ChatCompletionRequest,
     request: Request,
     chat: Chat,
     upstream: Upstream,
     adapters: Adapters,
+    caller: Caller,
+    store: StoreDep,
 ):
-    call = CallInfo(body, request_id(request), dict(request.headers))
+    label_model(request.scope, body.model)
+    call = CallInfo(
+        body,
+        request_id(request),
+        dict(request.headers),
+        owner=caller.owner,
+        client_ref=caller.client_ref,
+    )
+    await _check_trajectory_owner(call, caller, store)
     if upstream is not None and upstream.serves(body.model):
         return await _upstream(upstream, call)
     await adapters.ensure_servable(body.model)
-    prepared = chat.prepare(call)
+    prepared = await chat.prepare(call)
     if not body.stream:
         body_ = await _unless_disconnected(request, chat.complete(prepared))
         if body_ is None:  # nobody is listening any more; the call is stored as disconnected
@@ -46,6 +59,20 @@ async def create_chat_completion(
     return StreamingResponse(
         sse(chat.stream(prepared)), media_type="text/event-stream", headers=SSE_HEADERS
     )
+
+
+async def _check_trajectory_owner(call: CallInfo, caller: Principal, store: Store) -> None:
+    """A key continues only its own trajectories: naming another key's is a 403 before any
+    token is generated (admins included: their calls would be stored under their own key)."""
+    tid = call.explicit_trajectory_id
+    if tid is None or caller.key_id is None:
+        return
+    exists, owner = await store.trajectory_owner(tid)
+    if exists and owner != caller.key_id:
+        raise PermissionDeniedError(
+            f"Trajectory '{tid}' belongs to another API key; this key cannot add turns to it.",
+            param="trajectory_id",
+        )
 
 
 async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:

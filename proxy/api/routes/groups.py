@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
 
+from proxy.api.auth import Caller
 from proxy.api.deps import ScorerDep, SettingsDep, StoreDep
 from proxy.api.errors import InvalidRequestError, NotFoundError
 from storage.records import GroupDetail, GroupMemberView, GroupSummary
@@ -27,13 +28,20 @@ Source = Literal["explicit", "task", "shadow", "cohort"]
 @router.get("")
 async def list_groups(
     store: StoreDep,
+    caller: Caller,
     status: Status | None = None,
     source: Source | None = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: str | None = None,
 ) -> dict[str, Any]:
     try:
-        page = await store.list_groups(status=status, source=source, limit=limit, cursor=cursor)
+        page = await store.list_groups(
+            status=status,
+            source=source,
+            limit=limit,
+            cursor=cursor,
+            owner=caller.visible_owner(),
+        )
     except ValueError as exc:
         raise InvalidRequestError(str(exc), param="cursor") from exc
     return {
@@ -45,9 +53,11 @@ async def list_groups(
 
 
 @router.get("/{group_id}")
-async def get_group(group_id: str, store: StoreDep, settings: SettingsDep) -> dict[str, Any]:
+async def get_group(
+    group_id: str, store: StoreDep, settings: SettingsDep, caller: Caller
+) -> dict[str, Any]:
     group = await store.get_group(group_id, reward_policy=settings.reward_policy)
-    if group is None:
+    if group is None or not caller.may_see(group.summary.owner_key_id):
         raise _not_found(group_id)
     return detail_json(group)
 

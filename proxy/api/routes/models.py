@@ -1,13 +1,22 @@
 """`GET /v1/models`, `GET /v1/models/{id}` and `GET /health`.
 
 The list holds the policy's names (the registry) and then the upstream names, if any.
+
+`/health` answers 200 with `"status": "ok"` when the server can serve calls, and 503 with
+`"status": "degraded"` and a `reason` when it cannot: the engine stopped, or the database takes
+no writes (every call is stored before it is answered, so none can be). A 503 is what load
+balancers and orchestrators take out of rotation; the body says why. The trainer child's state
+is reported under "trainer" but never degrades the status: a crashing trainer does not stop
+serving (it is restarted with backoff; see `proxy.cli.trainer_process`).
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter
+from fastapi.responses import JSONResponse
 
-from proxy.api.deps import EngineDep, Registry, Upstream
+from proxy.api.auth import Caller
+from proxy.api.deps import EngineDep, Registry, StoreDep, TrainerDep, Upstream
 
 router = APIRouter()
 
@@ -32,11 +41,29 @@ def _upstream_object(model_id: str, created: int) -> dict[str, object]:
 
 
 @router.get("/health")
-async def health(registry: Registry, engine: EngineDep) -> dict[str, object]:
-    state = engine.health()
-    return {
-        "status": "ok" if state.ok else "degraded",
-        "model": registry.policy,
-        "active_version": registry.active,
+async def health(
+    registry: Registry, engine: EngineDep, store: StoreDep, trainer: TrainerDep, caller: Caller
+) -> JSONResponse:
+    """ok (200) or degraded (503, with the reason) for load balancers; the details (engine,
+    storage, trainer with its log tail) only to an admin key, or to anyone without keys."""
+    state, storage = engine.health(), store.health
+    problems = [] if state.ok else ["the engine is not running"]
+    if not storage.writable:
+        problems.append(storage.describe())
+    body: dict[str, object] = {"status": "degraded" if problems else "ok"}
+    if problems:
+        body["reason"] = "; ".join(problems)
+    body |= {"model": registry.policy, "active_version": registry.active}
+    if not caller.is_admin:
+        return JSONResponse(body, status_code=503 if problems else 200)
+    body |= {
         "engine": state.detail,
+        "storage": {
+            "writable": storage.writable,
+            "reason": storage.reason,
+            "error": storage.error,
+            "since": storage.since,
+        },
+        "trainer": trainer.status() if trainer is not None else {"state": "off"},
     }
+    return JSONResponse(body, status_code=503 if problems else 200)

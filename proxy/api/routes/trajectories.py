@@ -19,9 +19,10 @@ from dataclasses import asdict
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, StrictFloat
 
-from proxy.api.deps import StoreDep
+from proxy.api.auth import Caller, Principal
+from proxy.api.deps import StoreDep, TelemetryDep
 from proxy.api.errors import InvalidRequestError, NotFoundError
 from storage.errors import TrajectoryNotFound
 from storage.records import MAX_ABS_REWARD, TrajectoryDetail, TrajectorySummary
@@ -31,7 +32,7 @@ router = APIRouter(prefix="/rl/trajectories")
 
 
 class RewardBody(BaseModel):
-    reward: float = Field(
+    reward: StrictFloat = Field(
         allow_inf_nan=False,
         ge=-MAX_ABS_REWARD,
         le=MAX_ABS_REWARD,
@@ -40,17 +41,11 @@ class RewardBody(BaseModel):
     source: str = Field("api", min_length=1, max_length=200, description="Who gave it.")
     explanation: str | None = Field(None, description="Why (optional).")
 
-    @field_validator("reward", mode="before")
-    @classmethod
-    def _not_bool(cls, value: Any) -> Any:
-        if isinstance(value, bool):
-            raise ValueError("reward must be a number, not a boolean")
-        return value
-
 
 @router.get("")
 async def list_trajectories(
     store: StoreDep,
+    caller: Caller,
     status: Literal["open", "closed"] | None = None,
     group_key: str | None = None,
     model: str | None = None,
@@ -68,6 +63,7 @@ async def list_trajectories(
             until=until,
             limit=limit,
             cursor=cursor,
+            owner=caller.visible_owner(),
         )
     except ValueError as exc:
         raise InvalidRequestError(str(exc), param="cursor") from exc
@@ -80,31 +76,41 @@ async def list_trajectories(
 
 
 @router.get("/{trajectory_id}")
-async def get_trajectory(trajectory_id: str, store: StoreDep) -> dict[str, Any]:
-    detail = await store.get_trajectory(await resolve(store, trajectory_id))
+async def get_trajectory(trajectory_id: str, store: StoreDep, caller: Caller) -> dict[str, Any]:
+    detail = await store.get_trajectory(await resolve(store, caller, trajectory_id))
     if detail is None:
         raise _not_found(trajectory_id)
     return detail_json(detail)
 
 
-async def resolve(store: Store, trajectory_id: str) -> str:
-    """A trajectory id as given, or the trajectory of a `chatcmpl-...` completion id."""
+async def resolve(store: Store, caller: Principal, trajectory_id: str) -> str:
+    """A trajectory id as given, or the trajectory of a `chatcmpl-...` completion id.
+
+    Another key's trajectory is "not found" to a non-admin key (its existence is not told)."""
+    given = trajectory_id
     if trajectory_id.startswith("chatcmpl-"):
         found = await store.trajectory_of_completion(trajectory_id)
         if found is not None:
-            return found
+            trajectory_id = found
+    if not caller.sees_all:
+        exists, owner = await store.trajectory_owner(trajectory_id)
+        if not exists or not caller.may_see(owner):
+            raise _not_found(given)
     return trajectory_id
 
 
 @router.post("/{trajectory_id}/reward")
-async def add_reward(trajectory_id: str, body: RewardBody, store: StoreDep) -> dict[str, Any]:
-    trajectory_id = await resolve(store, trajectory_id)
+async def add_reward(
+    trajectory_id: str, body: RewardBody, store: StoreDep, caller: Caller, telemetry: TelemetryDep
+) -> dict[str, Any]:
+    trajectory_id = await resolve(store, caller, trajectory_id)
     try:
         reward_id = await store.add_reward(
             trajectory_id, body.reward, body.source, body.explanation
         )
     except TrajectoryNotFound as exc:
         raise _not_found(trajectory_id) from exc
+    telemetry.reward_added(trajectory_id, reward_id, body.reward, body.source, body.explanation)
     return {
         "object": "rl.reward",
         "id": reward_id,
@@ -116,8 +122,8 @@ async def add_reward(trajectory_id: str, body: RewardBody, store: StoreDep) -> d
 
 
 @router.post("/{trajectory_id}/end")
-async def end_trajectory(trajectory_id: str, store: StoreDep) -> dict[str, Any]:
-    trajectory_id = await resolve(store, trajectory_id)
+async def end_trajectory(trajectory_id: str, store: StoreDep, caller: Caller) -> dict[str, Any]:
+    trajectory_id = await resolve(store, caller, trajectory_id)
     try:
         was_open = await store.end_trajectory(trajectory_id)
     except TrajectoryNotFound as exc:

@@ -1,0 +1,123 @@
+"""The trainer child's supervisor: restarts with capped exponential backoff, reports its state,
+stops cleanly. Real child processes (this interpreter running a one-line script) stand in for
+`rlproxy train` through `RLPROXY_TRAINER_COMMAND`; the server-level test (a crash loop beside a
+serving server, seen through /health) is tests/e2e/test_trainer_supervision.py.
+
+Nothing here waits for a fixed time: each test waits for a state the supervisor reaches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+
+from proxy.cli.trainer_process import TrainerProcess, restart_delay
+from proxy.settings import Settings
+
+pytestmark = pytest.mark.asyncio(loop_scope="function")
+
+CRASH = [sys.executable, "-c", "import sys; print('trainer boom: bad config'); sys.exit(3)"]
+
+
+def _settings(tmp_path: Path, command: list[str], first_s: float, max_s: float) -> Settings:
+    return Settings(
+        data_dir=tmp_path,
+        trainer_command=command,
+        trainer_restart_s=first_s,
+        trainer_restart_max_s=max_s,
+    )
+
+
+async def _until(trainer: TrainerProcess, key: str, at_least: int) -> None:
+    while trainer.status()[key] < at_least:
+        await asyncio.sleep(0.01)
+
+
+def _exit_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "proxy.cli.trainer_process" and "after" in r.msg]
+
+
+async def test_the_delay_doubles_from_the_first_and_stops_at_the_cap() -> None:
+    assert [restart_delay(n, 1.0, 10.0) for n in range(1, 7)] == [1, 2, 4, 8, 10, 10]
+
+
+async def test_a_crashing_trainer_is_restarted_with_capped_backoff(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="proxy.cli.trainer_process")
+    trainer = TrainerProcess(_settings(tmp_path, CRASH, first_s=0.01, max_s=0.04))
+    trainer.start()
+    try:
+        await _until(trainer, "exits_in_a_row", 5)
+    finally:
+        await trainer.stop()
+    # Every exit is logged with its count and the delay chosen: 0.01, 0.02, 0.04, then the cap.
+    exits = _exit_records(caplog)
+    assert [r.args[2] for r in exits[:5]] == [1, 2, 3, 4, 5]  # type: ignore[index]
+    assert [r.args[3] for r in exits[:5]] == [0.01, 0.02, 0.04, 0.04, 0.04]  # type: ignore[index]
+    assert all("code 3" in str(r.args[0]) for r in exits)  # type: ignore[index]
+    status = trainer.status()
+    assert status["state"] == "stopped" and status["last_exit_code"] == 3
+    assert status["restarts"] >= 4 and status["log"] == str(tmp_path / "trainer.log")
+    assert "trainer boom: bad config" in status["log_tail"]
+    assert any(line.startswith("--- rlproxy serve: trainer start") for line in status["log_tail"])
+
+
+async def test_a_healthy_run_resets_the_backoff(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="proxy.cli.trainer_process")
+    # Each run lasts longer than a healthy run, so each exit is the first of a new series.
+    slow_crash = [sys.executable, "-c", "import time, sys; time.sleep(0.3); sys.exit(1)"]
+    settings = _settings(tmp_path, slow_crash, first_s=0.01, max_s=0.2)
+    trainer = TrainerProcess(settings, healthy_run_s=0.2)
+    trainer.start()
+    try:
+        await _until(trainer, "restarts", 3)
+    finally:
+        await trainer.stop()
+    assert {r.args[2] for r in _exit_records(caplog)} == {1}  # type: ignore[index]
+    assert {r.args[3] for r in _exit_records(caplog)} == {0.01}  # type: ignore[index]
+
+
+async def test_a_command_that_cannot_start_is_retried_and_says_why(tmp_path: Path) -> None:
+    missing = [str(tmp_path / "no-such-trainer")]
+    trainer = TrainerProcess(_settings(tmp_path, missing, first_s=0.01, max_s=0.02))
+    trainer.start()
+    try:
+        await _until(trainer, "exits_in_a_row", 2)
+    finally:
+        await trainer.stop()
+    status = trainer.status()
+    assert status["last_exit_code"] is None
+    assert "FileNotFoundError" in status["last_error"]
+
+
+async def test_stop_ends_a_running_trainer(tmp_path: Path) -> None:
+    forever = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"]
+    trainer = TrainerProcess(_settings(tmp_path, forever, first_s=0.01, max_s=0.02))
+    trainer.start()
+    while trainer.status()["state"] != "running":
+        await asyncio.sleep(0.01)
+    assert trainer.status()["pid"] == trainer.proc.pid  # type: ignore[union-attr]
+    await trainer.stop()
+    assert trainer.proc is not None and trainer.proc.returncode is not None
+    assert trainer.status()["state"] == "stopped" and trainer.status()["exits_in_a_row"] == 0
+
+
+async def test_the_log_tail_is_scrubbed(tmp_path: Path) -> None:
+    leak = [sys.executable, "-c", "print('connecting with key sk-abcdefgh12345678'); exit(2)"]
+    from proxy.redact import Redactor
+
+    trainer = TrainerProcess(_settings(tmp_path, leak, first_s=10, max_s=10), redact=Redactor())
+    trainer.start()
+    try:
+        await _until(trainer, "exits_in_a_row", 1)
+    finally:
+        await trainer.stop()
+    tail = "\n".join(trainer.status()["log_tail"])
+    assert "connecting with key [REDACTED]" in tail and "sk-abcdefgh" not in tail
