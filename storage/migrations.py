@@ -288,11 +288,23 @@ def _m004_keys_owners_leases(conn: Connection) -> None:
     conn.execute(text("CREATE INDEX ix_groups_owner ON groups (owner_key_id, created_at, id)"))
 
 
+def _m005_untrained_groups(conn: Connection) -> None:
+    """The trainer asks for scored groups not trained on yet, oldest first: an index that
+    starts with (status, trained_step) lets it skip every group already trained on instead of
+    walking past them on every poll."""
+    conn.execute(
+        text(
+            "CREATE INDEX ix_groups_untrained ON groups (status, trained_step, created_at, id)"
+        )
+    )
+
+
 MIGRATIONS: list[Migration] = [
     Migration(1, "m001_initial", _m001_initial),
     Migration(2, "m002_groups_and_adapters", _m002_groups_and_adapters),
     Migration(3, "m003_bounded_linking", _m003_bounded_linking),
     Migration(4, "m004_keys_owners_leases", _m004_keys_owners_leases),
+    Migration(5, "m005_untrained_groups", _m005_untrained_groups),
 ]
 
 

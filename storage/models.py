@@ -204,6 +204,7 @@ class Group(Base):
         Index("ix_groups_status_created_at", "status", "created_at"),
         Index("ix_groups_created_at_id", "created_at", "id"),
         Index("ix_groups_owner", "owner_key_id", "created_at", "id"),
+        Index("ix_groups_untrained", "status", "trained_step", "created_at", "id"),
     )
 
 

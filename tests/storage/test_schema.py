@@ -185,6 +185,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "unique": [],
         "indexes": {
             "ix_groups_owner": ["owner_key_id", "created_at", "id"],
+            "ix_groups_untrained": ["status", "trained_step", "created_at", "id"],
             "ix_groups_source_key_status": ["source", "key", "status"],
             "ix_groups_status_created_at": ["status", "created_at"],
             "ix_groups_created_at_id": ["created_at", "id"],
