@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import shutil
 import statistics
@@ -202,6 +203,12 @@ async def client_loop(traffic: Traffic, url: str, deadline: float) -> None:
             await traffic.one(http)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of `pid` so far (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -246,6 +253,9 @@ def report(tally: Tally, samples: list[tuple[float, float]], minutes: float, log
         f"RSS slope: {slope_mb_per_min(samples):+.2f} MB/min overall, "
         f"{slope_mb_per_min(second_half):+.2f} MB/min over the second half"
     )
+    minutes_seen = int(samples[-1][0] // 60)
+    marks = [min(samples, key=lambda x: abs(x[0] - 60 * m)) for m in range(minutes_seen + 1)]
+    print("RSS by minute: " + ", ".join(f"{t / 60:.0f}: {m:.0f}" for t, m in marks) + " MB")
     by_kind: dict[str, Counter[str]] = defaultdict(Counter)
     latency: dict[str, list[float]] = defaultdict(list)
     for kind, status, seconds in tally.rows:
@@ -276,7 +286,8 @@ def report(tally: Tally, samples: list[tuple[float, float]], minutes: float, log
 
 async def soak(url: str, pid: int, args: argparse.Namespace) -> tuple[Tally, list]:
     tally, samples = Tally(), []
-    deadline = time.monotonic() + args.minutes * 60
+    cpu_before, started = cpu_seconds(pid), time.monotonic()
+    deadline = started + args.minutes * 60
     sampler = asyncio.create_task(sample_rss(pid, args.sample_s, samples))
     await asyncio.gather(
         *(
@@ -286,8 +297,13 @@ async def soak(url: str, pid: int, args: argparse.Namespace) -> tuple[Tally, lis
     )
     sampler.cancel()
     samples.append((samples[-1][0] + args.sample_s, rss_mb(pid)))
+    cpu, wall = cpu_seconds(pid) - cpu_before, time.monotonic() - started
     health = httpx.get(f"{url}/health", timeout=30).json()
     print(f"/health after: {health['status']}, engine {health['engine']}")
+    print(
+        f"server CPU {cpu:.0f} s in {wall:.0f} s ({cpu / wall:.2f} of {os.cpu_count()} cores); "
+        f"machine load average {os.getloadavg()[0]:.1f} at the end (others' work included)"
+    )
     return tally, samples
 
 

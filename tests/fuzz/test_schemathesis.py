@@ -20,7 +20,7 @@ Valid chat bodies are made servable (`servable`: the policy's name, content wher
 not require it) so that they reach prompts, grammars and sampling; a generated `max_tokens` is
 held to at most 8 so that an accepted request answers in about a second on two cores, not in
 minutes; every other field is as generated. Examples per route:
-`RLPROXY_FUZZ_EXAMPLES` (default 15).
+`RLPROXY_FUZZ_EXAMPLES` (default 50).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from tests.e2e.conftest import Server
 
 pytestmark = pytest.mark.fuzz
 
-MAX_EXAMPLES = int(os.environ.get("RLPROXY_FUZZ_EXAMPLES", "15"))
+MAX_EXAMPLES = int(os.environ.get("RLPROXY_FUZZ_EXAMPLES", "50"))
 MAX_GENERATED_TOKENS = 8
 
 
