@@ -293,9 +293,7 @@ def _m005_untrained_groups(conn: Connection) -> None:
     starts with (status, trained_step) lets it skip every group already trained on instead of
     walking past them on every poll."""
     conn.execute(
-        text(
-            "CREATE INDEX ix_groups_untrained ON groups (status, trained_step, created_at, id)"
-        )
+        text("CREATE INDEX ix_groups_untrained ON groups (status, trained_step, created_at, id)")
     )
 
 

@@ -144,7 +144,11 @@ def install_error_handlers(app: FastAPI) -> None:
         message = str(exc.detail)
         if exc.status_code == 404:
             message = f"Unknown request URL: {request.method} {request.url.path}."
-        return JSONResponse(error_body(message, kind, None, code), status_code=exc.status_code)
+        return JSONResponse(
+            error_body(message, kind, None, code),
+            status_code=exc.status_code,
+            headers=exc.headers,  # a 405's Allow, for one
+        )
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

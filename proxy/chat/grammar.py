@@ -95,6 +95,10 @@ class ToolChoice:
         raise GrammarError(f"tool_choice {value!r} is not supported")
 
 
+_LIMIT_MARKS = ("too many",)
+"""How llguidance's errors say it ran past its own limits (not that the token was wrong)."""
+
+
 class TokenRejectedError(RuntimeError):
     """The engine fed a token the grammar does not allow: a bug in applying the bitmask."""
 
@@ -182,15 +186,31 @@ class RowConstraint:
         self._repeated = False
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write this row's allowed tokens into `bitmask[row]` (bitmask: CPU int32, contiguous)."""
-        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+        """Write this row's allowed tokens into `bitmask[row]` (bitmask: CPU int32, contiguous).
+
+        A grammar that validates but cannot be followed (llguidance's parser limits: a schema
+        that refers to itself forever, a regex that explodes) raises `GrammarError`: it is the
+        request's input, so it fails alone with a 400."""
+        try:
+            llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+        except Exception as exc:
+            raise GrammarError(
+                f"{self.grammar.kind}: the schema is too complex to follow while generating ({exc})"
+            ) from exc
 
     def consume(self, token_id: int) -> None:
         """Advance past the sampled token; raises TokenRejectedError if the grammar forbids it."""
         if not self.matcher.consume_token(token_id):
-            raise TokenRejectedError(
-                f"{self.grammar.kind}: token {token_id} rejected: {self.matcher.get_error()}"
-            )
+            error = self.matcher.get_error()
+            first = error.splitlines()[0].lower() if error else ""
+            if any(mark in first for mark in _LIMIT_MARKS):
+                # Not this token's fault: the parser ran past llguidance's limits on this
+                # grammar (the request's input), so the request fails alone with a 400.
+                raise GrammarError(
+                    f"{self.grammar.kind}: the schema is too complex to follow while generating "
+                    f"({first})"
+                )
+            raise TokenRejectedError(f"{self.grammar.kind}: token {token_id} rejected: {error}")
         if self.grammar.stop_on_repeated_call:
             self._track_calls(token_id)
 

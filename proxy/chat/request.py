@@ -196,6 +196,17 @@ def check_shape(req: ChatCompletionRequest, limits: RequestLimits) -> None:
     fmt = req.response_format
     if fmt is not None and fmt.json_schema is not None and fmt.json_schema.schema_ is not None:
         schemas.append(("response_format.json_schema.schema", fmt.json_schema.schema_))
+    # Every other parameter is stored as JSON: bound its nesting too (OpenAI's `metadata` is a
+    # flat map; nothing rlproxy knows nests more than a few levels).
+    params = req.model_dump(exclude={"messages", "tools", "response_format"}, exclude_none=True)
+    for param, value in params.items():
+        depth, _ = json_shape(value)
+        if depth > limits.max_schema_depth:
+            raise InvalidRequestError(
+                f"Invalid '{param}': objects and arrays are nested {depth} deep, above this "
+                f"server's limit of {limits.max_schema_depth} (RLPROXY_MAX_SCHEMA_DEPTH).",
+                param=param,
+            )
     nodes = 0
     for param, schema in schemas:
         depth, size = json_shape(schema)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from proxy.adapters.registry import ServedModels
-from proxy.api.errors import APIError, OverloadedError, ServerError
+from proxy.api.errors import APIError, InvalidRequestError, OverloadedError, ServerError
 from proxy.api.protocol import (
     ChatCompletionRequest,
     assistant_message,
@@ -43,6 +43,7 @@ from proxy.engines.base import (
     Engine,
     EngineError,
     GenerationRequest,
+    RequestInputError,
     TokenEvent,
 )
 from storage.records import CallRecord, CallStatus, ChoiceRecord
@@ -247,7 +248,7 @@ class ChatService:
                     finished[event.index] = event
         except EngineError as exc:
             await self._record(prep, "error", [], None, error=str(exc))
-            raise ServerError(str(exc)) from exc
+            raise _api_error(exc) from exc
         except (asyncio.CancelledError, GeneratorExit):
             await asyncio.shield(self._record(prep, "client_disconnected", [], None))
             raise
@@ -342,7 +343,7 @@ class ChatService:
             await self._record(
                 prep, status, self._stream_outcomes(prep, finished, parsers), None, error
             )
-            yield ServerError(str(exc)).body()
+            yield _api_error(exc).body()
         except APIError as exc:
             status, error = "error", exc.message
             await self._record(
@@ -441,3 +442,10 @@ def _finish_reason(engine_reason: str, calls: list[dict[str, Any]]) -> str:
     if calls and engine_reason == "stop":
         return "tool_calls"
     return engine_reason
+
+
+def _api_error(exc: EngineError) -> APIError:
+    """A request that failed on its own input is the client's 400; anything else a 500."""
+    if isinstance(exc, RequestInputError):
+        return InvalidRequestError(str(exc), code="invalid_schema")
+    return ServerError(str(exc))

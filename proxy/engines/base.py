@@ -67,6 +67,11 @@ class EngineError(RuntimeError):
     """The engine failed while generating (not the client's fault)."""
 
 
+class RequestInputError(EngineError):
+    """Generation of one request failed because of its own input (a grammar that validated but
+    cannot be followed): the client's fault, answered with a 400; its neighbours go on."""
+
+
 @dataclass
 class EngineHealth:
     ok: bool

@@ -37,6 +37,7 @@ from proxy.engines.base import (
     EngineEvent,
     EngineHealth,
     GenerationRequest,
+    RequestInputError,
     TokenEvent,
 )
 from proxy.engines.kv_batch import KVBatch
@@ -311,7 +312,7 @@ class LocalEngine:
                 new_rows.extend(self._rows_for(job))
             except Exception as exc:  # this request's own parameters or grammar: it fails alone
                 logger.exception("request %s could not start", job.request.request_id)
-                _fail(job, EngineError(f"generation could not start: {exc}"))
+                _fail(job, _failure("generation could not start", exc))
         if not new_rows:
             return
         logits, batch = self._prefill(new_rows)
@@ -446,7 +447,7 @@ class LocalEngine:
                 why = failed[id(job)]
                 logger.error("request %s failed alone: %r", job.request.request_id, why)
                 job.cancelled = True  # its other rows leave the batch at the next step
-                _fail(job, EngineError(f"generation failed: {why}"))
+                _fail(job, _failure("generation failed", why))
             else:
                 _post(job, events)
         self._retire([b for b, row in enumerate(rows) if row.finish_reason is not None], rows)
@@ -573,3 +574,12 @@ def _set_result(future: asyncio.Future[Any], result: Any) -> None:
 def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
     if not future.done():
         future.set_exception(exc)
+
+
+def _failure(what: str, exc: BaseException) -> EngineError:
+    """The error one request fails with: its own input (a grammar it cannot follow) or not."""
+    from proxy.chat.grammar import GrammarError
+
+    if isinstance(exc, GrammarError):
+        return RequestInputError(f"{what}: {exc}")
+    return EngineError(f"{what}: {exc}")

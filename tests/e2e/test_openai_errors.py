@@ -396,16 +396,37 @@ def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(client: OpenAI) 
 # ----------------------------------------------------------------------------- odd input, 4xx
 
 
-def test_a_lone_surrogate_is_a_400(http: httpx.Client) -> None:
-    body = b'{"model": "rlproxy", "max_tokens": 2, "messages": [{"role": "user", "content": '
-    body += b'"a\\ud800b"}]}'
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        (b'"messages": [{"role": "user", "content": "a\\ud800b"}]', "messages.0.content"),
+        (b'"messages": [{"role": "user", "content": "hi"}], "user": "\\udfff"', "user"),
+        (
+            b'"messages": [{"role": "user", "content": "hi"}], "metadata": {"k": "\\ud800"}',
+            "metadata.k",
+        ),
+        (b'"messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud800"]', "stop.0"),
+    ],
+)
+def test_a_lone_surrogate_anywhere_is_a_400_before_any_work(
+    http: httpx.Client, fields: bytes, param: str
+) -> None:
+    """Valid JSON, not Unicode text: refused before generation (it once failed the store after
+    the whole generation, a 500). A valid pair (an emoji) is text and is served."""
+    body = b'{"model": "rlproxy", "max_tokens": 2, ' + fields + b"}"
     error = assert_openai_error(
         http.post(
             "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
         ),
         400,
     )
-    assert error["param"] == "messages" and "surrogate" in error["message"]
+    assert error["param"] == param and "surrogate" in error["message"]
+    pair = b'{"model": "rlproxy", "max_tokens": 2, "messages": [{"role": "user", "content": '
+    pair += b'"\\ud83d\\ude00"}]}'
+    ok = http.post(
+        "/v1/chat/completions", content=pair, headers={"content-type": "application/json"}
+    )
+    assert ok.status_code == 200
 
 
 @pytest.mark.parametrize("model", ["rlproxy@\u00b2", "rlproxy@" + "1" * 5000, "rlproxy@-1"])
@@ -433,3 +454,10 @@ def test_a_forged_page_cursor_is_a_400(http: httpx.Client, route: str, raw: byte
     cursor = base64.urlsafe_b64encode(raw).decode().rstrip("=")
     error = assert_openai_error(http.get(route, params={"cursor": cursor}), 400)
     assert error["param"] == "cursor"
+
+
+def test_a_wrong_method_is_a_405_that_says_which_are_allowed(http: httpx.Client) -> None:
+    error = assert_openai_error(http.request("TRACE", "/health"), 405)
+    assert error["code"] == "method_not_allowed"
+    response = http.delete("/v1/chat/completions")
+    assert response.status_code == 405 and "POST" in response.headers["allow"]

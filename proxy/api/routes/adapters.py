@@ -16,9 +16,10 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from proxy.api.body import TextJSONRoute
 from proxy.api.deps import Adapters, PublisherDep, StoreDep
 
-router = APIRouter(prefix="/rl/adapters")
+router = APIRouter(prefix="/rl/adapters", route_class=TextJSONRoute)
 
 
 @router.get("")

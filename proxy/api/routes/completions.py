@@ -16,6 +16,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from proxy.api.auth import Caller, PermissionDeniedError, Principal
+from proxy.api.body import TextJSONRoute
 from proxy.api.deps import Adapters, Chat, StoreDep, Upstream, request_id, require_writable_store
 from proxy.api.http_metrics import label_model
 from proxy.api.protocol import ChatCompletionRequest
@@ -24,7 +25,7 @@ from proxy.chat.streaming import SSE_HEADERS, prepend, sse
 from proxy.chat.upstream import UpstreamChat
 from storage.store import Store
 
-router = APIRouter()
+router = APIRouter(route_class=TextJSONRoute)
 T = TypeVar("T")
 
 

@@ -15,11 +15,12 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query
 
 from proxy.api.auth import Caller
+from proxy.api.body import TextJSONRoute
 from proxy.api.deps import ScorerDep, SettingsDep, StoreDep
 from proxy.api.errors import InvalidRequestError, NotFoundError
 from storage.records import GroupDetail, GroupMemberView, GroupSummary
 
-router = APIRouter(prefix="/rl/groups")
+router = APIRouter(prefix="/rl/groups", route_class=TextJSONRoute)
 
 Status = Literal["forming", "ready", "scoring", "scored", "failed", "expired"]
 Source = Literal["explicit", "task", "shadow", "cohort"]

@@ -22,13 +22,14 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field, StrictFloat
 
 from proxy.api.auth import Caller, Principal
+from proxy.api.body import TextJSONRoute
 from proxy.api.deps import StoreDep, TelemetryDep
 from proxy.api.errors import InvalidRequestError, NotFoundError
 from storage.errors import TrajectoryNotFound
 from storage.records import MAX_ABS_REWARD, TrajectoryDetail, TrajectorySummary
 from storage.store import Store
 
-router = APIRouter(prefix="/rl/trajectories")
+router = APIRouter(prefix="/rl/trajectories", route_class=TextJSONRoute)
 
 
 class RewardBody(BaseModel):
