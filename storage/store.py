@@ -520,6 +520,16 @@ class Store:
                 "groups": await group_reads.group_status_counts(conn, LIVE_GROUPS),
             }
 
+    async def status_counts(self) -> dict[str, dict[str, int]]:
+        """Every trajectory and group by status, closed and scored ones included (a walk of the
+        status indexes: its cost grows with history, so callers read it seldom, e.g. once a
+        minute for /metrics). Same shape as `live_counts`."""
+        async with self._engines.read.connect() as conn:
+            return {
+                "trajectories": await read_ops.trajectory_status_counts(conn),
+                "groups": await group_reads.group_status_counts(conn),
+            }
+
     # --- figures (the dashboard, `rlproxy status`; SQL in storage.stats) ---------------------
 
     async def calls_per_minute(

@@ -253,6 +253,11 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+ALL_STATUSES_EVERY_S = 60.0
+"""How often the finished rows (closed trajectories, scored groups) are re-counted: a walk of
+the status indexes, so seldom, whatever the scrape interval."""
+
+
 class _StateCollector:
     """The figures read at scrape time (a custom collector on the app's registry)."""
 
@@ -260,6 +265,8 @@ class _StateCollector:
         self.sources: Sources | None = None
         self.cache_s = 5.0
         self._counts: dict[str, dict[str, int]] | None = None
+        self._all: dict[str, dict[str, int]] | None = None  # every status, re-read each minute
+        self._all_fetched = -float("inf")
         self._latest: AdapterRecord | None = None
         self._fetched = -float("inf")
         self._lock = asyncio.Lock()
@@ -274,6 +281,9 @@ class _StateCollector:
                 return
             try:
                 self._counts = await s.store.live_counts()
+                if time.monotonic() - self._all_fetched >= max(ALL_STATUSES_EVERY_S, self.cache_s):
+                    self._all_fetched = time.monotonic()
+                    self._all = await s.store.status_counts()
                 self._latest = await s.store.latest_adapter(s.registry.policy)
             except Exception:
                 logger.exception("reading the database figures for /metrics failed")
@@ -292,15 +302,17 @@ class _StateCollector:
         if self._counts is not None:
             yield _by_status(
                 "rlproxy_trajectories",
-                "Trajectories still open (receiving calls), by status.",
+                "Trajectories by status (open: as fresh as the cache; closed: re-counted every "
+                "minute).",
                 LIVE_TRAJECTORIES,
-                self._counts.get("trajectories", {}),
+                {**(self._all or {}).get("trajectories", {}), **self._counts["trajectories"]},
             )
             yield _by_status(
                 "rlproxy_groups",
-                "Groups on their way to training: forming, ready, scoring.",
+                "Groups by status (forming, ready, scoring: as fresh as the cache; the others: "
+                "re-counted every minute).",
                 LIVE_GROUPS,
-                self._counts.get("groups", {}),
+                {**(self._all or {}).get("groups", {}), **self._counts["groups"]},
             )
         if self._latest is not None:
             yield from _trainer(self._latest)

@@ -323,6 +323,7 @@ async def test_state_figures_read_the_store_and_the_trainers_newest_step(tmp_pat
         metrics.watch(sources, cache_s=60)
         await metrics.render()
         assert _value(metrics, "rlproxy_trajectories", status="open") == 1
+        assert _value(metrics, "rlproxy_trajectories", status="closed") == 1  # every status
         assert _value(metrics, "rlproxy_groups", status="ready") == 0
         assert _value(metrics, "rlproxy_trainer_version") == 2
         assert _value(metrics, "rlproxy_trainer_loss") == 0.25
