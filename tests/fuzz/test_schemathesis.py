@@ -13,8 +13,8 @@ the fuzzer should keep rediscovering:
 - `positive_data_acceptance`: the schema is looser than the server (a tool message needs a
   `tool_call_id`, a cursor must be one the server wrote), so schema-valid data may be a 400.
 
-`unsupported_method` (TRACE and friends) found one bug, pinned by its own strict xfail below
-(`test_a_405_says_which_methods_are_allowed`) rather than failing every route.
+`unsupported_method` (TRACE and friends) found one bug, a 405 without `Allow`; it is fixed, the
+check runs on every route, and `test_a_405_says_which_methods_are_allowed` pins it.
 
 Valid chat bodies are made servable (`servable`: the policy's name, content where the schema does
 not require it) so that they reach prompts, grammars and sampling; a generated `max_tokens` is
@@ -35,7 +35,6 @@ from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import (
     positive_data_acceptance,
     status_code_conformance,
-    unsupported_method,
 )
 
 from tests.e2e.conftest import Server
@@ -105,16 +104,11 @@ def test_every_route_conforms_and_never_answers_5xx(case: Any, fuzz_server: Serv
     case.body = body
     case.call_and_validate(
         base_url=fuzz_server.url,
-        excluded_checks=[status_code_conformance, positive_data_acceptance, unsupported_method],
+        excluded_checks=[status_code_conformance, positive_data_acceptance],
         timeout=120,
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a 405 has no Allow header (RFC 9110): the StarletteHTTPException handler in "
-    "proxy/api/app.py builds a new JSONResponse without the exception's headers",
-)
 def test_a_405_says_which_methods_are_allowed(fuzz_server: Server) -> None:
     response = httpx.request("TRACE", f"{fuzz_server.url}/health", timeout=30)
     assert response.status_code == 405
