@@ -8,10 +8,9 @@ import this module.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Row, and_, func, or_, select
+from sqlalchemy import Row, and_, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage import read_ops
@@ -228,14 +227,3 @@ async def group_ids_of_trajectory(conn: AsyncConnection, trajectory_id: str) -> 
         select(GM.c.group_id).where(GM.c.trajectory_id == trajectory_id).distinct()
     )
     return sorted(r.group_id for r in rows)
-
-
-async def group_status_counts(
-    conn: AsyncConnection, statuses: Sequence[str] | None = None
-) -> dict[str, int]:
-    """Groups per status, through the (status, created_at) index: only the rows of `statuses`
-    are read (all statuses: the whole index)."""
-    stmt = select(G.c.status, func.count()).group_by(G.c.status)
-    if statuses is not None:
-        stmt = stmt.where(G.c.status.in_(statuses))
-    return {str(status): int(n) for status, n in await conn.execute(stmt)}

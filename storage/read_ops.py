@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Row, and_, func, or_, select
+from sqlalchemy import Row, Table, and_, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage.models import call_choices_table as CC
@@ -271,14 +271,14 @@ async def count_calls(conn: AsyncConnection, trajectory_id: str | None = None) -
     return int((await conn.execute(stmt)).scalar_one())
 
 
-async def trajectory_status_counts(
-    conn: AsyncConnection, statuses: Sequence[str] | None = None
+async def status_counts(
+    conn: AsyncConnection, table: Table, statuses: Sequence[str] | None = None
 ) -> dict[str, int]:
-    """Trajectories per status, through the (status, ...) index: only the rows of `statuses`
-    are read (all statuses: the whole index)."""
-    stmt = select(T.c.status, func.count()).group_by(T.c.status)
+    """Rows of `table` (trajectories, groups) per status, through its (status, ...) index: only
+    the rows of `statuses` are read (all statuses: the whole index)."""
+    stmt = select(table.c.status, func.count()).group_by(table.c.status)
     if statuses is not None:
-        stmt = stmt.where(T.c.status.in_(statuses))
+        stmt = stmt.where(table.c.status.in_(statuses))
     return {str(status): int(n) for status, n in await conn.execute(stmt)}
 
 

@@ -19,7 +19,7 @@ from sqlalchemy import Integer, case, cast, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.elements import ColumnElement
 
-from storage import group_reads, read_ops
+from storage import read_ops
 from storage.models import calls_table as C
 from storage.models import group_members_table as GM
 from storage.models import groups_table as G
@@ -293,8 +293,8 @@ async def totals(conn: AsyncConnection) -> Totals:
         calls_failed=await count(
             select(func.count()).select_from(C).where(C.c.status != "completed")
         ),
-        trajectories=await read_ops.trajectory_status_counts(conn),
-        groups=await group_reads.group_status_counts(conn),
+        trajectories=await read_ops.status_counts(conn, T),
+        groups=await read_ops.status_counts(conn, G),
         rewards=await count(select(func.count()).select_from(R)),
         scores=await count(select(func.count()).select_from(S)),
         groups_trained=await count(select(func.count()).select_from(G).where(G.c.trained_step > 0)),

@@ -43,6 +43,8 @@ from storage.grouping import SignatureGrouper
 from storage.health import WriteHealth, probe_write
 from storage.linking import PrefixLinker
 from storage.migrations import migrate
+from storage.models import groups_table as G
+from storage.models import trajectories_table as T
 from storage.read_ops import TrajectoryFilter
 from storage.records import (
     CALL_STATUSES,
@@ -516,8 +518,8 @@ class Store:
         scored groups are not counted: that would scan the tables, see `totals`)."""
         async with self._engines.read.connect() as conn:
             return {
-                "trajectories": await read_ops.trajectory_status_counts(conn, LIVE_TRAJECTORIES),
-                "groups": await group_reads.group_status_counts(conn, LIVE_GROUPS),
+                "trajectories": await read_ops.status_counts(conn, T, LIVE_TRAJECTORIES),
+                "groups": await read_ops.status_counts(conn, G, LIVE_GROUPS),
             }
 
     async def status_counts(self) -> dict[str, dict[str, int]]:
@@ -526,8 +528,8 @@ class Store:
         minute for /metrics). Same shape as `live_counts`."""
         async with self._engines.read.connect() as conn:
             return {
-                "trajectories": await read_ops.trajectory_status_counts(conn),
-                "groups": await group_reads.group_status_counts(conn),
+                "trajectories": await read_ops.status_counts(conn, T),
+                "groups": await read_ops.status_counts(conn, G),
             }
 
     # --- figures (the dashboard, `rlproxy status`; SQL in storage.stats) ---------------------

@@ -12,6 +12,7 @@ Callers go through `storage.store.Store`; nothing else should import this module
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import asdict, fields, replace
 from typing import Any
@@ -36,6 +37,8 @@ from storage.trajectory_view import (
     TrajectoryView,
     load_view,
 )
+
+log = logging.getLogger(__name__)
 
 _SKIP = frozenset({"choices", "shadow_samples", "time_to_first_token_s"})  # no columns
 
@@ -90,6 +93,11 @@ async def record_calls(
         if explicit is not None and explicit.owner_key_id != record.owner_key_id:
             # Another key's trajectory: never continued by this one (the HTTP edge refuses such a
             # call with a 403 first; this holds if one slips past it). It starts its own.
+            log.warning(
+                "call %s named trajectory %s of another API key; it starts its own instead",
+                record.id,
+                explicit_id,
+            )
             record = replace(record, explicit_trajectory_id=None)
             explicit_id, explicit = None, None
         decision = linker.choose(

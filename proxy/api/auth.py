@@ -203,34 +203,27 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         need = required_scope(scope["method"], scope["path"], self.metrics)
-        headers = dict(scope.get("headers") or [])
-        raw = headers.get(b"authorization")
-        if need == "open":
-            # An open route still learns who calls, when it can: /health shows its details
-            # (engine, storage, trainer) to an admin or in open mode, to nobody else.
-            try:
-                principal = await self.keys.authenticate(
-                    raw.decode("latin-1") if raw is not None else None
+        raw = next((v for k, v in scope.get("headers") or () if k == b"authorization"), None)
+        try:
+            principal = await self.keys.authenticate(
+                raw.decode("latin-1") if raw is not None else None
+            )
+            if need == "admin" and not principal.is_admin:
+                raise PermissionDeniedError(
+                    f"This key has the `{principal.scope}` scope; {scope['method']} "
+                    f"{scope['path']} needs an `admin` key."
                 )
-            except APIError:
+        except APIError as exc:
+            if need == "open":
+                # An open route still learns who calls, when it can: /health shows its details
+                # (engine, storage, trainer) to an admin or in open mode, to nobody else.
                 principal = ANONYMOUS
-            scope.setdefault("state", {})[PRINCIPAL_KEY] = principal
-        else:
-            try:
-                principal = await self.keys.authenticate(
-                    raw.decode("latin-1") if raw is not None else None
-                )
-                if need == "admin" and not principal.is_admin:
-                    raise PermissionDeniedError(
-                        f"This key has the `{principal.scope}` scope; {scope['method']} "
-                        f"{scope['path']} needs an `admin` key."
-                    )
-            except APIError as exc:
+            else:
                 extra = {"www-authenticate": "Bearer"} if exc.status_code == 401 else None
                 response = JSONResponse(exc.body(), status_code=exc.status_code, headers=extra)
                 await response(scope, receive, send)
                 return
-            scope.setdefault("state", {})[PRINCIPAL_KEY] = principal
+        scope.setdefault("state", {})[PRINCIPAL_KEY] = principal
         await self.app(scope, receive, send)
 
 

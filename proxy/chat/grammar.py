@@ -261,20 +261,32 @@ def _validated(source: str, kind: str) -> Grammar:
     return Grammar(source, kind)
 
 
-def _check_depth(schema: Any, kind: str) -> None:
-    """Raise GrammarError if `schema` nests deeper than MAX_SCHEMA_DEPTH (walked iteratively)."""
-    stack: list[tuple[Any, int]] = [(schema, 1)]
+def json_shape(value: Any) -> tuple[int, int]:
+    """(deepest nesting of objects and arrays, number of JSON values) of a parsed JSON value.
+
+    Iterative: a value nested thousands deep must not exhaust Python's stack here too.
+    `{"type": "string"}` is (1, 2); `[]` is (1, 1); `5` is (0, 1).
+    """
+    deepest, count = 0, 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
-        node, depth = stack.pop()
-        if isinstance(node, Mapping):
-            children: Any = node.values()
-        elif isinstance(node, list):
-            children = node
+        item, depth = stack.pop()
+        count += 1
+        if isinstance(item, Mapping):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
         else:
             continue
-        if depth > MAX_SCHEMA_DEPTH:
-            raise GrammarError(f"{kind}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        deepest = max(deepest, depth)
         stack.extend((child, depth + 1) for child in children)
+    return deepest, count
+
+
+def _check_depth(schema: Any, kind: str) -> None:
+    """Raise GrammarError if `schema` nests deeper than MAX_SCHEMA_DEPTH."""
+    if json_shape(schema)[0] > MAX_SCHEMA_DEPTH:
+        raise GrammarError(f"{kind}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
 
 
 def _closed_objects(schema: Any) -> Any:

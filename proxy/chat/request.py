@@ -22,7 +22,7 @@ from proxy.adapters.registry import Resolved, ServedModels
 from proxy.api.errors import ContextLengthError, InvalidRequestError
 from proxy.api.protocol import ChatCompletionRequest
 from proxy.chat import grammar
-from proxy.chat.grammar import ToolChoice
+from proxy.chat.grammar import ToolChoice, json_shape
 from proxy.chat.prompt import render_prompt
 from proxy.chat.record import CallInfo
 from proxy.engines.base import SamplingParams
@@ -235,28 +235,6 @@ def _at_most(param: str, length: int, limit: int) -> None:
             param=param,
             code="array_above_max_length",
         )
-
-
-def json_shape(value: Any) -> tuple[int, int]:
-    """(deepest nesting of objects and arrays, number of JSON values) of a parsed JSON value.
-
-    Iterative: a value nested thousands deep must not exhaust Python's stack here too.
-    `{"type": "string"}` is (1, 2); `[]` is (1, 1); `5` is (0, 1).
-    """
-    deepest, count = 0, 0
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        count += 1
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in children)
-    return deepest, count
 
 
 def tool_choice(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> ToolChoice:

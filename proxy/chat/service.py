@@ -161,7 +161,7 @@ class ChatService:
         engine starts a request bigger than its batch alone)."""
         if not self.max_queued_rows:
             return
-        rows = self._plan(prep).rows
+        rows = self._rows(prep)
         queued = self.engine.queued_rows() + self._admissions.rows
         if queued and queued + rows > self.max_queued_rows:
             raise OverloadedError(
@@ -184,6 +184,14 @@ class ChatService:
         Off for n > 1 (the client already gets several samples), at temperature 0 (the samples
         would be identical), and on later turns unless `shadow_turns` is "every".
         """
+        rows = self._rows(prep)
+        if rows == prep.n:
+            return _Plan(rows, tuple(range(rows)))
+        return _Plan(rows, (self._rng.randrange(rows),))
+
+    def _rows(self, prep: PreparedChat) -> int:
+        """Engine rows `prep` takes: k with shadow sampling, else its `n` (no random draw, so
+        admission can count them without choosing the returned row)."""
         k = self.shadow_samples
         if (
             k < 2
@@ -194,8 +202,8 @@ class ChatService:
                 and any(m.get("role") == "assistant" for m in prep.messages)
             )
         ):
-            return _Plan(prep.n, tuple(range(prep.n)))
-        return _Plan(k, (self._rng.randrange(k),))
+            return prep.n
+        return k
 
     def _engine_request(self, prep: PreparedChat, plan: _Plan) -> GenerationRequest:
         params = prep.params

@@ -48,11 +48,6 @@ async def _members(store: Store, group_id: str) -> list[str]:
     return [m.member_id for m in group.members]
 
 
-async def test_each_store_is_its_own_claimant(db: Database) -> None:
-    a, b = await db.open(), await db.open()
-    assert a.instance_id != b.instance_id
-
-
 async def test_a_live_lease_is_never_taken(db: Database, make_call: Any) -> None:
     a, b = await db.open(), await db.open()
     (gid,) = await _ready_groups(a, make_call, "live lease")

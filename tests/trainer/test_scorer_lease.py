@@ -95,8 +95,12 @@ async def test_the_lease_is_renewed_while_the_judge_works(
     await judge.called.wait()
     owner, first = _lease(tmp_path, gid)
     assert owner == a.instance_id and first is not None
-    while (lease := _lease(tmp_path, gid)[1]) is not None and lease <= first:
-        await asyncio.sleep(0.02)  # renewed every lease_s / 3
+
+    async def renewed() -> None:
+        while (lease := _lease(tmp_path, gid)[1]) is not None and lease <= first:
+            await asyncio.sleep(0.02)  # renewed every lease_s / 3
+
+    await asyncio.wait_for(renewed(), timeout=60)  # fails, rather than hangs, if never renewed
     judge.release.set()
     detail = await scoring
     assert detail is not None and detail.summary.status == "scored"

@@ -54,16 +54,15 @@ async def health(
     if problems:
         body["reason"] = "; ".join(problems)
     body |= {"model": registry.policy, "active_version": registry.active}
-    if not caller.is_admin:
-        return JSONResponse(body, status_code=503 if problems else 200)
-    body |= {
-        "engine": state.detail,
-        "storage": {
-            "writable": storage.writable,
-            "reason": storage.reason,
-            "error": storage.error,
-            "since": storage.since,
-        },
-        "trainer": trainer.status() if trainer is not None else {"state": "off"},
-    }
+    if caller.is_admin:
+        body |= {
+            "engine": state.detail,
+            "storage": {
+                "writable": storage.writable,
+                "reason": storage.reason,
+                "error": storage.error,
+                "since": storage.since,
+            },
+            "trainer": trainer.status() if trainer is not None else {"state": "off"},
+        }
     return JSONResponse(body, status_code=503 if problems else 200)

@@ -58,8 +58,7 @@ async def stats(
     per_minute = await store.calls_per_minute(minutes=minutes, now=now, owner=owner)
     rewards = await store.reward_by_version(window=window, owner=owner)
     queue = await store.group_queue(owner=owner, untrained_window=UNTRAINED_WINDOW)
-    adapters = await store.list_adapters(registry.policy)
-    newest = adapters[-1] if adapters else None
+    newest = await store.latest_adapter(registry.policy)
     return {
         "object": "rl.stats",
         "now": now,
