@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup browser serve test test-slow test-all test-fuzz lint bench bench-overhead bench-ruler bench-learning bench-grpo bench-history bench-telemetry soak clean
+.PHONY: setup browser serve test test-slow test-all test-fuzz test-deploy lint bench bench-overhead bench-ruler bench-learning bench-grpo bench-history bench-telemetry soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,9 +24,9 @@ setup: $(STAMP) browser
 browser:
 	@command -v chromium >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || \
+	    { DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q chromium >/dev/null 2>&1 || \
 	      { apt-get update -q >/dev/null 2>&1 && \
-	        DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1; }; } || \
+	        DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q chromium >/dev/null 2>&1; }; } || \
 	    echo "chromium could not be installed: the dashboard's browser tests will be skipped"; \
 	  else \
 	    echo "no chromium (apt-get install chromium): the dashboard's browser tests will be skipped"; \
@@ -48,6 +48,14 @@ test-slow: setup
 test-fuzz: setup
 	$(BIN)/pip install -q -e ".[dev,fuzz]"
 	$(BIN)/python -m pytest -q -m fuzz tests/fuzz
+
+# Real podman builds and runs of deploy/ (tests/deploy/, marker `deploy`): the CPU image, one
+# container's life (completion through the published port, data on the volume, stop/start,
+# SIGTERM under load) and the compose stack (cpu profile) with Postgres; gpu and observability
+# through `docker-compose config`. Needs root and ../shared/containers (podman, a local base
+# image: no registry is reachable here). Prints image size and start times; see README "Deploy".
+test-deploy: setup
+	$(BIN)/python -m pytest -q -s -m deploy tests/deploy
 
 test-all: setup
 	$(BIN)/python -m pytest -q -m "slow or not slow"; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc

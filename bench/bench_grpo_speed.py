@@ -23,12 +23,18 @@ its examples are sampled once, before timing, with `model.generate` and its logi
 - TRL full step: on_step_begin .. on_step_end (generation, reward, advantages, forward with
   TRL's fused LM head, loss, backward, clipping, optimizer step);
 - TRL training part: the full step minus `_generate_and_score_completions` (timed by a subclass);
-- rlproxy: `PeftTrainer.train_step` (padding, forward, loss, backward, clipping, optimizer step).
+- rlproxy: `PeftTrainer.train_step` (padding, forward, loss, backward, clipping, optimizer step),
+  as configured by default (the 8 rows share their 64 prompt tokens: they run once), and, for
+  the record of where the gain comes from, the same trainer with `share_prompt_prefix` off
+  (every row runs its prompt, as TRL does).
 
-One warm-up step each, then --steps measured steps, interleaved (TRL step, then rlproxy step,
-driven from a TRL callback). Tokens per second count completion tokens trained (those under the
-loss) and forward tokens (prompt + completion, no padding). A benchmark, not a test: numbers
-depend on the machine and what else runs on it.
+One warm-up step each, then --steps measured steps, interleaved (TRL step, then the rlproxy
+steps, driven from a TRL callback), so that load from other processes hits every side of a pair
+alike. The ratios are given pair by pair (each step's rlproxy tokens/s over the same step's TRL
+tokens/s) with their median and spread, in wall time and in process CPU time (less disturbed by
+waiting for a core on a shared machine). Tokens per second count completion tokens trained
+(those under the loss) and forward tokens (prompt + completion, no padding). A benchmark, not a
+test: numbers depend on the machine and what else runs on it.
 """
 
 from __future__ import annotations
@@ -125,62 +131,73 @@ class TimedGRPOTrainer(GRPOTrainer):
     """GRPOTrainer that times generation and scoring and keeps what it trains on."""
 
     gen_seconds = 0.0
+    gen_cpu = 0.0
     last_batch: dict[str, Any] | None = None
 
     def _generate_and_score_completions(self, inputs):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         batch = super()._generate_and_score_completions(inputs)
         self.gen_seconds += time.perf_counter() - start
+        self.gen_cpu += time.process_time() - cpu
         self.last_batch = batch
         return batch
 
 
 class Interleave(TrainerCallback):
-    """Times each TRL optimizer step, then runs one rlproxy step right after it."""
+    """Times each TRL optimizer step, then runs one step of each rlproxy trainer right after."""
 
-    def __init__(self, rl: PeftTrainer, examples: list[TrainingExample]) -> None:
-        self.rl, self.examples = rl, examples
+    def __init__(self, rls: dict[str, PeftTrainer], examples: list[TrainingExample]) -> None:
+        self.rls, self.examples = rls, examples
         self.trl_obj: TimedGRPOTrainer | None = None
         self.rows: list[dict[str, float]] = []
-        self._start = 0.0
+        self._start = self._cpu = 0.0
 
     def on_step_begin(self, args, state, control, **kwargs):
         assert self.trl_obj is not None
-        self.trl_obj.gen_seconds = 0.0
-        self._start = time.perf_counter()
+        self.trl_obj.gen_seconds = self.trl_obj.gen_cpu = 0.0
+        self._start, self._cpu = time.perf_counter(), time.process_time()
 
     def on_step_end(self, args, state, control, **kwargs):
-        full = time.perf_counter() - self._start
+        full, cpu = time.perf_counter() - self._start, time.process_time() - self._cpu
         trl = self.trl_obj
         assert trl is not None
         batch = trl.last_batch
         assert batch is not None
         completion = int(batch["completion_mask"].sum())
         forward = completion + int(batch["prompt_mask"].sum())
-        metrics = self.rl.train_step(self.examples)
-        self.rows.append(
-            {
-                "trl_full": full,
-                "trl_gen": trl.gen_seconds,
-                "trl_train": full - trl.gen_seconds,
-                "trl_tokens": completion,
-                "trl_forward": forward,
-                "rl": metrics.seconds,
-                "rl_tokens": metrics.tokens,
-                "rl_forward": metrics.forward_tokens,
+        row = {
+            "trl_full": full,
+            "trl_gen": trl.gen_seconds,
+            "trl_train": full - trl.gen_seconds,
+            "trl_train_cpu": cpu - trl.gen_cpu,
+            "trl_tokens": completion,
+            "trl_forward": forward,
+        }
+        line = f"TRL {full:.2f} s (training part {full - trl.gen_seconds:.2f} s)"
+        for name, rl in self.rls.items():
+            cpu_start = time.process_time()
+            metrics = rl.train_step(self.examples)
+            row |= {
+                name: metrics.seconds,
+                f"{name}_cpu": time.process_time() - cpu_start,
+                f"{name}_tokens": metrics.tokens,
+                f"{name}_forward": metrics.forward_tokens,
+                f"{name}_computed": metrics.computed_tokens,
             }
-        )
-        print(
-            f"  step {len(self.rows) - 1}{' (warm-up)' if len(self.rows) == 1 else ''}: "
-            f"TRL {full:.2f} s (generation {trl.gen_seconds:.2f} s, {completion} completion "
-            f"tokens), rlproxy {metrics.seconds:.2f} s ({metrics.tokens} tokens)",
-            flush=True,
-        )
+            line += f", {name} {metrics.seconds:.2f} s"
+        self.rows.append(row)
+        warm = " (warm-up)" if len(self.rows) == 1 else ""
+        print(f"  step {len(self.rows) - 1}{warm}: {line}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=3, help="measured steps after 1 warm-up")
+    parser.add_argument("--steps", type=int, default=6, help="measured steps after 1 warm-up")
+    parser.add_argument(
+        "--no-ablation",
+        action="store_true",
+        help="skip the rlproxy trainer with share_prompt_prefix off",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--completion-tokens", type=int, default=64)
@@ -194,9 +211,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     messages, prompt_ids = make_prompt(tokenizer, args.prompt_tokens)
 
-    rl = PeftTrainer(
-        model_dir,
-        TrainerConfig(
+    def rlproxy(share: bool) -> PeftTrainer:
+        config = TrainerConfig(
             learning_rate=LR,
             lora_rank=8,
             lora_alpha=16,
@@ -205,10 +221,14 @@ def main() -> None:
             kl_beta=0.0,
             micro_batch_size=GROUP,  # all 8 rows in one pass, as TRL does
             max_seq_len=args.prompt_tokens + args.completion_tokens,
-        ),
-        device="cpu",
-    )
-    examples = sample_examples(rl, prompt_ids, args.completion_tokens)
+            share_prompt_prefix=share,
+        )
+        return PeftTrainer(model_dir, config, device="cpu")
+
+    rls = {"rlproxy": rlproxy(True)}
+    if not args.no_ablation:
+        rls["rlproxy_unshared"] = rlproxy(False)
+    examples = sample_examples(rls["rlproxy"], prompt_ids, args.completion_tokens)
 
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench-trl-grpo-"),  # nothing is saved
@@ -249,7 +269,7 @@ def main() -> None:
         # Any varying reward will do: it only has to give non-zero advantages.
         return [float(len(set(c[0]["content"].split()))) for c in completions]
 
-    callback = Interleave(rl, examples)
+    callback = Interleave(rls, examples)
     trl = TimedGRPOTrainer(
         model=base,
         reward_funcs=reward_distinct_words,
@@ -286,9 +306,13 @@ def main() -> None:
         return statistics.median(r[key] for r in measured)
 
     tok, fwd = measured[-1]["trl_tokens"], measured[-1]["trl_forward"]
-    rl_tok, rl_fwd = measured[-1]["rl_tokens"], measured[-1]["rl_forward"]
-    table = [
-        ("rlproxy train_step", med("rl"), rl_tok, rl_fwd),
+    table: list[tuple[str, float, int | None, int | None]] = []
+    for name in rls:
+        label = "rlproxy train_step" if name == "rlproxy" else "  (prompt not shared)"
+        table.append(
+            (label, med(name), measured[-1][f"{name}_tokens"], measured[-1][f"{name}_forward"])
+        )
+    table += [
         ("TRL training part", med("trl_train"), tok, fwd),
         ("TRL full step", med("trl_full"), tok, fwd),
         ("(TRL generation)", med("trl_gen"), None, None),
@@ -296,19 +320,41 @@ def main() -> None:
     print(f"\nmedian of {len(measured)} steps")
     print(f"{'':22}{'s/step':>9}{'tokens':>8}{'tok/s':>9}{'fwd tok':>9}{'fwd tok/s':>11}")
     for name, sec, t, f in table:
-        if t is None:
+        if t is None or f is None:
             print(f"{name:22}{sec:9.2f}")
             continue
         print(f"{name:22}{sec:9.2f}{t:8d}{t / sec:9.1f}{f:9d}{f / sec:11.1f}")
-    print()
-    # Ratios of completion tokens/s: of the medians, and the median of each interleaved pair
-    # (steadier when load from other processes comes and goes during the run).
-    for label, key in (("TRL training part", "trl_train"), ("TRL full step", "trl_full")):
-        of_medians = (rl_tok / med("rl")) / (tok / med(key))
-        paired = statistics.median(
-            (r["rl_tokens"] / r["rl"]) / (r["trl_tokens"] / r[key]) for r in measured
+    for name in rls:
+        print(f"{name}: {measured[-1][f'{name}_computed']} tokens run per step (of {fwd})")
+
+    # Noise: how much each side's own step time moved over the run.
+    print("\nspread of step times over the run (max / min, wall):")
+    for key in ("trl_train", *rls):
+        times = [r[key] for r in measured]
+        print(
+            f"  {key:18}: {min(times):6.2f} .. {max(times):6.2f} s ({max(times) / min(times):.2f}x)"
         )
-        print(f"rlproxy / {label:18}: {of_medians:5.2f}x (paired per step: {paired:.2f}x)")
+
+    # Ratios of completion tokens/s, pair by pair: each rlproxy step against the TRL step run
+    # just before it (same load), then their median and range.
+    print("\nrlproxy / TRL training part, pair by pair (completion tokens/s):")
+    for name in rls:
+        for clock, suffix in (("wall", ""), ("cpu", "_cpu")):
+            pairs = [
+                (r[f"{name}_tokens"] / r[name + suffix])
+                / (r["trl_tokens"] / r["trl_train" + suffix])
+                for r in measured
+            ]
+            listed = " ".join(f"{p:.2f}" for p in pairs)
+            print(
+                f"  {name:17} {clock:4}: {listed}  -> median {statistics.median(pairs):.2f}x "
+                f"(range {min(pairs):.2f}..{max(pairs):.2f})"
+            )
+    full_pairs = [
+        (r["rlproxy_tokens"] / r["rlproxy"]) / (r["trl_tokens"] / r["trl_full"]) for r in measured
+    ]
+    full = statistics.median(full_pairs)
+    print(f"rlproxy / TRL full step (with generation), median pair: {full:.2f}x")
 
 
 if __name__ == "__main__":

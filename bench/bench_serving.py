@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from servers import start_server  # noqa: E402
 
-from proxy.chat.prompt import render_prompt  # noqa: E402
+from proxy.chat.prompt import ChatTemplate  # noqa: E402
 from proxy.engines.loader import load_model  # noqa: E402
 
 PROMPTS = [
@@ -131,9 +131,10 @@ def main() -> None:
     loaded = load_model(args.model_dir)
     tok = loaded.tokenizer
     prompts = PROMPTS * args.rounds
+    template = ChatTemplate.for_tokenizer(tok)
     prompt_ids = [
         tok.encode(
-            render_prompt([{"role": "user", "content": p}], None),
+            template.render([{"role": "user", "content": p}], None),
             add_special_tokens=False,
         )
         for p in prompts

@@ -10,7 +10,11 @@ Starts two servers on this machine:
   folder, so held-out evaluation traffic never becomes training data.
 
 Held-out reward (100 questions never practised, `--eval-samples` attempts each) is measured for
-the base model first, every `--eval-every` steps, and for the last version. Writes
+the base model first, every `--eval-every` steps, and for the last version. After each
+evaluation the gain over the base is given in standard errors; the first version at +3 standard
+errors or more gives the minutes to +3 s.e. (training wall time since the first practice round,
+the time spent evaluating left out, and with it). Exact answers (the reply is the right number
+alone) are reported beside the reward at every evaluation. Writes
 `<out>/learning.json` and `<out>/learning.png` (training reward per step and held-out reward
 with standard errors) and prints the summary.
 
@@ -114,12 +118,17 @@ def plot(path: Path, steps: list[dict[str, Any]], evals: list[dict[str, Any]]) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=30.0, help="training wall-time budget")
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=30.0,
+        help="training wall-time budget (time spent evaluating not counted)",
+    )
     parser.add_argument("--questions", type=int, default=4, help="groups per step")
     parser.add_argument("--runs", type=int, default=8, help="attempts per question (group size)")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--eval-samples", type=int, default=2)
-    parser.add_argument("--eval-every", type=int, default=15)
+    parser.add_argument("--eval-every", type=int, default=4)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     parser.add_argument(
         "--model-dir",
@@ -159,11 +168,40 @@ def main() -> None:
     )
     steps: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
+    eval_s = 0.0  # wall time spent evaluating since training started
+    to_3se: dict[str, Any] | None = None
+
+    def held_out(version: int) -> None:
+        nonlocal eval_s, to_3se
+        began = time.monotonic()
+        train_minutes, wall_minutes = (began - started - eval_s) / 60, (began - started) / 60
+        result = evaluate(eval_url, version, args.eval_samples)
+        eval_s += time.monotonic() - began
+        base = evals[0]
+        se = math.hypot(base["stderr"], result["stderr"])
+        result["gain_in_standard_errors"] = (
+            (result["mean_reward"] - base["mean_reward"]) / se if se else None
+        )
+        result["train_minutes"], result["wall_minutes"] = train_minutes, wall_minutes
+        evals.append(result)
+        print(
+            f"  gain {result['gain_in_standard_errors'] or 0:+.1f} s.e. after "
+            f"{result['train_minutes']:.1f} min of training ({result['wall_minutes']:.1f} min "
+            "with evaluations)",
+            flush=True,
+        )
+        if to_3se is None and (result["gain_in_standard_errors"] or 0) >= 3:
+            to_3se = {
+                "version": version,
+                "train_minutes": result["train_minutes"],
+                "wall_minutes": result["wall_minutes"],
+            }
+
     try:
         evals.append(evaluate(eval_url, None, args.eval_samples))
         started = time.monotonic()
         version, rounds = 0, 0
-        while time.monotonic() - started < args.minutes * 60:
+        while time.monotonic() - started - eval_s < args.minutes * 60:  # evaluations aside
             # Practise until the trainer has enough usable groups for its next step (a group
             # whose runs all got the same reward has no signal and is skipped).
             published = None
@@ -204,10 +242,10 @@ def main() -> None:
                 flush=True,
             )
             if version % args.eval_every == 0:
-                evals.append(evaluate(eval_url, version, args.eval_samples))
+                held_out(version)
         wall = time.monotonic() - started
         if version and evals[-1]["version"] != version:
-            evals.append(evaluate(eval_url, version, args.eval_samples))
+            held_out(version)
     finally:
         for proc in (train_proc, eval_proc):
             proc.terminate()
@@ -223,6 +261,8 @@ def main() -> None:
         "trained": {k: last[k] for k in ("version", "mean_reward", "stderr", "exact", "episodes")},
         "gain": gain,
         "gain_in_standard_errors": gain / se if se else None,
+        "minutes_to_3_standard_errors": to_3se,
+        "evaluation_seconds": eval_s,
         "settings": vars(args) | {"out": str(args.out), "model_dir": str(args.model_dir)},
         "steps_detail": steps,
         "evals": evals,
@@ -235,6 +275,17 @@ def main() -> None:
         f"{last['mean_reward']:.3f} ± {last['stderr']:.3f}; gain {gain:+.3f} = "
         f"{summary['gain_in_standard_errors']:.1f} standard errors"
     )
+    print(
+        f"exact answers: base {base['exact']:.0%} -> version {last['version']} {last['exact']:.0%}"
+    )
+    if to_3se is None:
+        print("never reached +3 standard errors over the base in this run")
+    else:
+        print(
+            f"+3 standard errors first at version {to_3se['version']}: "
+            f"{to_3se['train_minutes']:.1f} min of training "
+            f"({to_3se['wall_minutes']:.1f} min with evaluations)"
+        )
     print(f"wrote {args.out / 'learning.json'} and {args.out / 'learning.png'}")
 
 

@@ -1,7 +1,9 @@
-"""Starting `rlproxy serve` for a benchmark: a free loopback port, a log file, wait for health.
+"""Processes for benchmarks: `rlproxy serve` on a free loopback port, or any command with a
+health URL; each logs to a file and is waited on until healthy.
 
     from servers import start_server          # bench scripts run as `python bench/<name>.py`
     proc, url = start_server(data_dir, model_dir, {"RLPROXY_SCORING": "true"})
+    with process(cmd, env, log_path, health_url): ...       # stopped (SIGTERM) on leaving
 
 `SERVE_ONLY` turns the background trainer, scorer and adapter publisher off; a benchmark that
 wants them passes them on in `env_extra`.
@@ -10,10 +12,13 @@ wants them passes them on in `env_extra`.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -57,15 +62,49 @@ def start_server(
             stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    try:
+        wait_healthy(f"{url}/health", proc, log_path, timeout_s=180)
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc, url
+
+
+def wait_healthy(
+    url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 240
+) -> None:
+    """Until `url` answers below 500; a process that exits or never answers is an error."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+            raise RuntimeError(f"{url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError(f"server did not become healthy; see {log_path}")
+    raise RuntimeError(f"{url} did not become healthy:\n{log.read_text()[-3000:]}")
+
+
+def stop(proc: subprocess.Popen[bytes], timeout_s: float = 20) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextmanager
+def process(
+    cmd: list[str], env: dict[str, str], log: Path, health: str
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run `cmd` (output to `log`) until the block ends; healthy when the block starts."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        wait_healthy(health, proc, log)
+        yield proc
+    finally:
+        stop(proc)

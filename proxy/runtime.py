@@ -26,6 +26,8 @@ from typing import Any
 from proxy.adapters.manager import AdapterManager
 from proxy.adapters.publisher import Publisher
 from proxy.adapters.registry import ServedModels
+from proxy.adapters.rollout import RolloutConfig
+from proxy.adapters.rollout_stats import RolloutTest
 from proxy.chat.request import RequestLimits
 from proxy.chat.service import ChatService
 from proxy.chat.upstream import UpstreamChat
@@ -37,6 +39,7 @@ from proxy.telemetry.metrics import Metrics, Sources
 from proxy.telemetry.telemetry import Telemetry, open_telemetry
 from storage.grouping import SignatureGrouper
 from storage.store import Store
+from trainer.rewards.judge_checks import JudgeChecksConfig
 from trainer.rewards.litellm_judge import LiteLLMJudge
 from trainer.rewards.local_judge import ChatComplete, LocalJudge
 from trainer.rewards.ruler import DEFAULT_RUBRIC, Judge
@@ -90,7 +93,7 @@ async def open_runtime(
         rt = Runtime(settings, store, redact=redact)
         engine: Any = None
         if serving or (scoring and not settings.judge_model):
-            engine = await stack.enter_async_context(local_engine(settings))
+            engine = await stack.enter_async_context(policy_engine(settings))
         if serving:  # closed after the background tasks stop, so their last scores still go out
             rt.telemetry = await stack.enter_async_context(
                 open_telemetry(settings, metrics or Metrics(), os.environ)
@@ -104,7 +107,9 @@ async def open_runtime(
                 registry = rt.served.registry if rt.served else ServedModels(settings.model_name)
                 # The judge's own service: it has no record sink, so judge calls never become
                 # calls (nor training data).
-                judge_chat = ChatService(engine, registry, engine.tokenizer, max_n=1)
+                judge_chat = ChatService(
+                    engine, registry, engine.tokenizer, max_n=1, tool_format=settings.tool_format
+                )
                 judge_complete = judge_chat.complete_json
             rt.scorer = build_scorer(settings, store, judge_complete)
         if rt.telemetry is not None and rt.served is not None:
@@ -128,12 +133,68 @@ async def open_store(settings: Settings, redact: Redactor) -> Store:
 
 
 @asynccontextmanager
+async def policy_engine(settings: Settings) -> AsyncIterator[Any]:
+    """The engine that generates the policy's tokens (RLPROXY_ENGINE), started."""
+    factory = vllm_engine if settings.engine == "vllm" else local_engine
+    async with factory(settings) as engine:
+        yield engine
+
+
+@asynccontextmanager
+async def vllm_engine(settings: Settings) -> AsyncIterator[Any]:
+    """vLLM servers (RLPROXY_VLLM_URLS) behind the token-level contract; the tokenizer is the
+    served model's, read here (rlproxy renders and tokenizes every prompt itself)."""
+    from proxy.engines.vllm import VLLMEngine
+
+    tokenizer, stops = await asyncio.to_thread(policy_tokenizer, settings)
+    path_map = None
+    if settings.vllm_data_dir:
+        path_map = (str(settings.data_dir.resolve()), settings.vllm_data_dir)
+    engine = VLLMEngine(
+        settings.vllm_urls,
+        tokenizer,
+        policy=settings.model_name,
+        served_model=settings.vllm_model,
+        path_map=path_map,
+        timeout_s=settings.vllm_timeout_s,
+        health_interval_s=settings.vllm_health_interval_s,
+        stop_ids=stops,
+    )
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
+def policy_tokenizer(settings: Settings) -> tuple[Any, list[int]]:
+    """The served model's tokenizer (with its chat template) and stop ids, from the folder
+    RLPROXY_BASE_MODEL resolves to (the embedded model's when unset); no weights are loaded."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from proxy.engines.loader import resolve_model_dir, stop_token_ids
+
+    folder = resolve_model_dir(settings.base_model, settings.model_dir or settings.data_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    try:
+        generation = GenerationConfig.from_pretrained(str(folder))
+    except OSError:  # no generation_config.json: EOS and <|im_start|> only
+        generation = None
+    stops = stop_token_ids(SimpleNamespace(generation_config=generation), tokenizer)  # type: ignore[arg-type]
+    return tokenizer, sorted(stops)
+
+
+@asynccontextmanager
 async def local_engine(settings: Settings) -> AsyncIterator[Any]:
     """The embedded model on the local engine, started; stopped on exit."""
     from proxy.engines.loader import load_model
     from proxy.engines.local import LocalEngine
 
-    loaded = await asyncio.to_thread(load_model, settings.model_dir or settings.data_dir)
+    loaded = await asyncio.to_thread(
+        load_model, settings.model_dir or settings.data_dir, base_model=settings.base_model
+    )
     engine = LocalEngine(loaded, max_batch_size=settings.max_batch_size)
     await engine.start()
     try:
@@ -179,8 +240,29 @@ def build_scorer(
         judge_explicit_groups=settings.judge_explicit_groups,
         reward_policy=settings.reward_policy,
         lease_s=settings.scoring_lease_s,
+        checks=judge_checks_config(settings),
     )
     return Scorer(store, judge, grouper, config)
+
+
+def judge_checks_config(settings: Settings) -> JudgeChecksConfig | None:
+    """The judge checks of the `# --- judge checks` settings; None when they are off."""
+    if not settings.judge_checks:
+        return None
+    return JudgeChecksConfig(
+        canary_share=settings.judge_canary_share,
+        position_share=settings.judge_position_share,
+        gate=settings.judge_gate,
+        min_checks=settings.judge_gate_min_checks,
+        min_canary_pass=settings.judge_gate_min_canary_pass,
+        min_self_tau=settings.judge_gate_min_self_tau,
+        window=settings.judge_gate_window,
+        hold_undecided=settings.judge_gate_hold_undecided,
+        drift_window=settings.judge_drift_window,
+        drift_reward_rise=settings.judge_drift_reward_rise,
+        drift_canary_drop=settings.judge_drift_canary_drop,
+        drift_length_ratio=settings.judge_drift_length_ratio,
+    )
 
 
 async def _serve(
@@ -211,8 +293,10 @@ async def _serve(
             max_schema_nodes=settings.max_schema_nodes,
         ),
         max_queued_rows=settings.max_queued_rows,
+        tool_format=settings.tool_format,
     )
-    served = Served(engine, registry, chat, adapters, Publisher(adapters, store))
+    publisher = Publisher(adapters, store, rollout_config(settings))
+    served = Served(engine, registry, chat, adapters, publisher)
     if settings.publish_adapters:
         await served.publisher.check()  # a restart serves the newest good version
     if settings.train:
@@ -228,6 +312,7 @@ async def _serve(
             redact=redact,
         )
         upstream.start()
+        stack.push_async_callback(upstream.aclose)  # the direct path's pooled connections
         served.upstream = UpstreamChat(upstream, record=record)
         logger.info("upstream models: %s", ", ".join(settings.upstream_models))
     return served
@@ -249,6 +334,22 @@ def _start_background(settings: Settings, rt: Runtime) -> None:
         rt.tasks.append(asyncio.create_task(rt.scorer.run(settings.scoring_interval_s)))
     if settings.publish_adapters and rt.served is not None:
         rt.tasks.append(asyncio.create_task(rt.served.publisher.run(settings.adapter_poll_s)))
+
+
+def rollout_config(settings: Settings) -> RolloutConfig | None:
+    """The canary rollout's configuration; None when it is off (RLPROXY_ROLLOUT)."""
+    if not settings.rollout:
+        return None
+    return RolloutConfig(
+        share=settings.rollout_share,
+        test=RolloutTest(
+            margin=settings.rollout_margin,
+            alpha=settings.rollout_alpha,
+            min_groups=settings.rollout_min_groups,
+            max_groups=settings.rollout_max_groups,
+        ),
+        reward_policy=settings.reward_policy,
+    )
 
 
 async def close_idle_trajectories(store: Store, settings: Settings) -> None:

@@ -15,11 +15,18 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class UpstreamTarget(BaseModel):
-    """Where one upstream model name is forwarded (through litellm)."""
+    """Where one upstream model name is forwarded: `openai/...` targets straight to the
+    OpenAI-compatible server over HTTP, every other provider through litellm."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(description="litellm target, `provider/model` (e.g. `openai/gpt-4o-mini`).")
+    via: Literal["auto", "litellm"] = Field(
+        "auto",
+        description="`auto`: an `openai/` target is called directly (pooled HTTP client, "
+        "streams passed through chunk by chunk), any other provider through litellm; "
+        "`litellm`: always through litellm.",
+    )
     api_base: str | None = Field(None, description="Base URL of an OpenAI-compatible server.")
     api_key_env: str | None = Field(
         None,
@@ -285,8 +292,177 @@ class Settings(BaseSettings):
         "posted by the environment, or RULER's score. Both stay stored and visible.",
     )
 
+    # --- judge checks ---------------------------------------------------------------------
+    # Keeping the judge honest (trainer/rewards/judge_checks.py): canaries, self-agreement,
+    # agreement with the environment, a gate on training, a drift alarm. Figures: GET /rl/judge.
+    judge_checks: bool = Field(
+        True, description="Run the judge checks below (false: judge as before, no checks)."
+    )
+    judge_canary_share: float = Field(
+        0.2,
+        ge=0,
+        le=1,
+        description="Share of judged groups that get one extra synthetic member known to be bad "
+        "(empty, a refusal, another task's answer, an answer cut in half), never trained on. A "
+        "judge scoring it above the group's median fails the check.",
+    )
+    judge_position_share: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="Share of judged groups judged a second time with the members in reverse "
+        "order; Kendall's tau between the two is the judge's self-agreement.",
+    )
+    judge_gate: bool = Field(
+        True,
+        description="Hold (never train on) scores from a judge whose canary pass rate or "
+        "self-agreement is shown to be below its threshold.",
+    )
+    judge_gate_min_checks: int = Field(
+        20, ge=1, description="Checks of a kind (canaries, re-orderings) before it can decide."
+    )
+    judge_gate_min_canary_pass: float = Field(
+        0.8,
+        ge=0,
+        le=1,
+        description="Canary pass rate a judge needs: held when the 95% Wilson upper bound of its "
+        "rate is below this.",
+    )
+    judge_gate_min_self_tau: float = Field(
+        0.5,
+        ge=-1,
+        le=1,
+        description="Mean Kendall's tau between two orderings a judge needs: held when its 95% "
+        "upper bound (mean + 1.96 standard errors) is below this.",
+    )
+    judge_gate_window: int = Field(
+        200, ge=1, description="Newest checks per judge model and rubric the gate reads."
+    )
+    judge_gate_hold_undecided: bool = Field(
+        False,
+        description="Also hold scores while the checks cannot decide yet (too few, or the bounds "
+        "straddle the threshold). Off: only a judge shown to fail is held.",
+    )
+    judge_drift_window: int = Field(
+        50,
+        ge=1,
+        description="Drift alarm: the newest this many judged groups against the ones before.",
+    )
+    judge_drift_reward_rise: float = Field(
+        0.1, ge=0, description="Drift alarm: a rise of the mean reward that counts as climbing."
+    )
+    judge_drift_canary_drop: float = Field(
+        0.2, ge=0, le=1, description="Drift alarm: a fall of the canary pass rate that collapses."
+    )
+    judge_drift_length_ratio: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Drift alarm: completion lengths (median, or spread) at or below this share "
+        "of before count as collapsed.",
+    )
+
+    # --- base model -----------------------------------------------------------------------
+    # Which model is served and trained (proxy/engines/loader.py) and how its tool calls are
+    # written (proxy/chat/tool_formats.py). Prompts always go through the model's chat template.
+    base_model: str | None = Field(
+        None,
+        description="The base model: a local Hugging Face folder (config, weights, tokenizer "
+        "with a chat template), a .gguf file (converted once to fp32 under the model cache), or "
+        "a hub id such as `Qwen/Qwen2.5-0.5B-Instruct` (downloaded only then, if the hub is "
+        "reachable). Unset: the embedded SmolLM2-135M-Instruct.",
+    )
+    tool_format: Literal["auto", "hermes", "llama3_json"] = Field(
+        "auto",
+        description="How the model writes tool calls: `hermes` (`<tool_call>{...}</tool_call>`: "
+        'Qwen2.5/3, SmolLM2), `llama3_json` (`{"name": ..., "parameters": ...}`: Llama 3.1+), '
+        "or `auto`: read from the chat template (Hermes when it has no tool markup).",
+    )
+
+    # --- vllm engine ----------------------------------------------------------------------
+    # The policy's tokens from vLLM servers instead of the embedded model (proxy/engines/vllm.py;
+    # README, "vLLM", says how to start them).
+    engine: Literal["local", "vllm"] = Field(
+        "local",
+        description="What generates the policy's tokens: the embedded model (`local`) or the vLLM "
+        "servers in RLPROXY_VLLM_URLS (`vllm`).",
+    )
+    vllm_urls: list[str] = Field(
+        default_factory=list,
+        description="Base URLs of the vLLM OpenAI servers (replicas of one model), e.g. "
+        '["http://gpu-a:8000", "http://gpu-b:8000"]; requests go to the one with the least '
+        "outstanding work.",
+    )
+    vllm_model: str | None = Field(
+        None,
+        description="The base model's served name on the vLLM servers (default: the first base "
+        "model their /v1/models lists).",
+    )
+    vllm_data_dir: str | None = Field(
+        None,
+        description="The data directory as the vLLM machines see it (a shared volume mounted "
+        "elsewhere): adapter paths under RLPROXY_DATA_DIR are rewritten to it. Default: the "
+        "same path.",
+    )
+    vllm_health_interval_s: float = Field(
+        2.0,
+        gt=0,
+        description="How often each vLLM server's /health is probed; a failing one leaves the "
+        "rotation and comes back (its adapters reloaded first) once it answers.",
+    )
+    vllm_timeout_s: float = Field(
+        600.0, gt=0, description="Longest wait for the next bytes of a vLLM answer, in seconds."
+    )
+
+    # --- rollout --------------------------------------------------------------------------
+    rollout: bool = Field(
+        False,
+        description="Canary rollout: a new adapter version first serves RLPROXY_ROLLOUT_SHARE of "
+        "the policy name's conversations beside the active one, and takes over only once groups "
+        "scored with both show it is not worse; a worse one is rolled back and rejected. Off: "
+        "each new version serves everything as soon as it loads.",
+    )
+    rollout_share: float = Field(
+        0.25, gt=0, lt=1, description="Share of the policy name's conversations a canary serves."
+    )
+    rollout_margin: float = Field(
+        0.05,
+        ge=0,
+        description="Non-inferiority margin, in reward units: a canary whose mean reward is "
+        "shown to be at most this much below the active version's (within the same groups) "
+        "is promoted.",
+    )
+    rollout_alpha: float = Field(
+        0.05,
+        gt=0,
+        lt=0.5,
+        description="Error rate of the rollout's test over all its looks (each look gets "
+        "alpha / looks).",
+    )
+    rollout_min_groups: int = Field(
+        8,
+        ge=2,
+        description="Scored groups holding both versions needed before the first decision; the "
+        "test looks again at twice, four times ... this many, up to RLPROXY_ROLLOUT_MAX_GROUPS.",
+    )
+    rollout_max_groups: int = Field(
+        64,
+        ge=2,
+        description="At this many mixed groups the rollout decides: a canary not shown to be "
+        "non-inferior by then is rolled back.",
+    )
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
+        if self.engine == "vllm" and not self.vllm_urls:
+            raise ValueError(
+                'RLPROXY_ENGINE=vllm needs RLPROXY_VLLM_URLS, e.g. ["http://127.0.0.1:8001"]'
+            )
+        if self.rollout_max_groups < self.rollout_min_groups:
+            raise ValueError(
+                f"RLPROXY_ROLLOUT_MAX_GROUPS ({self.rollout_max_groups}) must be >= "
+                f"RLPROXY_ROLLOUT_MIN_GROUPS ({self.rollout_min_groups})"
+            )
         if self.group_max_size < self.group_min_size:
             raise ValueError(
                 f"RLPROXY_GROUP_MAX_SIZE ({self.group_max_size}) must be at least "

@@ -11,6 +11,7 @@ from storage.errors import InvalidRecord, StoreClosed, StoreError, TrajectoryNot
 from storage.records import (
     CallRecord,
     ChoiceRecord,
+    JudgeCheckRecord,
     LinkDecision,
     LinkKeys,
     RewardRecord,
@@ -27,6 +28,7 @@ __all__ = [
     "CallRecord",
     "ChoiceRecord",
     "InvalidRecord",
+    "JudgeCheckRecord",
     "LinkDecision",
     "LinkKeys",
     "RewardRecord",

@@ -15,7 +15,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from storage.models import adapters_table as A
 from storage.records import AdapterRecord
 
-UPDATABLE = frozenset({"path", "status", "loaded_at", "activated_at", "error", "metrics"})
+UPDATABLE = frozenset(
+    {"path", "status", "loaded_at", "activated_at", "error", "metrics", "rollout"}
+)
 
 
 async def record_adapter(conn: AsyncConnection, record: AdapterRecord) -> None:
@@ -55,6 +57,7 @@ def _record(row: Row[Any]) -> AdapterRecord:
         activated_at=row.activated_at,
         error=row.error,
         metrics=row.metrics,
+        rollout=row.rollout,
     )
 
 

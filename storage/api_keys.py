@@ -144,6 +144,7 @@ async def delete_owner_data(conn: AsyncConnection, key_id: str) -> dict[str, int
     owned_c = f"SELECT id FROM calls WHERE trajectory_id IN ({owned_t})"
     steps = [
         ("scores", f"DELETE FROM scores WHERE group_id IN ({owned_g})"),
+        ("judge_checks", "DELETE FROM judge_checks WHERE owner_key_id = :k"),
         (
             "group_members",
             f"DELETE FROM group_members WHERE group_id IN ({owned_g}) "

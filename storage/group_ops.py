@@ -31,7 +31,7 @@ from storage.records import (
 )
 
 _CANDIDATE_BATCH = 500
-CLAIMABLE = ("ready", "failed", "scored", "forming")
+CLAIMABLE = ("ready", "failed", "scored", "forming", "held")
 DEFAULT_LEASE_S = 60.0
 """How long a claim holds without renewal: the scorer renews it every third of this while the
 judge works, so it only runs out when the scorer's process is gone (or cannot write)."""

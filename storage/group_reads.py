@@ -53,6 +53,7 @@ def _summary(row: Row[Any]) -> GroupSummary:
         failure=row.failure,
         trained_step=row.trained_step,
         owner_key_id=row.owner_key_id,
+        hold_reason=row.hold_reason,
     )
 
 

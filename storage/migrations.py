@@ -297,12 +297,56 @@ def _m005_untrained_groups(conn: Connection) -> None:
     )
 
 
+def _m006_judge_checks(conn: Connection) -> None:
+    """Judge checks: one row per judging (how the judge placed a canary, its agreement with
+    itself in another order and with the environment's rewards, the gate's decision), and the
+    reason a group's scores are held (status "held") when its judge fails its checks."""
+    md = MetaData()
+    Table(
+        "judge_checks",
+        md,
+        Column("id", Integer, primary_key=True, autoincrement=True),
+        Column("group_id", String, nullable=False),
+        Column("owner_key_id", String),
+        Column("created_at", Double, nullable=False),
+        Column("judge_model", String, nullable=False),
+        Column("rubric_hash", String, nullable=False),
+        Column("member_count", Integer, nullable=False),
+        Column("canary_kind", String),
+        Column("canary_member_id", String),
+        Column("canary_score", Double),
+        Column("canary_median", Double),
+        Column("canary_passed", Boolean),
+        Column("position_tau", Double),
+        Column("env_members", Integer),
+        Column("env_spearman", Double),
+        Column("env_kendall", Double),
+        Column("mean_reward", Double),
+        Column("completion_tokens_mean", Double),
+        Column("completion_tokens_std", Double),
+        Column("decision", String, nullable=False),
+        Column("reason", Text),
+        Index("ix_judge_checks_judge", "judge_model", "rubric_hash", "id"),
+        Index("ix_judge_checks_owner", "owner_key_id", "id"),
+    )
+    md.create_all(conn)
+    conn.execute(text("ALTER TABLE groups ADD COLUMN hold_reason TEXT"))
+
+
+def _m007_adapter_rollout(conn: Connection) -> None:
+    """Canary rollout: each adapter version's rollout state and every decision with its
+    figures (JSON), shown by `GET /rl/adapters`."""
+    conn.execute(text("ALTER TABLE adapters ADD COLUMN rollout TEXT"))
+
+
 MIGRATIONS: list[Migration] = [
     Migration(1, "m001_initial", _m001_initial),
     Migration(2, "m002_groups_and_adapters", _m002_groups_and_adapters),
     Migration(3, "m003_bounded_linking", _m003_bounded_linking),
     Migration(4, "m004_keys_owners_leases", _m004_keys_owners_leases),
     Migration(5, "m005_untrained_groups", _m005_untrained_groups),
+    Migration(6, "m006_judge_checks", _m006_judge_checks),
+    Migration(7, "m007_adapter_rollout", _m007_adapter_rollout),
 ]
 
 

@@ -198,6 +198,8 @@ class Group(Base):
     # The scorer holding a "scoring" group, and until when; an expired lease may be taken.
     claimed_by: Mapped[str | None] = mapped_column(String)
     lease_until: Mapped[float | None] = mapped_column(Double)
+    # Why a scored group's scores are held (status "held"): its judge failed its checks.
+    hold_reason: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (
         Index("ix_groups_source_key_status", "source", "key", "status"),
@@ -269,6 +271,40 @@ class Score(Base):
     __table_args__ = (Index("ix_scores_group_id", "group_id"),)
 
 
+class JudgeCheck(Base):
+    """What one judging of a group told about its judge: how it placed a canary, whether it
+    agreed with itself in another order, with the environment's rewards; the gate's decision."""
+
+    __tablename__ = "judge_checks"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    group_id: Mapped[str] = mapped_column(String)
+    owner_key_id: Mapped[str | None] = mapped_column(String)
+    created_at: Mapped[float] = mapped_column(Double)
+    judge_model: Mapped[str] = mapped_column(String)
+    rubric_hash: Mapped[str] = mapped_column(String)
+    member_count: Mapped[int] = mapped_column(Integer)
+    canary_kind: Mapped[str | None] = mapped_column(String)  # empty|refusal|copied|truncated
+    canary_member_id: Mapped[str | None] = mapped_column(String)
+    canary_score: Mapped[float | None] = mapped_column(Double)
+    canary_median: Mapped[float | None] = mapped_column(Double)
+    canary_passed: Mapped[bool | None] = mapped_column(Boolean)
+    position_tau: Mapped[float | None] = mapped_column(Double)
+    env_members: Mapped[int | None] = mapped_column(Integer)
+    env_spearman: Mapped[float | None] = mapped_column(Double)
+    env_kendall: Mapped[float | None] = mapped_column(Double)
+    mean_reward: Mapped[float | None] = mapped_column(Double)
+    completion_tokens_mean: Mapped[float | None] = mapped_column(Double)
+    completion_tokens_std: Mapped[float | None] = mapped_column(Double)
+    decision: Mapped[str] = mapped_column(String)  # train | held
+    reason: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (
+        Index("ix_judge_checks_judge", "judge_model", "rubric_hash", "id"),
+        Index("ix_judge_checks_owner", "owner_key_id", "id"),
+    )
+
+
 class Adapter(Base):
     """An adapter version the trainer wrote, and what serving made of it."""
 
@@ -284,6 +320,7 @@ class Adapter(Base):
     activated_at: Mapped[float | None] = mapped_column(Double)
     error: Mapped[str | None] = mapped_column(Text)
     metrics: Mapped[Any] = mapped_column(JSONText, nullable=True)
+    rollout: Mapped[Any] = mapped_column(JSONText, nullable=True)  # canary state, decisions
 
 
 trajectories_table = cast(Table, Trajectory.__table__)
@@ -296,4 +333,5 @@ groups_table = cast(Table, Group.__table__)
 group_members_table = cast(Table, GroupMember.__table__)
 scores_table = cast(Table, Score.__table__)
 adapters_table = cast(Table, Adapter.__table__)
+judge_checks_table = cast(Table, JudgeCheck.__table__)
 api_keys_table = cast(Table, ApiKey.__table__)

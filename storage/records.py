@@ -242,10 +242,11 @@ class LinkDecision:
 # --- groups and scores ---------------------------------------------------------------------
 
 GroupSource = Literal["explicit", "task", "shadow", "cohort"]
-GroupStatus = Literal["forming", "ready", "scoring", "scored", "failed", "expired"]
+GroupStatus = Literal["forming", "ready", "scoring", "scored", "failed", "expired", "held"]
 GROUP_STATUSES: frozenset[str] = frozenset(
-    {"forming", "ready", "scoring", "scored", "failed", "expired"}
+    {"forming", "ready", "scoring", "scored", "failed", "expired", "held"}
 )
+""""held": scored, but its judge failed its checks, so training does not use it (hold_reason)."""
 
 
 @dataclass(frozen=True)
@@ -304,6 +305,8 @@ class GroupSummary:
     trained_step: int | None
     owner_key_id: str | None = None
     """The API key whose trajectories make it up (None when the server has no keys)."""
+    hold_reason: str | None = None
+    """Why its scores are held, not trained on (status "held"): the judge failed its checks."""
 
 
 @dataclass
@@ -387,6 +390,37 @@ class JudgeOutcome:
     completion_tokens: int | None = None
     cost_usd: float | None = None
     failure: str | None = None
+    check: JudgeCheckRecord | None = None
+    """What this judging told about the judge (canary, self-agreement), stored beside it."""
+    hold_reason: str | None = None
+    """Set: the scores are stored but held (status "held"), not trained on; this says why."""
+
+
+@dataclass
+class JudgeCheckRecord:
+    """One judging's checks of its judge (`trainer.rewards.judge_checks`); a row of
+    `judge_checks`. None where a check did not run or is undefined (a constant ranking)."""
+
+    group_id: str
+    judge_model: str
+    rubric_hash: str
+    member_count: int
+    created_at: float = 0.0
+    owner_key_id: str | None = None
+    canary_kind: str | None = None
+    canary_member_id: str | None = None
+    canary_score: float | None = None
+    canary_median: float | None = None
+    canary_passed: bool | None = None
+    position_tau: float | None = None
+    env_members: int | None = None
+    env_spearman: float | None = None
+    env_kendall: float | None = None
+    mean_reward: float | None = None
+    completion_tokens_mean: float | None = None
+    completion_tokens_std: float | None = None
+    decision: Literal["train", "held"] = "train"
+    reason: str | None = None
 
 
 @dataclass
@@ -405,3 +439,6 @@ class AdapterRecord:
     error: str | None = None
     metrics: dict[str, Any] | None = None
     """The training step's figures (loss, tokens/s, groups used, mean reward, ...)."""
+    rollout: dict[str, Any] | None = None
+    """Canary rollout (`proxy.adapters.rollout`): state ("canary", "promoted", "rolled_back",
+    "superseded"), the version it was compared with, and every decision with its figures."""

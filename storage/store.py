@@ -34,7 +34,17 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from storage import adapter_ops, api_keys, group_ops, group_reads, read_ops, stats, write_ops
+from storage import (
+    adapter_ops,
+    api_keys,
+    group_ops,
+    group_reads,
+    judge_checks,
+    read_ops,
+    rollout,
+    stats,
+    write_ops,
+)
 from storage.api_keys import ApiKeyRecord, KeyScope
 from storage.engines import Engines, SqliteSynchronous, create_engines
 from storage.errors import InvalidRecord, TrajectoryNotFound
@@ -53,6 +63,7 @@ from storage.records import (
     CallRecord,
     GroupDetail,
     GroupPage,
+    JudgeCheckRecord,
     JudgeOutcome,
     StoredCall,
     TrajectoryDetail,
@@ -266,7 +277,8 @@ class Store:
         """Store a claimed group's scores (or its failure) and set its status.
 
         False (and nothing written) when this store no longer holds the claim: another scorer
-        took the group over after the lease expired, and its result stands.
+        took the group over after the lease expired, and its result stands. The outcome's judge
+        check is written with it, and a `hold_reason` makes the group "held" (never trained on).
         """
         if outcome.status not in ("scored", "failed"):
             raise InvalidRecord(f"JudgeOutcome.status must be scored or failed: {outcome.status}")
@@ -275,9 +287,46 @@ class Store:
         owner = self.instance_id
         done: bool = await self._writer.submit(
             self._run_ops,
-            lambda conn: group_ops.finish_scoring(conn, group_id, owner, outcome, time.time()),
+            lambda conn: judge_checks.finish_scoring(conn, group_id, owner, outcome, time.time()),
         )
         return done
+
+    async def requeue_held(
+        self, judge_model: str, rubric_hash: str, *, limit: int = 50, now: float | None = None
+    ) -> list[str]:
+        """Put up to `limit` groups held from this judge and rubric back to "ready" (oldest
+        first) to be judged again; return their ids."""
+        t = time.time() if now is None else now
+        ids: list[str] = await self._writer.submit(
+            self._run_ops,
+            lambda conn: judge_checks.requeue_held(conn, judge_model, rubric_hash, limit, t),
+        )
+        return ids
+
+    async def checks_of_judge(
+        self, judge_model: str, rubric_hash: str, *, limit: int = 200
+    ) -> list[JudgeCheckRecord]:
+        """The newest `limit` judge checks of one judge model and rubric, newest first."""
+        async with self._engines.read.connect() as conn:
+            return await judge_checks.checks_of_judge(conn, judge_model, rubric_hash, limit)
+
+    async def newest_judge_checks(
+        self, *, limit: int = 200, owner: str | None = None
+    ) -> list[JudgeCheckRecord]:
+        """The newest `limit` judge checks of any judge (`owner`: only that key's groups)."""
+        async with self._engines.read.connect() as conn:
+            return await judge_checks.newest_checks(conn, limit, owner)
+
+    async def held_count(
+        self,
+        *,
+        owner: str | None = None,
+        judge_model: str | None = None,
+        rubric_hash: str | None = None,
+    ) -> int:
+        """Groups whose scores are held by the judge gate."""
+        async with self._engines.read.connect() as conn:
+            return await judge_checks.held_count(conn, owner, judge_model, rubric_hash)
 
     async def release_scoring(
         self, group_id: str | None = None, *, now: float | None = None
@@ -363,6 +412,16 @@ class Store:
         """The newest version the trainer recorded for `policy`, with its step metrics."""
         async with self._engines.read.connect() as conn:
             return await adapter_ops.latest_adapter(conn, policy)
+
+    async def paired_rewards(
+        self, *, old: int, new: int, since: float, reward_policy: str = "explicit"
+    ) -> list[rollout.GroupPair]:
+        """Scored groups since `since` holding members of adapter versions `old` and `new` (0:
+        the base model), with each member's reward (a canary rollout's evidence)."""
+        async with self._engines.read.connect() as conn:
+            return await rollout.paired_rewards(
+                conn, old=old, new=new, since=since, reward_policy=reward_policy
+            )
 
     async def trajectory_of_completion(self, completion_id: str) -> str | None:
         """The trajectory of the call that returned this `chatcmpl-...` id, if any."""

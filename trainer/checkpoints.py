@@ -33,6 +33,7 @@ import os
 import secrets
 import shutil
 from collections import defaultdict
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +180,32 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise CheckpointError(f"{path / TRAINER_STATE} is not a JSON object")
     return state
+
+
+def parent_version(root: Path, version: int) -> int:
+    """The version `version` was trained from (0: fresh LoRA weights): its trainer state's
+    `parent`; the version before it when there is none or the state cannot be read (each step
+    continued the previous one's weights before the trainer recorded parents)."""
+    try:
+        state = read_trainer_state(version_dir(root, version))
+    except (OSError, ValueError, CheckpointError):
+        return version - 1
+    parent = state.get("parent")
+    return parent if isinstance(parent, int) and 0 <= parent < version else version - 1
+
+
+def rolled_back_ancestor(
+    root: Path, version: int, rolled_back: Collection[int], trusted: Collection[int] = ()
+) -> int | None:
+    """The first version of `rolled_back` on `version`'s lineage (itself, its parent, ...),
+    walking down to fresh weights or to a `trusted` version (one that served as active: what
+    lies below it was accepted already). None when the lineage is clean."""
+    current = version
+    while current > 0 and current not in trusted:
+        if current in rolled_back:
+            return current
+        current = parent_version(root, current)
+    return None
 
 
 def read_adapter_config(path: Path) -> dict[str, Any]:

@@ -11,6 +11,9 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+BACKENDS = frozenset({"peft", "unsloth"})
+DTYPES = frozenset({"auto", "float32", "bfloat16"})
+
 
 @dataclass
 class TrainerConfig:
@@ -59,11 +62,49 @@ class TrainerConfig:
         default=4,
         metadata={"help": "Scored groups that make up one optimizer step."},
     )
+    backend: str = field(
+        default="peft",
+        metadata={
+            "help": "Which trainer runs the step: 'peft' (transformers + PEFT, CPU or CUDA; "
+            "trainer/peft_backend.py) or 'unsloth' (Unsloth's FastLanguageModel, CUDA only, "
+            "installed from deploy/requirements-trainer-gpu.txt; trainer/unsloth_backend.py). "
+            "Both compute the same GRPO loss and write the same checkpoints."
+        },
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "Weights' dtype for the forward and backward: 'auto' (bfloat16 on CUDA, "
+            "float32 on CPU), 'float32' or 'bfloat16'. The LoRA weights and AdamW state stay "
+            "float32 either way (PEFT's autocast_adapter_dtype). On CPU, bfloat16 gave garbage "
+            "for a left-padded batch in serving (DESIGN.md), so 'auto' keeps float32 there."
+        },
+    )
     micro_batch_size: int = field(
         default=4,
         metadata={
             "help": "Rows (assistant turns) per forward/backward pass; gradients accumulate over "
             "micro-batches, so this trades memory for speed without changing the result."
+        },
+    )
+    share_prompt_prefix: bool = field(
+        default=True,
+        metadata={
+            "help": "Run the prompt tokens that all rows of a micro-batch share once (batch 1) "
+            "and let every row attend to that one key/value cache, with gradients through it. "
+            "The members of a GRPO group share their prompt, so this removes most of the "
+            "prompt's compute without changing logprobs or gradients beyond float rounding. "
+            "Off with gradient_checkpointing (recomputation would grow the shared cache twice) "
+            "and on the unsloth backend (its forward takes a cache only for inference)."
+        },
+    )
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={
+            "help": "Recompute each decoder layer's activations in the backward instead of "
+            "keeping them (transformers' non-reentrant checkpointing; Unsloth's own offloading "
+            "variant on the unsloth backend): about a third more compute for far less "
+            "activation memory. TRL turns it on by default; for long rows on a GPU."
         },
     )
     max_seq_len: int = field(
@@ -117,6 +158,20 @@ class TrainerConfig:
         )
         _check(
             self.groups_per_step >= 1, f"groups_per_step must be >= 1, got {self.groups_per_step}"
+        )
+        _check(
+            self.backend in BACKENDS,
+            f"backend must be one of {sorted(BACKENDS)}, got {self.backend!r}",
+        )
+        _check(
+            self.dtype in DTYPES,
+            f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}; 'auto' picks bfloat16 "
+            "on CUDA and float32 on CPU",
+        )
+        _check(
+            not (self.backend == "unsloth" and self.dtype == "float32"),
+            "the unsloth backend trains in 16-bit: use dtype 'auto' or 'bfloat16', or backend "
+            "'peft' for float32",
         )
         _check(
             self.micro_batch_size >= 1,

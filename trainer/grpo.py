@@ -78,10 +78,12 @@ def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tens
     The caller aligns the two: logits at position t must be the ones that predict target t
     (for a causal LM's output, `logits[:, :-1]` against `input_ids[:, 1:]`).
     """
-    logits = logits.float()
-    picked = logits.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)  # (B, T)
-    # gather - logsumexp avoids materialising a second (B, T, V) tensor for log_softmax.
-    return picked - torch.logsumexp(logits, dim=-1)
+    # log p(target) = -cross_entropy(logits, target): one fused log-softmax and pick whose
+    # backward (softmax - one_hot) is a single (B, T, V) pass; a gather minus a logsumexp
+    # costs a second (B, T, V) pass and a zero-filled scatter in the backward.
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    picked = -torch.nn.functional.cross_entropy(flat, target_ids.reshape(-1), reduction="none")
+    return picked.reshape(target_ids.shape)
 
 
 def sample_row_weights(token_counts: torch.Tensor, sample_ids: torch.Tensor) -> torch.Tensor:

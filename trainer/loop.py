@@ -19,6 +19,13 @@ step leaves nothing that serving or a restart would load.
 
 Groups marked with `trained_step = 0` were looked at and skipped (zero variance, no reward, or
 no stored token ids); they never contributed a gradient.
+
+Lineage: each checkpoint's trainer state records `parent`, the version whose weights the step
+started from (0: fresh LoRA weights). When serving rolls a version back after its canary
+(`proxy.adapters.rollout`, the adapters table's rollout state "rolled_back"), the next step
+first leaves those weights: it loads the newest version on disk whose lineage holds no
+rolled-back version (weights and optimizer state; fresh weights when there is none) and keeps
+counting versions from where it was, so the next version descends from accepted weights.
 """
 
 from __future__ import annotations
@@ -76,6 +83,8 @@ class TrainingLoop:
         self.step_hooks = list(step_hooks)
         """Called with each written step's report (metrics logging, e.g. `trainer.wandb_log`);
         a hook that raises is logged and never stops training."""
+        self.weights_version = 0
+        """The version whose weights the trainer holds (0: fresh), the next step's parent."""
 
     async def resume(self) -> int:
         """Load the newest complete checkpoint, if any; return the step it restored (0: none)."""
@@ -85,6 +94,7 @@ class TrainingLoop:
             return 0
         state = await asyncio.to_thread(self.trainer.load, latest)
         step = self.trainer.step
+        self.weights_version = step
         await self.store.mark_trained(list(state.get("group_ids") or []), step)
         await self.store.mark_trained(list(state.get("skipped_group_ids") or []), SKIPPED)
         known = {a.version for a in await self.store.list_adapters(self.policy)}
@@ -114,6 +124,8 @@ class TrainingLoop:
             if skipped:
                 await self.store.mark_trained(skipped, SKIPPED)
             return None
+        await self.leave_rolled_back()
+        parent = self.weights_version
         examples = [e for _, exs in chosen for e in exs]
         logger.info(
             "step %d: training on %d groups (%d turns)",
@@ -151,6 +163,7 @@ class TrainingLoop:
             "skipped_group_ids": skipped,
             "policy": self.policy,
             "step_report": report.metrics,
+            "parent": parent,
         }
         try:
             path = await asyncio.to_thread(self.trainer.save, self.root, state)
@@ -160,6 +173,7 @@ class TrainingLoop:
             await self._rewind()
             raise
         report.path = path
+        self.weights_version = report.version
         await self._record(report.version, path, report.metrics)
         await self.store.mark_trained(group_ids, report.version)
         if skipped:
@@ -239,6 +253,39 @@ class TrainingLoop:
                     )
                 )
         return out
+
+    async def leave_rolled_back(self) -> None:
+        """If the weights held descend from a rolled-back version, go back to the newest version
+        whose lineage is clean (fresh weights if none); the step counter stays."""
+        records = await self.store.list_adapters(self.policy)
+        rolled = {a.version for a in records if (a.rollout or {}).get("state") == "rolled_back"}
+        if not rolled:
+            return
+        trusted = {a.version for a in records if a.activated_at is not None}
+        trusted -= rolled
+        bad = checkpoints.rolled_back_ancestor(self.root, self.weights_version, rolled, trusted)
+        if bad is None:
+            return
+        rejected = {a.version for a in records if a.status == "rejected"}
+        step = self.trainer.step
+        for version in sorted(checkpoints.list_versions(self.root), reverse=True):
+            if version in rejected or checkpoints.rolled_back_ancestor(
+                self.root, version, rolled, trusted
+            ):
+                continue
+            await asyncio.to_thread(self.trainer.load, checkpoints.version_dir(self.root, version))
+            self.weights_version = version
+            break
+        else:
+            self.trainer.reset_adapter()
+            self.weights_version = 0
+        self.trainer.step = step
+        logger.warning(
+            "version %d was rolled back: training continues from %s (next version %d)",
+            bad,
+            f"version {self.weights_version}" if self.weights_version else "fresh weights",
+            step + 1,
+        )
 
     async def _rewind(self) -> None:
         latest = await asyncio.to_thread(checkpoints.latest_checkpoint, self.root)

@@ -1,17 +1,33 @@
 """The PEFT/torch trainer backend: one GRPO optimizer step at a time on a LoRA, CPU or CUDA.
 
-`PeftTrainer` owns its own fp32 copy of the base model wrapped in a PEFT LoRA and an AdamW
-optimizer over the LoRA parameters only. `train_step` takes `TrainingExample`s (exact stored
-token ids, stored logprobs, advantages) and makes exactly one optimizer step; `save` writes a
-checkpoint the serving engine can load (`trainer.checkpoints`); `load` resumes from one.
+`PeftTrainer` owns its own copy of the base model (any causal-LM folder transformers loads:
+float32 on CPU, bfloat16 on CUDA by default, `TrainerConfig.dtype`) wrapped in a PEFT LoRA, and
+an AdamW optimizer over the LoRA parameters only (float32 either way). `train_step` takes
+`TrainingExample`s (exact stored token ids, stored logprobs, advantages) and makes exactly one
+optimizer step; `save` writes a checkpoint the serving engine (or vLLM) can load
+(`trainer.checkpoints`); `load` resumes from one. `open_trainer` picks the backend the config
+names (`trainer.unsloth_backend` is imported only when asked for).
 
 How a step runs: each example is one row `prompt + completion`, cut from the left of the prompt
-when longer than `max_seq_len`. Rows are sorted by length (less padding), right-padded and cut
-into micro-batches. Logits are computed only where a completion token is predicted (transformers'
-boolean `logits_to_keep`), so long prompts cost no (T, V) logits. Per-token weights are computed
-once over the whole batch (`grpo.sample_row_weights`), so the micro-batch losses add up to
-exactly the full-batch loss, including the per-sample averaging. With kl_beta > 0 a reference
-pass runs with the adapter disabled, under no_grad.
+when longer than `max_seq_len`. Rows are ordered by prompt, then length, so that the members of
+a group (which share their prompt) sit together, and cut into micro-batches of
+`micro_batch_size` rows. In each micro-batch the prompt tokens every row shares run once, at
+batch 1, into a key/value cache that every row then attends to (`share_prompt_prefix`); the
+gradient flows back through that cache into the shared prefix, so the result is the same as
+running every row in full. The rest of each row is right-padded. Logits are computed only where
+a completion token is predicted (transformers' boolean `logits_to_keep`), so long prompts cost
+no (T, V) logits. Per-token weights are computed once over the whole batch
+(`grpo.sample_row_weights`), so the micro-batch losses add up to exactly the full-batch loss,
+including the per-sample averaging. With kl_beta > 0 a reference pass runs with the adapter
+disabled, under no_grad. `gradient_checkpointing` recomputes layer activations in the backward.
+
+Where a step's time went before prompt sharing (torch.profiler over one step of
+bench/bench_grpo_speed.py's work, 8 rows of 64 prompt + 64 completion tokens, on a loaded 2-core
+CPU): about half in matmuls, a third in elementwise ops and their backward (norms, rotary, LoRA
+scaling, activations), 5 % attention, 1.5 % AdamW, 1.3 % the log-softmax over the vocabulary;
+all but the last two grow with the tokens run through the decoder. Sharing the prompt runs 576
+tokens there instead of 1,024; the log-softmax is one fused cross-entropy and AdamW one fused
+kernel.
 
 It is not the background loop: it reads no database, forms no groups and computes no
 advantages; it never serves requests (the engine loads the checkpoints it writes).
@@ -35,6 +51,7 @@ import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM
+from transformers.cache_utils import DynamicLayer
 
 from trainer import checkpoints
 from trainer.config import TrainerConfig
@@ -51,6 +68,7 @@ class StepMetrics:
     turns: int  # examples (rows)
     tokens: int  # completion tokens trained on
     forward_tokens: int  # prompt + completion tokens through forward and backward (no padding)
+    computed_tokens: int  # tokens actually run (a shared prompt prefix once per micro-batch)
     seconds: float
     tokens_per_s: float  # forward_tokens / seconds
     grad_norm: float  # global norm before clipping
@@ -72,42 +90,114 @@ class _Row:
     truncated: bool
 
 
+try:  # transformers >= 5.2x: a boolean (B, T) `logits_to_keep` keeps exactly those positions
+    from transformers.modeling_utils import slice_logits_to_keep  # noqa: F401
+
+    BOOLEAN_LOGITS_TO_KEEP = True
+except ImportError:  # older (the GPU image's 5.17, pinned by Unsloth): positions only
+    BOOLEAN_LOGITS_TO_KEEP = False
+
+MIN_SHARED_PREFIX = 8
+"""Shorter common prefixes are not worth the extra forward call of sharing them."""
+
+
+def open_trainer(
+    model_dir: Path, config: TrainerConfig, *, device: str | None = None
+) -> PeftTrainer:
+    """The trainer of `config.backend`: `PeftTrainer`, or `UnslothTrainer` (imported only here,
+    as Unsloth is installed only in the GPU trainer image)."""
+    if config.backend == "unsloth":
+        from trainer.unsloth_backend import UnslothTrainer
+
+        return UnslothTrainer(model_dir, config, device=device)
+    return PeftTrainer(model_dir, config, device=device)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`TrainerConfig.dtype` on this device: 'auto' is bfloat16 on CUDA, float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
 class PeftTrainer:
+    backend = "peft"
+
     def __init__(
         self, model_dir: Path, config: TrainerConfig, *, device: str | None = None
     ) -> None:
-        """Load the fp32 checkpoint in `model_dir` (see proxy.engines.loader.ensure_fp32_cache)."""
+        """Load the causal LM in `model_dir` (for the embedded model, the fp32 folder of
+        proxy.engines.loader.ensure_fp32_cache) and put a fresh LoRA on it."""
+        if config.backend != self.backend:
+            raise ValueError(
+                f"this config asks for the {config.backend!r} backend; build the trainer with "
+                "trainer.peft_backend.open_trainer(model_dir, config)"
+            )
         self.config = config
         self.model_dir = Path(model_dir)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        base = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        with self._rng(config.seed):  # the LoRA A init is random: make it reproducible
+            self.model: PeftModel = self._load_model()
         # Padding is masked out of attention and loss, so any id does; the model's own is tidiest.
-        self.pad_id = int(base.config.pad_token_id or 0)
+        self.pad_id = int(getattr(self.model.get_base_model().config, "pad_token_id", 0) or 0)
+        self.model.eval()
+        self._initial_adapter = self.adapter_state()  # the fresh LoRA, for `reset_adapter`
+        self._share_prefix = self._can_share_prefix()
+        self._boolean_keep = BOOLEAN_LOGITS_TO_KEEP
+        self._params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        # One fused kernel per step instead of a loop of small ops per LoRA matrix.
+        self.optimizer = torch.optim.AdamW(
+            list(self._params.values()),
+            lr=config.learning_rate,
+            weight_decay=config.weight_decay,
+            fused=True,
+        )
+        self.step = 0
+        self.last_metrics: StepMetrics | None = None
+        logger.info(
+            "LoRA trainer (%s) on %s in %s: %.2f M trainable parameters (r=%d on %s)",
+            self.backend,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            sum(p.numel() for p in self._params.values()) / 1e6,
+            config.lora_rank,
+            ",".join(config.target_modules),
+        )
+
+    def _load_model(self) -> PeftModel:
+        """The base model in `self.dtype` on `self.device`, with a fresh LoRA on it."""
+        config = self.config
+        base = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=self.dtype)
+        if config.gradient_checkpointing:
+            # Non-reentrant: gradients reach the LoRA inside each checkpointed layer even
+            # though the layer's input (the frozen embeddings, for layer 0) needs none.
+            base.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         lora = LoraConfig(
             task_type=TaskType.CAUSAL_LM,
             r=config.lora_rank,
             lora_alpha=config.lora_alpha,
             lora_dropout=config.lora_dropout,
             target_modules=list(config.target_modules),
+            # What vLLM's LoRA loader accepts: no bias, no modules_to_save, no DoRA.
             bias="none",
         )
-        with self._rng(config.seed):  # the LoRA A init is random: make it reproducible
-            self.model: PeftModel = get_peft_model(base, lora)  # type: ignore[assignment]
-        self.model.to(self.device)  # type: ignore[arg-type]
-        self.model.eval()
-        self._params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        self.optimizer = torch.optim.AdamW(
-            list(self._params.values()), lr=config.learning_rate, weight_decay=config.weight_decay
-        )
-        self.step = 0
-        self.last_metrics: StepMetrics | None = None
-        logger.info(
-            "LoRA trainer on %s: %.2f M trainable parameters (r=%d on %s)",
-            self.device,
-            sum(p.numel() for p in self._params.values()) / 1e6,
-            config.lora_rank,
-            ",".join(config.target_modules),
-        )
+        model: PeftModel = get_peft_model(base, lora)  # type: ignore[assignment]
+        model.to(self.device)  # type: ignore[arg-type]
+        return model
+
+    def _can_share_prefix(self) -> bool:
+        """Sharing needs a plain growing key/value cache in every layer (not a sliding-window,
+        quantised or recurrent one, whose contents differ from a full forward)."""
+        if not self.config.share_prompt_prefix or self.config.gradient_checkpointing:
+            return False
+        probe = torch.tensor([[self.pad_id]], device=self.device)
+        with torch.no_grad():
+            cache = self.model(input_ids=probe, use_cache=True, logits_to_keep=1).past_key_values
+        layers = list(getattr(cache, "layers", None) or [])
+        return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
     # ----------------------------------------------------------------- training
 
@@ -124,9 +214,14 @@ class PeftTrainer:
         )
         counts = torch.tensor([len(r.old_logprobs) for r in rows])
         weights = sample_row_weights(counts, sample_ids)  # (N,) per-token weight of each row
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i].input_ids))
+        # Same prompts side by side (shared in one micro-batch), shortest rows first within one.
+        order = sorted(
+            range(len(rows)),
+            key=lambda i: (rows[i].input_ids[: rows[i].first], len(rows[i].input_ids)),
+        )
 
         loss_sum = 0.0
+        computed = 0
         totals: dict[str, float] = defaultdict(float)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -134,6 +229,7 @@ class PeftTrainer:
             with self._rng(self.config.seed + self.step):  # per-step dropout, same on resume
                 for chunk in _chunks(order, self.config.micro_batch_size):
                     loss, metrics = self._micro_batch([rows[i] for i in chunk], weights[chunk])
+                    computed += int(metrics["computed_tokens"])
                     loss.backward()  # type: ignore[no-untyped-call]
                     loss_sum += float(loss.detach())
                     for key in ("clip_fraction", "ratio_mean", "kl"):
@@ -168,6 +264,7 @@ class PeftTrainer:
             turns=len(rows),
             tokens=tokens,
             forward_tokens=forward_tokens,
+            computed_tokens=computed,
             seconds=seconds,
             tokens_per_s=forward_tokens / seconds if seconds > 0 else 0.0,
             grad_norm=grad_norm,
@@ -204,31 +301,37 @@ class PeftTrainer:
     def _micro_batch(
         self, rows: list[_Row], row_weights: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        batch, length = len(rows), max(len(r.input_ids) for r in rows)
-        input_ids = torch.full((batch, length), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((batch, length), dtype=torch.long)
-        # keep[b, p]: position p predicts a completion token (p + 1), so p runs from first - 1.
+        shared = self._shared_prefix(rows)  # P: the leading tokens every row has, run once
+        batch = len(rows)
+        length = max(len(r.input_ids) for r in rows) - shared  # S: the longest row's rest
+        input_ids = torch.full((batch, length), self.pad_id, dtype=torch.long)  # (B, S)
+        attention = torch.zeros((batch, shared + length), dtype=torch.long)  # (B, P + S)
+        # keep[b, p]: suffix position p predicts a completion token (p + 1), so p runs from
+        # first - 1 (in suffix coordinates, first - 1 - P; P <= first - 1 by construction).
         keep = torch.zeros((batch, length), dtype=torch.bool)
         old = torch.zeros((batch, length), dtype=torch.float32)
         for b, row in enumerate(rows):
-            n = len(row.input_ids)
-            input_ids[b, :n] = torch.tensor(row.input_ids)
-            attention[b, :n] = 1
-            span = slice(row.first - 1, row.first - 1 + len(row.old_logprobs))
+            rest = row.input_ids[shared:]
+            input_ids[b, : len(rest)] = torch.tensor(rest)
+            attention[b, : shared + len(rest)] = 1
+            span = slice(row.first - 1 - shared, row.first - 1 - shared + len(row.old_logprobs))
             keep[b, span] = True
             old[b, span] = torch.tensor(row.old_logprobs)
         input_ids, attention, keep, old = (
             t.to(self.device) for t in (input_ids, attention, keep, old)
         )
+        prefix = (
+            torch.tensor([rows[0].input_ids[:shared]], device=self.device) if shared else None
+        )  # (1, P)
         targets = input_ids.roll(-1, dims=1)  # target of position p is token p + 1
         advantages = torch.tensor([r.advantage for r in rows], device=self.device)
 
         ref = None
         if self.config.kl_beta > 0:
             with torch.no_grad(), self.model.disable_adapter():
-                ref = self._logprobs(input_ids, attention, keep, targets)
-        new = self._logprobs(input_ids, attention, keep, targets)
-        return grpo_loss(
+                ref = self._logprobs(input_ids, attention, keep, targets, prefix)
+        new = self._logprobs(input_ids, attention, keep, targets, prefix)
+        loss, metrics = grpo_loss(
             new,
             old,
             advantages,
@@ -238,6 +341,21 @@ class PeftTrainer:
             ref_logprobs=ref,
             row_weights=row_weights.to(self.device),
         )
+        metrics["computed_tokens"] = float(shared + int(attention[:, shared:].sum()))
+        return loss, metrics
+
+    def _shared_prefix(self, rows: list[_Row]) -> int:
+        """How many leading tokens all `rows` share and may run once: at most up to the first
+        position whose logits are needed (first - 1); 0 when not worth it or not possible."""
+        if not self._share_prefix or len(rows) < 2:
+            return 0
+        limit = min(r.first for r in rows) - 1
+        if limit < MIN_SHARED_PREFIX:
+            return 0
+        heads = torch.tensor([r.input_ids[:limit] for r in rows])  # (B, limit)
+        same = (heads == heads[0]).all(dim=0)  # (limit,)
+        shared = int(same.long().cumprod(0).sum())
+        return shared if shared >= MIN_SHARED_PREFIX else 0
 
     def _logprobs(
         self,
@@ -245,12 +363,30 @@ class PeftTrainer:
         attention: torch.Tensor,
         keep: torch.Tensor,
         targets: torch.Tensor,
+        prefix: torch.Tensor | None,
     ) -> torch.Tensor:
-        """(B, T) logprobs of the targets at the `keep` positions, 0 elsewhere."""
+        """(B, S) logprobs of the targets at the `keep` positions, 0 elsewhere.
+
+        input_ids, keep, targets (B, S): each row after the shared prefix; attention (B, P + S);
+        prefix (1, P) or None. The prefix runs once and its key/value cache, repeated over the
+        batch, is what every row attends to (autograd sums the rows' gradients into it).
+        """
+        cache = None
+        if prefix is not None:
+            cache = self.model(input_ids=prefix, use_cache=True, logits_to_keep=1).past_key_values
+            cache.batch_repeat_interleave(input_ids.shape[0])
+        # Logits only where a completion token is predicted: (N, V) for the N kept positions.
+        # Without boolean masks, the columns kept in any row: (B, C, V), then the kept ones.
+        columns = None if self._boolean_keep else keep.any(dim=0).nonzero().squeeze(1)  # (C,)
         out = self.model(
-            input_ids=input_ids, attention_mask=attention, logits_to_keep=keep, use_cache=False
+            input_ids=input_ids,
+            attention_mask=attention,
+            past_key_values=cache,
+            use_cache=cache is not None,
+            logits_to_keep=keep if columns is None else columns,
         )
-        flat = token_logprobs(out.logits, targets[keep])  # (N, V), (N,) -> (N,)
+        logits = out.logits if columns is None else out.logits[keep[:, columns]]  # (N, V)
+        flat = token_logprobs(logits, targets[keep])  # (N, V), (N,) -> (N,)
         return torch.zeros(keep.shape, dtype=flat.dtype, device=flat.device).masked_scatter(
             keep, flat
         )
@@ -301,6 +437,13 @@ class PeftTrainer:
             state,
             self.optimizer_state(),
         )
+
+    def reset_adapter(self) -> None:
+        """Back to the LoRA weights this trainer started with and an empty optimizer state
+        (the step counter stays: version numbers never go back)."""
+        set_peft_model_state_dict(self.model, self._initial_adapter)
+        self.optimizer.state.clear()
+        logger.info("LoRA weights reset to their initial values")
 
     def load(self, path: Path) -> dict[str, Any]:
         """Resume from a checkpoint folder: LoRA weights, optimizer state and step.

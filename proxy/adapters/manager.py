@@ -60,10 +60,13 @@ class AdapterManager:
         return checkpoints.list_versions(self.root)
 
     def kept(self) -> set[int]:
-        """The versions that stay loaded: the active one and the ones active before it."""
+        """The versions that stay loaded: the active one, the ones active before it, and a
+        version on canary."""
         active = self.registry.active
         previous = [v for v in reversed(self._history) if v != active][: self.keep_previous]
-        return set(previous) | ({active} if active is not None else set())
+        canary = self.registry.canary
+        trial = {canary.version} if canary is not None else set()
+        return set(previous) | ({active} if active is not None else set()) | trial
 
     async def load(self, version: int) -> None:
         lock = self._locks.setdefault(version, asyncio.Lock())
@@ -116,6 +119,13 @@ class AdapterManager:
                 param="version",
                 code="adapter_active",
             )
+        canary = self.registry.canary
+        if canary is not None and canary.version == version:
+            raise InvalidRequestError(
+                f"adapter version {version} is on canary; wait for the rollout's decision",
+                param="version",
+                code="adapter_active",
+            )
         if version not in self.registry.loaded_versions():
             return False
         self.registry.remove_version(version)
@@ -151,6 +161,7 @@ class AdapterManager:
 
     def describe(self) -> list[dict[str, object]]:
         loaded = set(self.registry.loaded_versions())
+        canary = self.registry.canary
         versions = sorted(loaded | set(self.available()))
         return [
             {
@@ -159,6 +170,7 @@ class AdapterManager:
                 "path": self.shown_path(v),
                 "loaded": v in loaded,
                 "active": v == self.registry.active,
+                "canary": canary is not None and v == canary.version,
             }
             for v in versions
         ]

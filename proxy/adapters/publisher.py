@@ -9,6 +9,17 @@ version they started with (the engine keeps an adapter until no request uses it)
 longer kept are unloaded by `proxy.adapters.manager`.
 
 Each outcome is written to the adapters table, so `GET /rl/adapters` shows it.
+
+With a canary rollout (`rollout` given; `proxy.adapters.rollout`): the newest unseen version
+does not take over at once but serves a share of the traffic beside the active one until the
+rollout promotes it or rolls it back; newer versions wait meanwhile. On start, the newest
+version that was ever active and is not rejected serves again (and a canary that was running
+resumes, with the evidence gathered before the restart).
+
+Never published again, whatever the setting: a version a rollout rejected (rolled back), and
+one trained from a rolled-back version (its trainer state's `parent` chain passes through one; a
+version without `parent`, written before the trainer recorded it, counts as trained from the
+version before it). A version the engine refused is tried again after a restart, as before.
 """
 
 from __future__ import annotations
@@ -18,28 +29,40 @@ import logging
 import time
 
 from proxy.adapters.manager import AdapterManager
+from proxy.adapters.rollout import ROLLED_BACK, Rollout, RolloutConfig
 from proxy.api.errors import APIError
 from storage.records import AdapterRecord
 from storage.store import Store
+from trainer import checkpoints
 
 logger = logging.getLogger(__name__)
 
 
 class Publisher:
-    def __init__(self, adapters: AdapterManager, store: Store) -> None:
+    def __init__(
+        self, adapters: AdapterManager, store: Store, rollout: RolloutConfig | None = None
+    ) -> None:
         self.adapters = adapters
         self.store = store
         self.policy = adapters.registry.policy
         self._seen: set[int] = set()
+        self.rollout = None if rollout is None else Rollout(adapters, store, rollout, self._note)
+        self._restored = False
 
     async def check(self) -> int | None:
-        """Publish the newest unseen version that loads; return it (None: nothing new)."""
+        """Publish the newest unseen version that loads (with a rollout: put it on canary, once
+        the running canary is decided); return it (None: nothing new)."""
+        if self.rollout is not None:
+            return await self._check_rollout(self.rollout)
         active = self.adapters.registry.active or 0
         unseen = [v for v in self.adapters.available() if v not in self._seen]
+        barred = await self._barred(unseen)
         for version in sorted(unseen, reverse=True):
             self._seen.add(version)
             if version <= active:
                 continue  # older than what serves now: loadable on demand, not published
+            if version in barred:
+                continue
             try:
                 await self.adapters.activate(version)
             except APIError as exc:
@@ -55,6 +78,88 @@ class Publisher:
             self._seen.update(unseen)
             return version
         return None
+
+    async def _check_rollout(self, rollout: Rollout) -> int | None:
+        if not self._restored:
+            await self._restore()
+            self._restored = True
+        if rollout.version is not None:
+            await rollout.evaluate()
+            if rollout.version is not None:
+                return None  # still on trial: newer versions wait for its decision
+        active = self.adapters.registry.active or 0
+        unseen = [v for v in self.adapters.available() if v > active and v not in self._seen]
+        if not unseen:
+            return None
+        records = {a.version: a for a in await self.store.list_adapters(self.policy)}
+        barred = await self._barred(unseen, records)
+        for version in sorted(unseen, reverse=True):
+            if version in barred:
+                self._seen.add(version)
+                continue
+            record = records.get(version)
+            try:
+                await rollout.start(version, previous=record.rollout if record else None)
+            except APIError as exc:
+                logger.error("adapter %d rejected, not put on canary: %s", version, exc.message)
+                await self._note(version, status="rejected", error=exc.message)
+                self._seen.add(version)
+                continue
+            self._seen.add(version)
+            return version
+        return None
+
+    async def _restore(self) -> None:
+        """Serve the newest version that was active before (not rejected) again."""
+        if self.adapters.registry.active is not None:
+            return
+        on_disk = set(self.adapters.available())
+        records = await self.store.list_adapters(self.policy)
+        served = [
+            a.version
+            for a in records
+            if a.activated_at is not None and a.status != "rejected" and a.version in on_disk
+        ]
+        for version in sorted(served, reverse=True):
+            try:
+                await self.adapters.activate(version)
+            except APIError as exc:
+                logger.error("adapter %d, active before, cannot serve: %s", version, exc.message)
+                continue
+            logger.info("serving adapter %d again, the last version that was active", version)
+            return
+
+    async def _barred(
+        self, versions: list[int], records: dict[int, AdapterRecord] | None = None
+    ) -> set[int]:
+        """Which of `versions` must never be published: rejected by a rollout, or trained from a
+        version that was rolled back (recorded as rejected here, with the reason)."""
+        if not versions:
+            return set()
+        if records is None:
+            records = {a.version: a for a in await self.store.list_adapters(self.policy)}
+        rolled = {v for v, a in records.items() if _rolled_back(a)}
+        trusted = {
+            v for v, a in records.items() if a.activated_at is not None and a.status != "rejected"
+        }
+        barred = {v for v in versions if v in records and _refused_by_rollout(records[v])}
+        for version in versions:
+            if version in barred or not rolled:
+                continue
+            ancestor = checkpoints.rolled_back_ancestor(
+                self.adapters.root, version, rolled, trusted
+            )
+            if ancestor is not None:
+                barred.add(version)
+                reason = f"trained from version {ancestor}, which was rolled back"
+                logger.warning("adapter %d not published: %s", version, reason)
+                await self._note(
+                    version,
+                    status="rejected",
+                    error=reason,
+                    rollout={"state": "rejected", "reason": reason, "ancestor": ancestor},
+                )
+        return barred
 
     async def note_activation(self, version: int | None) -> None:
         """Record a manual activation (roll back or forward)."""
@@ -84,3 +189,13 @@ class Publisher:
             )
             await self.store.record_adapter(record)
             await self.store.update_adapter(self.policy, version, **changes)
+
+
+def _refused_by_rollout(record: AdapterRecord) -> bool:
+    """Rejected by a rollout (rolled back, or trained from a rolled-back version): for good. A
+    version the engine refused is tried again after a restart, as before rollouts existed."""
+    return record.status == "rejected" and record.rollout is not None
+
+
+def _rolled_back(record: AdapterRecord) -> bool:
+    return bool(record.rollout) and (record.rollout or {}).get("state") == ROLLED_BACK

@@ -5,15 +5,25 @@
     NAME@N        adapter version N, pinned (while it is loaded)
     alias         configured other names (e.g. `gpt-4o-mini`) that mean NAME
 
+During a canary rollout (`proxy.adapters.rollout`) NAME and the aliases mean one of two
+versions per call: the canary for a share of the traffic, the active version for the rest
+(`route`). A multi-turn conversation stays on the version its first turn drew (`StickyRoutes`).
+Pins (`NAME@N`, `NAME@base`) are never split.
+
 The registry only maps names to versions; loading weights is the engine's job, and the
 `AdapterManager` (`manager.py`) changes the registry only after an engine load succeeded.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import random
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 from proxy.api.errors import ModelNotFoundError
 
@@ -42,6 +52,77 @@ class Resolved:
         return None if self.version is None else adapter_name(self.version)
 
 
+def conversation_key(
+    messages: list[dict[str, Any]], trajectory_id: str | None = None
+) -> str | None:
+    """What stays the same on every turn of one conversation: an explicit trajectory id, else
+    the messages up to and including the first assistant message (its text and tool calls, as
+    the client sends them back). None for a first turn that has no answer yet: it draws, and
+    `remember` keys its answer."""
+    if trajectory_id:
+        return f"t:{trajectory_id}"
+    opening = []
+    for m in messages:
+        opening.append(_message_text(m))
+        if m.get("role") == "assistant":
+            digest = hashlib.sha256(json.dumps(opening, ensure_ascii=False).encode()).hexdigest()
+            return f"m:{digest}"
+    return None
+
+
+def _message_text(m: dict[str, Any]) -> list[Any]:
+    content = m.get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    calls = [
+        [c.get("function", {}).get("name"), c.get("function", {}).get("arguments")]
+        for c in m.get("tool_calls") or []
+        if isinstance(c, dict)
+    ]
+    return [m.get("role"), content or "", calls]
+
+
+class StickyRoutes:
+    """Which version a conversation drew, by a key of its opening (bounded, oldest forgotten).
+
+    In memory only: after a restart (or on another replica) a conversation that is already
+    under way draws again."""
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self.capacity = capacity
+        self._routes: OrderedDict[str, int | None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> tuple[bool, int | None]:
+        with self._lock:
+            if key not in self._routes:
+                return False, None
+            self._routes.move_to_end(key)
+            return True, self._routes[key]
+
+    def put(self, key: str, version: int | None) -> None:
+        with self._lock:
+            self._routes[key] = version
+            self._routes.move_to_end(key)
+            while len(self._routes) > self.capacity:
+                self._routes.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._routes.clear()
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+
+@dataclass(frozen=True)
+class Canary:
+    """A version on trial: it serves `share` of the policy name's traffic."""
+
+    version: int
+    share: float
+
+
 @dataclass
 class ServedModels:
     policy: str
@@ -49,7 +130,10 @@ class ServedModels:
     created: int = field(default_factory=lambda: int(time.time()))
     _loaded: dict[int, int] = field(default_factory=dict)  # version -> loaded-at time
     _active: int | None = None
+    _canary: Canary | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    sticky: StickyRoutes = field(default_factory=StickyRoutes)
+    rng: random.Random = field(default_factory=random.Random)
 
     @property
     def active(self) -> int | None:
@@ -62,18 +146,72 @@ class ServedModels:
         with self._lock:
             self._loaded.setdefault(version, int(time.time()))
 
+    @property
+    def canary(self) -> Canary | None:
+        return self._canary
+
     def remove_version(self, version: int) -> None:
         with self._lock:
             if self._active == version:
                 raise ValueError(f"version {version} is active; activate another one first")
+            if self._canary is not None and self._canary.version == version:
+                raise ValueError(f"version {version} is on canary; end the canary first")
             self._loaded.pop(version, None)
 
     def activate(self, version: int | None) -> None:
-        """Make `version` (None = base) what NAME and the aliases serve. It must be loaded."""
+        """Make `version` (None = base) what NAME and the aliases serve. It must be loaded.
+        A canary ends: promoted if it is `version`, otherwise its comparison (against the
+        version active until now) no longer holds."""
         with self._lock:
             if version is not None and version not in self._loaded:
                 raise ValueError(f"version {version} is not loaded")
             self._active = version
+            if self._canary is not None:
+                self._canary = None
+                self.sticky.clear()
+
+    def start_canary(self, version: int, share: float) -> None:
+        """Serve the loaded `version` to `share` (0 < share < 1) of NAME's conversations."""
+        if not 0.0 < share < 1.0:
+            raise ValueError(f"a canary's share must be between 0 and 1, not {share}")
+        with self._lock:
+            if version not in self._loaded:
+                raise ValueError(f"version {version} is not loaded")
+            if version == self._active:
+                raise ValueError(f"version {version} is already active")
+            self._canary = Canary(version, share)
+            self.sticky.clear()
+
+    def end_canary(self) -> None:
+        """NAME serves the active version alone again."""
+        with self._lock:
+            self._canary = None
+            self.sticky.clear()
+
+    def is_policy_name(self, name: str) -> bool:
+        """True for NAME and the aliases (the names a canary splits), not for pins."""
+        return name == self.policy or name in self.aliases
+
+    def route(self, resolved: Resolved, key: str | None = None) -> Resolved:
+        """The version this call gets: `resolved` unchanged unless it names the policy while a
+        canary runs; then the version `key`'s conversation drew before, else a fresh draw (the
+        canary with probability `share`), remembered under `key`."""
+        canary = self._canary
+        if canary is None or not self.is_policy_name(resolved.requested):
+            return resolved
+        if key is not None:
+            known, version = self.sticky.get(key)
+            if known and (version in (canary.version, self._active)):
+                return Resolved(resolved.requested, version)
+        version = canary.version if self.rng.random() < canary.share else self._active
+        if key is not None:
+            self.sticky.put(key, version)
+        return Resolved(resolved.requested, version)
+
+    def remember(self, key: str, version: int | None) -> None:
+        """Keep a conversation on `version` (while a canary runs; otherwise nothing to keep)."""
+        if self._canary is not None:
+            self.sticky.put(key, version)
 
     def resolve(self, name: str) -> Resolved:
         if name == self.policy or name in self.aliases:

@@ -29,6 +29,7 @@ from proxy.api.routes import adapters as adapter_routes
 from proxy.api.routes import completions as completion_routes
 from proxy.api.routes import dashboard as dashboard_routes
 from proxy.api.routes import groups as group_routes
+from proxy.api.routes import judge as judge_routes
 from proxy.api.routes import metrics as metrics_routes
 from proxy.api.routes import models as model_routes
 from proxy.api.routes import stats as stats_routes
@@ -52,9 +53,10 @@ def create_app(settings: Settings) -> FastAPI:
             check_exposure(settings, keys)
             setattr(app.state, RUNTIME_KEY, runtime)
             logger.info(
-                "serving %s (aliases: %s) on the local engine; data directory %s",
+                "serving %s (aliases: %s) on the %s engine; data directory %s",
                 settings.model_name,
                 ", ".join(settings.aliases) or "none",
+                settings.engine,
                 settings.data_dir.resolve(),
             )
             yield
@@ -65,6 +67,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(adapter_routes.router)
     app.include_router(trajectory_routes.router)
     app.include_router(group_routes.router)
+    app.include_router(judge_routes.router)
     app.include_router(stats_routes.router)
     app.include_router(dashboard_routes.router)
     app.include_router(metrics_routes.router)

@@ -227,7 +227,7 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
 
-def get_caller(request: Request) -> Principal:
+async def get_caller(request: Request) -> Principal:  # async: no thread-pool hop
     principal = request.scope.get("state", {}).get(PRINCIPAL_KEY)
     if principal is None:  # only an app built without the middleware (unit tests)
         return Principal(key_id=None, scope="admin", name="open")

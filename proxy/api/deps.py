@@ -28,19 +28,22 @@ from trainer.rewards.scoring import Scorer
 
 RUNTIME_KEY = "runtime"
 
+# The dependencies below are `async def` on purpose: FastAPI runs a plain `def` dependency in its
+# thread pool, a thread hop per dependency per request for what is an attribute read.
 
-def get_runtime(request: Request) -> Runtime:
+
+async def get_runtime(request: Request) -> Runtime:
     runtime: Runtime = getattr(request.app.state, RUNTIME_KEY)
     return runtime
 
 
-def get_served(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Served:
+async def get_served(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Served:
     if runtime.served is None:
         raise RuntimeError("the runtime was opened without serving")
     return runtime.served
 
 
-def get_scorer(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Scorer:
+async def get_scorer(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Scorer:
     if runtime.scorer is None:
         raise RuntimeError("the runtime was opened without a scorer")
     return runtime.scorer
@@ -50,49 +53,49 @@ RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 ServedDep = Annotated[Served, Depends(get_served)]
 
 
-def _settings(runtime: RuntimeDep) -> Settings:
+async def _settings(runtime: RuntimeDep) -> Settings:
     return runtime.settings
 
 
-def _store(runtime: RuntimeDep) -> Store:
+async def _store(runtime: RuntimeDep) -> Store:
     return runtime.store
 
 
-def _chat(served: ServedDep) -> ChatService:
+async def _chat(served: ServedDep) -> ChatService:
     return served.chat
 
 
-def _upstream(served: ServedDep) -> UpstreamChat | None:
+async def _upstream(served: ServedDep) -> UpstreamChat | None:
     return served.upstream
 
 
-def _registry(served: ServedDep) -> ServedModels:
+async def _registry(served: ServedDep) -> ServedModels:
     return served.registry
 
 
-def _adapters(served: ServedDep) -> AdapterManager:
+async def _adapters(served: ServedDep) -> AdapterManager:
     return served.adapters
 
 
-def _publisher(served: ServedDep) -> Publisher:
+async def _publisher(served: ServedDep) -> Publisher:
     return served.publisher
 
 
-def _engine(served: ServedDep) -> Engine:
+async def _engine(served: ServedDep) -> Engine:
     return served.engine
 
 
-def _trainer(served: ServedDep) -> TrainerProcess | None:
+async def _trainer(served: ServedDep) -> TrainerProcess | None:
     return served.trainer
 
 
-def _telemetry(runtime: RuntimeDep) -> Telemetry:
+async def _telemetry(runtime: RuntimeDep) -> Telemetry:
     if runtime.telemetry is None:
         raise RuntimeError("the runtime was opened without serving")
     return runtime.telemetry
 
 
-def require_writable_store(runtime: RuntimeDep) -> None:
+async def require_writable_store(runtime: RuntimeDep) -> None:
     """A 503 (`storage_unavailable`) before any work when the database takes no writes: a call
     that cannot be stored is not made. Declared on the routes that generate."""
     health = runtime.store.health

@@ -8,6 +8,10 @@
     ├── RateLimitError            429 requests, code "rate_limit_exceeded", with `retry-after`
     │   └── OverloadedError       429, code "server_overloaded" (the engine's queue is full)
     ├── ServerError               500 server_error (the engine failed; retrying may help)
+    ├── BadGatewayError           502 server_error, code "engine_failed" (the engine server
+    │                             generating the answer died mid-answer)
+    ├── EngineUnreachableError    503 server_error, code "engine_unavailable" (no engine
+    │                             server can take the request now)
     ├── StorageUnavailableError   503 server_error, code "storage_unavailable" (the database
     │                             takes no writes: a call could not be stored, so none is made)
     └── UpstreamError             the provider's status (proxy.engines.upstream)
@@ -105,6 +109,27 @@ class ServerError(APIError):
     status_code = 500
     type = "server_error"
     default_code = "server_error"
+
+
+class BadGatewayError(APIError):
+    """The engine server generating this answer failed mid-answer (a vLLM replica died): the
+    call is stored as failed and nothing of it was acknowledged; a retry goes to a live one."""
+
+    status_code = 502
+    type = "server_error"
+    default_code = "engine_failed"
+
+
+class EngineUnreachableError(APIError):
+    """No engine server can take the request now (every vLLM replica is down or refused it)."""
+
+    status_code = 503
+    type = "server_error"
+    default_code = "engine_unavailable"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": "1"}
 
 
 class StorageUnavailableError(APIError):

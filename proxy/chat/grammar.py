@@ -30,6 +30,13 @@ that a 135M model cannot loop on whitespace and its output looks like the prompt
 - tools, "auto": free text, or free text followed by calls as above. The text before a call is a
   lazy lexeme that ends at the first `<tool_call>` (llguidance's tool-calling pattern), so once
   the model writes the tag the call must be valid: a malformed call cannot be produced.
+
+Those are the Hermes family's tool grammars. The Llama 3.1 JSON family (`tool_format`
+`llama3_json`, see `proxy.chat.tool_formats`) has the same three, with `call` being
+`{"name": "<tool>", "parameters": <args>}` joined by `; ` and no text around the calls; in "auto"
+the answer is either the calls or text whose first character is neither `{` nor a blank (so text
+can never be read as a call). It writes one call per answer whatever `parallel_tool_calls` says:
+Meta's templates refuse a history turn with several (the parser still reads `;`-joined calls).
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ import torch
 from llguidance import LLMatcher
 
 from proxy.chat.prompt import ChatFormatError, normalize_tool, tool_parameters
+from proxy.chat.tool_formats import HERMES, ToolFormat
 from proxy.chat.tool_parser import CLOSE_TAG, OPEN_TAG
 
 # JSON layout inside every grammar: no free whitespace, json.dumps separators.
@@ -335,9 +343,10 @@ def constraint_for_tools(
     tools: Sequence[Mapping[str, Any]] | None,
     choice: ToolChoice,
     parallel_tool_calls: bool = True,
+    tool_format: ToolFormat = HERMES,
 ) -> Grammar | None:
-    """The grammar for `choice` over `tools`; None when nothing is constrained (no tools, or
-    "none")."""
+    """The grammar for `choice` over `tools` in the model's tool-call family; None when nothing
+    is constrained (no tools, or "none")."""
     if not tools or choice.kind == "none":
         return None
     try:
@@ -359,16 +368,30 @@ def constraint_for_tools(
     else:
         names, kind, parallel = list(params), f"tool_choice {choice.kind}", parallel_tool_calls
 
-    # One body rule per tool: the name is a literal, the arguments that tool's schema.
+    schemas = [json.dumps(_with_json_options(params[name]), ensure_ascii=False) for name in names]
+    if tool_format.name == "llama3_json":
+        # One call per answer: Meta's Llama 3.1-3.3 templates refuse a history turn that holds
+        # several ("This model only supports single tool-calls at once!"), so a second call
+        # would make the client's next request fail.
+        lark = _llama3_lark(names, schemas, choice.kind == "auto", parallel=False)
+    else:
+        lark = _hermes_lark(names, schemas, choice.kind == "auto", parallel)
+    grammar = _validated(LLMatcher.grammar_from_lark(lark), kind)
+    # Hermes calls end with a tag the row can watch for repeats (Llama 3.1: one call anyway).
+    repeats = parallel and tool_format.name == "hermes"
+    return Grammar(grammar.source, grammar.kind, stop_on_repeated_call=repeats)
+
+
+def _hermes_lark(names: list[str], schemas: list[str], auto: bool, parallel: bool) -> str:
+    """`<tool_call>{"name": N, "arguments": ARGS}</tool_call>`, calls joined by newlines; in
+    "auto", free text first, ended by the lazy `head` lexeme at the first `<tool_call>`."""
     bodies = []
-    for i, name in enumerate(names):
+    for i, (name, schema) in enumerate(zip(names, schemas, strict=True)):
         head = '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
-        schema = json.dumps(_with_json_options(params[name]), ensure_ascii=False)
         bodies.append(f'body_{i}: {_lark_str(head)} %json {schema} "}}</tool_call>"')
     more = ' ("\\n" call)*' if parallel else ""
-    # "auto": free text, or text ended by the lazy `head` and then the calls.
-    start = f"start: TEXT | head call_body{more}" if choice.kind == "auto" else f"start: call{more}"
-    lark = "\n".join(
+    start = f"start: TEXT | head call_body{more}" if auto else f"start: call{more}"
+    return "\n".join(
         [
             "%llguidance {}",
             start,
@@ -380,8 +403,27 @@ def constraint_for_tools(
             *bodies,
         ]
     )
-    grammar = _validated(LLMatcher.grammar_from_lark(lark), kind)
-    return Grammar(grammar.source, grammar.kind, stop_on_repeated_call=parallel)
+
+
+def _llama3_lark(names: list[str], schemas: list[str], auto: bool, parallel: bool) -> str:
+    """`{"name": N, "parameters": ARGS}`, calls joined by `; `, as the whole answer; in "auto",
+    either that or text that does not start with `{` or a blank (so it cannot be a call)."""
+    bodies = []
+    for i, (name, schema) in enumerate(zip(names, schemas, strict=True)):
+        head = '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "parameters": '
+        bodies.append(f'body_{i}: {_lark_str(head)} %json {schema} "}}"')
+    more = ' ("; " call)*' if parallel else ""
+    start = f"start: calls | TEXT | {_lark_str('')}" if auto else "start: calls"
+    return "\n".join(
+        [
+            "%llguidance {}",
+            start,
+            "TEXT: /[^{ \\t\\r\\n](?s:.*)/",
+            f"calls: call{more}",
+            "call: " + " | ".join(f"body_{i}" for i in range(len(names))),
+            *bodies,
+        ]
+    )
 
 
 def constraint_for_request(
@@ -389,6 +431,7 @@ def constraint_for_request(
     tools: Sequence[Mapping[str, Any]] | None,
     tool_choice: ToolChoice | None,
     parallel_tool_calls: bool | None = None,
+    tool_format: ToolFormat = HERMES,
 ) -> Grammar | None:
     """The grammar for a chat completion request's fields, or None for free generation.
 
@@ -397,9 +440,8 @@ def constraint_for_request(
     """
     choice = tool_choice or ToolChoice("auto")
     if tools and choice.kind != "none":
-        return constraint_for_tools(
-            tools, choice, True if parallel_tool_calls is None else parallel_tool_calls
-        )
+        parallel = True if parallel_tool_calls is None else parallel_tool_calls
+        return constraint_for_tools(tools, choice, parallel, tool_format)
     if not response_format:
         return None
     kind = response_format.get("type")

@@ -1,79 +1,53 @@
-"""Rendering OpenAI chat messages (and tools) into the prompt string the model completes.
+"""Rendering OpenAI chat messages (and tools) into the prompt string, with the model's own chat
+template, as vLLM and transformers do (`tokenizer.apply_chat_template(messages, tools=...,
+add_generation_prompt=True)`).
 
-The format is SmolLM2's ChatML, extended with Hermes-style tool calling. Without tools, and with
-string contents and the roles system/user/assistant only, the result is exactly what the
-tokenizer's own chat template gives (including its default system prompt when the first message
-is not a system message). The format, in full:
+`ChatTemplate.for_tokenizer(tokenizer, tool_format)` reads the template once; `render(messages,
+tools)` gives the prompt text (tokenized by the caller with `add_special_tokens=False`: the
+template writes its own BOS). Before the template sees them, messages are put in the one shape
+templates expect:
 
-    <|im_start|>system
-    {system prompt: first system/developer message, else the default}{tools block}<|im_end|>
-    <|im_start|>user
-    {text}<|im_end|>
-    <|im_start|>assistant
-    {text}
-    <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
-    <tool_call>{"name": "get_time", "arguments": {}}</tool_call><|im_end|>
-    <|im_start|>tool
-    <tool_response id="call_abc" name="get_weather">
-    {tool result text}
-    </tool_response><|im_end|>
-    <|im_start|>assistant
-    (the model continues here)
+- `developer` is `system` (templates do not know it); `function` (deprecated) is `tool`.
+- Content is a string: a list of `text` (or `refusal`) parts is joined with newlines; any other
+  part (image, audio, file) raises `UnsupportedContentError` (this is a text-only model).
+- Assistant `tool_calls` carry their `arguments` parsed into an object (templates write them
+  with `tojson`; transformers' convention); arguments that are not JSON stay a string.
+- A tool result carries `tool_call_id` and the tool's `name` (looked up from the assistant turn
+  that made the call).
 
-- Default system prompt: "You are a helpful AI assistant named SmolLM, trained by Hugging Face".
-- `developer` messages are rendered as `system`. A system message that is not the first message
-  stays a system turn where it is.
-- Tools block (only when tools are given): appended to the system prompt after a blank line:
+A template that does not render tools (it never mentions `tools`, like SmolLM2's ChatML template
+in its GGUF) would drop them silently. For such a template rlproxy writes the tool-call family's
+own prompt (`proxy.chat.tool_formats`) into the messages instead, which the template then renders
+as text:
 
-      # Tools
+- the tools block is appended to the first system message, or, when the first message is not a
+  system message, to the template's own default system prompt (found by rendering the template
+  with and without a system message), given as an explicit system message;
+- assistant tool calls become text in the assistant turn (its text, a newline, the calls as the
+  model writes them, arguments verbatim), unless the template renders `tool_calls` itself;
+- a tool result's text is wrapped by the family (Hermes: `<tool_response id=... name=...>`), so
+  the model sees which call it answers.
 
-      You may call one or more functions to assist with the user query.
-
-      You are provided with function signatures within <tools></tools> XML tags:
-      <tools>
-      {"type": "function", "function": {"name": ..., "description": ..., "parameters": ...}}
-      (one line per tool)
-      </tools>
-
-      For each function call, return a json object with function name and arguments within
-      <tool_call></tool_call> XML tags, one call per line:
-      <tool_call>{"name": <function-name>, "arguments": <args-json-object>}</tool_call>
-
-  (the last instruction is one line in the prompt).
-- An assistant turn with tool calls: its text (if any), a newline, then one
-  `<tool_call>{"name": N, "arguments": A}</tool_call>` per call, joined by newlines; `A` is the
-  call's `arguments` string verbatim, so a history looks exactly like what the model produced.
-- A tool result: its own `tool` turn, the content wrapped in `<tool_response>` with the call's id
-  and the tool's name (looked up from the assistant turn that made the call), so the model sees
-  which call it answers.
-- Content may be a string or a list of `{"type": "text", "text": ...}` parts (joined with
-  newlines); any other part type (images, audio, files) raises `UnsupportedContentError`.
-
-`proxy.chat.tool_parser` parses the model's output in this format; `proxy.chat.grammar`
-enforces it. This module only builds strings: it does not tokenize, and it does not escape
-`<|im_start|>` or `<|im_end|>` inside message text (neither does the tokenizer's template).
+For SmolLM2 this is exactly the prompt rlproxy wrote by hand before: ChatML with the Hermes tools
+block in the system prompt. This module builds strings; it does not tokenize, and it does not
+escape special tokens inside message text (neither do the templates).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
+import jinja2
 
-TOOLS_PREAMBLE = (
-    "# Tools\n\n"
-    "You may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n"
-)
-TOOLS_INSTRUCTION = (
-    "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags, one call per line:\n"
-    '<tool_call>{"name": <function-name>, "arguments": <args-json-object>}</tool_call>'
-)
+from proxy.chat.tool_formats import HERMES, ToolFormat
+from proxy.chat.tool_formats import tool_format as pick_tool_format
+
+logger = logging.getLogger(__name__)
 
 
 class ChatFormatError(ValueError):
@@ -84,53 +58,183 @@ class UnsupportedContentError(ChatFormatError):
     """A content part of a type this text-only model cannot take (image, audio, file)."""
 
 
-def render_prompt(
-    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
-) -> str:
-    """The prompt for `messages` (and `tools`), ending with `<|im_start|>assistant\\n`."""
-    if not messages:
-        raise ChatFormatError("messages must contain at least one message")
-    tool_block = render_tools_block(tools) if tools else ""
-    call_names: dict[str, str] = {}  # tool_call_id -> tool name, from assistant turns
-    parts: list[str] = []
-    for i, message in enumerate(messages):
-        role = message.get("role")
-        if i == 0 and role not in ("system", "developer"):
-            parts.append(_turn("system", DEFAULT_SYSTEM_PROMPT + tool_block))
-        if role in ("system", "developer"):
-            text = _text(message, i)
-            parts.append(_turn("system", text + tool_block if i == 0 else text))
-        elif role == "user":
-            parts.append(_turn("user", _text(message, i)))
-        elif role == "assistant":
-            parts.append(_turn("assistant", _assistant_text(message, i, call_names)))
-        elif role in ("tool", "function"):
-            parts.append(_turn("tool", _tool_result_text(message, i, call_names)))
-        else:
-            raise ChatFormatError(f"messages[{i}]: unknown role {role!r}")
-    parts.append(f"{IM_START}assistant\n")
-    return "".join(parts)
+class NoChatTemplateError(ValueError):
+    """The model has no chat template (a base model): rlproxy cannot serve it as a chat model."""
 
 
-def render_tools_block(tools: Sequence[Mapping[str, Any]]) -> str:
-    """The text appended to the system prompt when tools are offered (starts with a blank line)."""
-    lines = [
-        json.dumps(normalize_tool(tool, i), ensure_ascii=False) for i, tool in enumerate(tools)
-    ]
-    return (
-        "\n\n"
-        + TOOLS_PREAMBLE
-        + "<tools>\n"
-        + "\n".join(lines)
-        + "\n</tools>\n\n"
-        + TOOLS_INSTRUCTION
-    )
+_PROBE_USER = "\x00rlproxy-user\x00"
+_PROBE_SYSTEM = "\x00rlproxy-system\x00"
 
 
-def render_tool_call(name: str, arguments: str) -> str:
-    """One call as the model writes it; `arguments` is the JSON text, inserted verbatim."""
-    name_json = json.dumps(name, ensure_ascii=False)
-    return f'<tool_call>{{"name": {name_json}, "arguments": {arguments}}}</tool_call>'
+@dataclass
+class ChatTemplate:
+    """A tokenizer's chat template plus the tool-call family that goes with it."""
+
+    tokenizer: Any
+    tool_format: ToolFormat = HERMES
+    renders_tools: bool = field(init=False)
+    renders_calls: bool = field(init=False)
+    default_system: str | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        source = template_source(self.tokenizer)
+        self.renders_tools = re.search(r"\btools\b", source.replace("tool_calls", "")) is not None
+        self.renders_calls = "tool_calls" in source
+        self.default_system = self._find_default_system()
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, tool_format: str = "auto") -> ChatTemplate:
+        """The template of `tokenizer` with the family `tool_format` names (`auto`: detected
+        from the template's markup)."""
+        fmt = pick_tool_format(tool_format, template_source(tokenizer, with_tools=True))
+        template = cls(tokenizer, fmt)
+        logger.info(
+            "chat template: tools %s, tool calls %s, tool-call format %s",
+            "rendered by the template" if template.renders_tools else "taught by rlproxy",
+            "rendered by the template" if template.renders_calls else "written by rlproxy",
+            fmt.name,
+        )
+        return template
+
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+    ) -> str:
+        """The prompt for `messages` (and `tools`), ending with the assistant's turn opening."""
+        if not messages:
+            raise ChatFormatError("messages must contain at least one message")
+        normalized_tools = [normalize_tool(t, i) for i, t in enumerate(tools or [])]
+        chat = self._messages(messages)
+        kwargs: dict[str, Any] = {}
+        if normalized_tools and self.renders_tools:
+            kwargs["tools"] = normalized_tools
+        elif normalized_tools:
+            block = self.tool_format.tools_block(normalized_tools)
+            if chat[0]["role"] == "system":
+                chat[0] = {**chat[0], "content": chat[0]["content"] + block}
+            else:
+                system = self.default_system
+                content = system + block if system else block.lstrip("\n")
+                chat.insert(0, {"role": "system", "content": content})
+        try:
+            text = self.tokenizer.apply_chat_template(
+                chat, tokenize=False, add_generation_prompt=True, **kwargs
+            )
+        except jinja2.TemplateError as exc:  # the template's own raise_exception, or its bug
+            raise ChatFormatError(f"the model's chat template refused the messages: {exc}") from exc
+        return str(text)
+
+    # -- internals --
+
+    def _messages(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        call_names: dict[str, str] = {}  # tool_call_id -> tool name, from assistant turns
+        out: list[dict[str, Any]] = []
+        for i, message in enumerate(messages):
+            role = message.get("role")
+            if role in ("system", "developer"):
+                out.append({"role": "system", "content": _text(message, i)})
+            elif role == "user":
+                out.append({"role": "user", "content": _text(message, i)})
+            elif role == "assistant":
+                out.append(self._assistant(message, i, call_names))
+            elif role in ("tool", "function"):
+                out.append(self._tool_result(message, i, call_names))
+            else:
+                raise ChatFormatError(f"messages[{i}]: unknown role {role!r}")
+        return out
+
+    def _assistant(
+        self, message: Mapping[str, Any], i: int, call_names: dict[str, str]
+    ) -> dict[str, Any]:
+        text = _text(message, i)
+        calls = []
+        for j, call in enumerate(message.get("tool_calls") or []):
+            fn = call.get("function") if isinstance(call, Mapping) else None
+            if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+                raise ChatFormatError(f"messages[{i}].tool_calls[{j}] needs function.name")
+            arguments = fn.get("arguments")
+            if isinstance(arguments, Mapping):  # lenient: some clients send an object
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            elif not isinstance(arguments, str) or not arguments.strip():
+                arguments = "{}"
+            call_id = call.get("id") if isinstance(call.get("id"), str) else None
+            if call_id is not None:
+                call_names[call_id] = fn["name"]
+            calls.append((call_id, fn["name"], arguments))
+        if not calls:
+            return {"role": "assistant", "content": text}
+        if not self.renders_calls:
+            rendered = self.tool_format.render_calls([(n, a) for _, n, a in calls])
+            return {"role": "assistant", "content": (text + "\n" if text else "") + rendered}
+        return {
+            "role": "assistant",
+            "content": text,
+            "tool_calls": [
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": name, "arguments": _arguments_value(arguments)},
+                }
+                for call_id, name, arguments in calls
+            ],
+        }
+
+    def _tool_result(
+        self, message: Mapping[str, Any], i: int, call_names: dict[str, str]
+    ) -> dict[str, Any]:
+        raw_id = message.get("tool_call_id")
+        call_id = raw_id if isinstance(raw_id, str) else None
+        # `function` messages (deprecated) carry the name themselves.
+        name = message.get("name") or (call_names.get(call_id) if call_id else None)
+        name = name if isinstance(name, str) else None
+        text = _text(message, i)
+        if not self.renders_calls:
+            return {"role": "tool", "content": self.tool_format.render_result(text, call_id, name)}
+        out: dict[str, Any] = {"role": "tool", "content": text}
+        if call_id is not None:
+            out["tool_call_id"] = call_id
+        if name is not None:
+            out["name"] = name
+        return out
+
+    def _find_default_system(self) -> str | None:
+        """The system prompt the template writes when the messages bring none (None: it writes
+        none). Found by rendering one user message with and without a system message."""
+        try:
+            bare = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": _PROBE_USER}], tokenize=False
+            )
+            with_system = self.tokenizer.apply_chat_template(
+                [
+                    {"role": "system", "content": _PROBE_SYSTEM},
+                    {"role": "user", "content": _PROBE_USER},
+                ],
+                tokenize=False,
+            )
+        except Exception:  # a template that insists on its own shapes: no default to reuse
+            return None
+        # with a system message: BEFORE + system text + AFTER; without: BEFORE + default + AFTER
+        before, _, after = str(with_system).partition(_PROBE_SYSTEM)
+        bare = str(bare)
+        if not after or len(bare) < len(before) + len(after):
+            return None
+        if not (bare.startswith(before) and bare.endswith(after)):
+            return None
+        return bare[len(before) : len(bare) - len(after)] or None
+
+
+def template_source(tokenizer: Any, with_tools: bool = False) -> str:
+    """The chat template's Jinja text (the `tool_use` one of a template set, when tools are
+    given and it has one, as transformers picks); raises NoChatTemplateError when there is none."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, Mapping):
+        key = "tool_use" if with_tools and "tool_use" in template else "default"
+        template = template.get(key)
+    if not isinstance(template, str) or not template:
+        raise NoChatTemplateError(
+            "the model has no chat template (tokenizer_config.json or chat_template.jinja); "
+            "rlproxy serves chat models only"
+        )
+    return template
 
 
 def normalize_tool(tool: Mapping[str, Any], index: int = 0) -> dict[str, Any]:
@@ -160,8 +264,12 @@ def tool_parameters(tool: Mapping[str, Any]) -> dict[str, Any]:
     return dict(params)
 
 
-def _turn(role: str, text: str) -> str:
-    return f"{IM_START}{role}\n{text}{IM_END}\n"
+def _arguments_value(arguments: str) -> Any:
+    """Arguments as templates expect them: the parsed object (a string if not JSON)."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -188,36 +296,3 @@ def _content_text(content: Any, where: str) -> str:
 
 def _text(message: Mapping[str, Any], i: int) -> str:
     return _content_text(message.get("content"), f"messages[{i}]")
-
-
-def _assistant_text(message: Mapping[str, Any], i: int, call_names: dict[str, str]) -> str:
-    text = _text(message, i)
-    calls = message.get("tool_calls") or []
-    rendered = []
-    for j, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, Mapping) else None
-        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-            raise ChatFormatError(f"messages[{i}].tool_calls[{j}] needs function.name")
-        arguments = fn.get("arguments")
-        if isinstance(arguments, Mapping):  # lenient: some clients send an object
-            arguments = json.dumps(arguments, ensure_ascii=False)
-        elif not isinstance(arguments, str) or not arguments.strip():
-            arguments = "{}"
-        if isinstance(call.get("id"), str):
-            call_names[call["id"]] = fn["name"]
-        rendered.append(render_tool_call(fn["name"], arguments))
-    if not rendered:
-        return text
-    return (text + "\n" if text else "") + "\n".join(rendered)
-
-
-def _tool_result_text(message: Mapping[str, Any], i: int, call_names: dict[str, str]) -> str:
-    call_id = message.get("tool_call_id")
-    # `function` messages (deprecated) carry the name themselves.
-    name = message.get("name") or (call_names.get(call_id) if isinstance(call_id, str) else None)
-    attrs = ""
-    if isinstance(call_id, str):
-        attrs += f" id={json.dumps(call_id, ensure_ascii=False)}"
-    if isinstance(name, str):
-        attrs += f" name={json.dumps(name, ensure_ascii=False)}"
-    return f"<tool_response{attrs}>\n{_text(message, i)}\n</tool_response>"

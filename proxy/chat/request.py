@@ -23,8 +23,9 @@ from proxy.api.errors import ContextLengthError, InvalidRequestError
 from proxy.api.protocol import ChatCompletionRequest
 from proxy.chat import grammar
 from proxy.chat.grammar import ToolChoice, json_shape
-from proxy.chat.prompt import render_prompt
+from proxy.chat.prompt import ChatTemplate
 from proxy.chat.record import CallInfo
+from proxy.chat.tool_formats import HERMES, ToolFormat
 from proxy.engines.base import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -86,8 +87,13 @@ def prepare_chat(
     default_max_tokens: int,
     max_token_chars: int = 0,
     limits: RequestLimits = DEFAULT_LIMITS,
+    template: ChatTemplate | None = None,
 ) -> PreparedChat:
-    """Validate `call.request` (every 4xx the chat route can give); turn it into engine inputs."""
+    """Validate `call.request` (every 4xx the chat route can give); turn it into engine inputs.
+
+    `template`: the model's chat template and tool-call family (read from `tokenizer` when not
+    given; build it once per model, as `ChatService` does)."""
+    template = template or ChatTemplate.for_tokenizer(tokenizer)
     req, request_id = call.request, call.request_id
     check_shape(req, limits)
     if req.unknown_fields():
@@ -122,10 +128,10 @@ def prepare_chat(
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = tool_choice(req, tools)
-    constraint = grammar_for(req, tools, choice)
+    constraint = grammar_for(req, tools, choice, template.tool_format)
     rendered_tools = tools if choice.kind != "none" else None
     try:
-        text = render_prompt(messages, rendered_tools)
+        text = template.render(messages, rendered_tools)
         text.encode("utf-8")  # a lone surrogate ("\ud800") is valid JSON but not text
     except UnicodeEncodeError as exc:
         raise InvalidRequestError(
@@ -261,7 +267,10 @@ def tool_choice(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) 
 
 
 def grammar_for(
-    req: ChatCompletionRequest, tools: list[dict[str, Any]] | None, choice: ToolChoice
+    req: ChatCompletionRequest,
+    tools: list[dict[str, Any]] | None,
+    choice: ToolChoice,
+    tool_format: ToolFormat = HERMES,
 ) -> grammar.Grammar | None:
     fmt = req.response_format
     constrains_tools = bool(tools) and choice.kind != "none"
@@ -282,6 +291,7 @@ def grammar_for(
             tools,
             choice,
             parallel_tool_calls=req.parallel_tool_calls is not False,
+            tool_format=tool_format,
         )
     except grammar.GrammarError as exc:
         param = "tools" if constrains_tools else "response_format"

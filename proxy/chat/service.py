@@ -26,22 +26,31 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from proxy.adapters.registry import ServedModels
-from proxy.api.errors import APIError, InvalidRequestError, OverloadedError, ServerError
+from proxy.adapters.registry import ServedModels, conversation_key
+from proxy.api.errors import (
+    APIError,
+    BadGatewayError,
+    EngineUnreachableError,
+    InvalidRequestError,
+    OverloadedError,
+    ServerError,
+)
 from proxy.api.protocol import (
     ChatCompletionRequest,
     assistant_message,
     completion_body,
     usage,
 )
+from proxy.chat.prompt import ChatTemplate
 from proxy.chat.record import CallInfo, call_record
 from proxy.chat.request import DEFAULT_LIMITS, PreparedChat, RequestLimits, prepare_chat
 from proxy.chat.streaming import Chunks, text_deltas
-from proxy.chat.tool_parser import ToolCallStreamParser, parse_complete
+from proxy.chat.tool_parser import StreamParser
 from proxy.engines.base import (
     ChoiceFinished,
     Engine,
     EngineError,
+    EngineUnavailableError,
     GenerationRequest,
     RequestInputError,
     TokenEvent,
@@ -115,10 +124,13 @@ class ChatService:
         shadow_turns: Literal["first", "every"] = "first",
         limits: RequestLimits = DEFAULT_LIMITS,
         max_queued_rows: int = 0,
+        tool_format: str = "auto",
     ) -> None:
         self.engine = engine
         self.registry = registry
         self.tokenizer = tokenizer
+        # The model's own chat template and tool-call family (RLPROXY_TOOL_FORMAT).
+        self.template = ChatTemplate.for_tokenizer(tokenizer, tool_format)
         self.max_n = max_n
         self.default_max_tokens = default_max_tokens
         self.record = record
@@ -151,8 +163,12 @@ class ChatService:
             default_max_tokens=self.default_max_tokens,
             max_token_chars=self.max_token_chars,
             limits=self.limits,
+            template=self.template,
         )
         self._admit(prep)
+        if self.registry.canary is not None:  # a canary rollout: this call's version
+            key = conversation_key(prep.messages, prep.call.explicit_trajectory_id)
+            prep.resolved = self.registry.route(prep.resolved, key)
         return prep
 
     def _admit(self, prep: PreparedChat) -> None:
@@ -289,7 +305,7 @@ class ChatService:
     def _split_tools(self, prep: PreparedChat, text: str) -> tuple[str | None, list[dict]]:
         if not prep.parse_tools:
             return text, []
-        return parse_complete(text)
+        return self.template.tool_format.parse_complete(text)
 
     # ----------------------------------------------------------------- streamed
 
@@ -299,7 +315,8 @@ class ChatService:
         On an engine failure after the first chunk, yields an `{"error": ...}` dict last.
         """
         plan = self._plan(prep)
-        parsers = {i: ToolCallStreamParser() if prep.parse_tools else None for i in range(prep.n)}
+        fmt = self.template.tool_format
+        parsers = {i: fmt.parser() if prep.parse_tools else None for i in range(prep.n)}
         made_calls: dict[int, bool] = {i: False for i in range(prep.n)}
         finished: dict[int, ChoiceFinished] = {}  # by client index
         shadow_finished: dict[int, ChoiceFinished] = {}  # by engine row
@@ -368,7 +385,7 @@ class ChatService:
         self,
         prep: PreparedChat,
         finished: dict[int, ChoiceFinished],
-        parsers: dict[int, ToolCallStreamParser | None],
+        parsers: dict[int, StreamParser | None],
     ) -> list[ChoiceRecord]:
         """The choices as the client saw them (the same tool call ids)."""
         outcomes = []
@@ -425,6 +442,15 @@ class ChatService:
         *,
         shadow: list[ChoiceRecord] | None = None,
     ) -> None:
+        if (
+            self.registry.canary is not None
+            and status == "completed"
+            and self.registry.is_policy_name(prep.resolved.requested)
+        ):
+            for outcome in outcomes:  # the next turn answers this: keep it on this version
+                key = conversation_key([*prep.messages, outcome.message])
+                if key is not None:
+                    self.registry.remember(key, prep.resolved.version)
         if self.record is None:
             return
         record = call_record(
@@ -453,7 +479,10 @@ def _finish_reason(engine_reason: str, calls: list[dict[str, Any]]) -> str:
 
 
 def _api_error(exc: EngineError) -> APIError:
-    """A request that failed on its own input is the client's 400; anything else a 500."""
+    """A request that failed on its own input is the client's 400; an engine server that died
+    mid-answer a 502, none reachable a 503; anything else a 500."""
     if isinstance(exc, RequestInputError):
         return InvalidRequestError(str(exc), code="invalid_schema")
+    if isinstance(exc, EngineUnavailableError):
+        return BadGatewayError(str(exc)) if exc.mid_answer else EngineUnreachableError(str(exc))
     return ServerError(str(exc))

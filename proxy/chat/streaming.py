@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.api.protocol import chunk
-from proxy.chat.tool_parser import TextDelta, ToolCallArgsDelta, ToolCallStart, ToolCallStreamParser
+from proxy.chat.tool_parser import StreamParser, TextDelta, ToolCallArgsDelta, ToolCallStart
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -102,9 +102,7 @@ def stream_choice(
     }
 
 
-def text_deltas(
-    parser: ToolCallStreamParser | None, text: str, *, final: bool
-) -> list[dict[str, Any]]:
+def text_deltas(parser: StreamParser | None, text: str, *, final: bool) -> list[dict[str, Any]]:
     """OpenAI deltas for new output text: content, or a tool call's id and name once and then
     its argument fragments (when `parser` is given: the request has tools)."""
     if parser is None:

@@ -1,7 +1,9 @@
-"""Parsing the model's output text back into OpenAI tool calls, incrementally for streaming.
+"""Parsing Hermes-style tool calls out of model text, incrementally for streaming.
 
-The model writes tool calls in the format that `proxy.chat.prompt` teaches it and that
-`proxy.chat.grammar` enforces when a grammar is on:
+The Hermes family (`proxy.chat.tool_formats`: Qwen2.5/3 templates, and SmolLM2, which rlproxy
+teaches it through the system prompt); `proxy.chat.grammar` enforces it when a grammar is on. The
+other family's parser, `proxy.chat.tool_parser_llama3`, emits the same events and follows the same
+`StreamParser` protocol:
 
     optional text<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
     <tool_call>{"name": "get_time", "arguments": {}}</tool_call>
@@ -36,7 +38,7 @@ import secrets
 import string
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
@@ -75,6 +77,19 @@ class ToolCallArgsDelta:
 
 
 Event = TextDelta | ToolCallStart | ToolCallArgsDelta
+
+
+class StreamParser(Protocol):
+    """What every tool-call format's parser offers (`proxy.chat.tool_formats` picks one)."""
+
+    tool_calls: list[dict[str, Any]]
+
+    def feed(self, text_delta: str) -> list[Event]: ...
+
+    def finish(self) -> list[Event]: ...
+
+    @property
+    def content(self) -> str | None: ...
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -235,9 +250,9 @@ class ToolCallStreamParser:
         return ToolCallStart(self._index, call_id, name)
 
     def _is_repeat(self, name: str, arguments: str) -> bool:
-        key = (name, _canonical_args(arguments))
+        key = (name, canonical_args(arguments))
         return any(
-            (c["function"]["name"], _canonical_args(c["function"]["arguments"])) == key
+            (c["function"]["name"], canonical_args(c["function"]["arguments"])) == key
             for c in self.tool_calls
         )
 
@@ -335,7 +350,7 @@ class ToolCallStreamParser:
             return events
 
 
-def _canonical_args(arguments: str) -> str:
+def canonical_args(arguments: str) -> str:
     try:
         return json.dumps(json.loads(arguments), sort_keys=True)
     except ValueError:

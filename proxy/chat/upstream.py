@@ -42,7 +42,7 @@ class UpstreamChat:
     async def complete(self, call: CallInfo) -> dict[str, Any]:
         request = call.request
         try:
-            response = await self.engine.acompletion(request)
+            raw = await self.engine.complete(request)
         except asyncio.CancelledError:
             await asyncio.shield(self._record(call, "client_disconnected", [], None, None))
             raise
@@ -50,7 +50,6 @@ class UpstreamChat:
             error = self.engine.api_error(exc)
             await self._record(call, "error", [], None, None, error.message)
             raise error from exc
-        raw = response.model_dump()
         choices = [_choice(c) for c in raw.get("choices") or []]
         body = completion_body(
             id=call.completion_id,
@@ -70,7 +69,7 @@ class UpstreamChat:
         request = call.request
         wants_usage = bool(request.stream_options and request.stream_options.include_usage)
         try:
-            response = await self.engine.acompletion(request, stream=True)
+            response = await self.engine.stream(request)
         except Exception as exc:
             error = self.engine.api_error(exc)
             await self._record(call, "error", [], None, None, error.message)
@@ -81,7 +80,7 @@ class UpstreamChat:
         sent = False
         try:
             async for raw in response:
-                choices, usage = acc.add(raw.model_dump())
+                choices, usage = acc.add(raw)
                 if choices:
                     call.token_arrived()
                     sent = True
@@ -99,6 +98,9 @@ class UpstreamChat:
                 raise error from exc
             yield error.body()
         finally:
+            closing = getattr(response, "aclose", None)
+            if closing is not None:  # the provider's connection goes back to the pool now
+                await closing()
             if status == "client_disconnected":
                 await asyncio.shield(self._record(call, status, acc.choices(), None, acc.usage))
 
@@ -127,7 +129,8 @@ class UpstreamChat:
 
 
 class StreamAccumulator:
-    """Cleans litellm's chunks into OpenAI's delta shape and assembles the final messages."""
+    """Cleans provider chunks into OpenAI's delta shape (litellm's carry null fields OpenAI
+    omits) and assembles the final messages."""
 
     def __init__(self) -> None:
         self._text: dict[int, list[str]] = {}

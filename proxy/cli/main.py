@@ -19,9 +19,10 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 from proxy.redact import Redactor, install_log_redaction
 from proxy.settings import Settings
@@ -144,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         from proxy.cli.train import train_command
 
-        return asyncio.run(train_command(settings, args.steps))
+        code = asyncio.run(train_command(settings, args.steps))
+        if argv is None:  # the `rlproxy train` process itself, not a caller in this interpreter
+            exit_now(code)
+        return code
     if args.command == "keys":
         return asyncio.run(keys_command(settings, args))
     if settings.database_url is None and not settings.sqlite_path.exists():
@@ -166,6 +170,17 @@ def main(argv: list[str] | None = None) -> int:
             count = asyncio.run(export_jsonl(settings, out, status, args.model, args.group_key))
     print(f"rlproxy export: wrote {count} trajectories", file=sys.stderr)
     return 0
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process without tearing down the interpreter. `rlproxy train` has closed its work
+    by then (store closed, checkpoints fsynced); the garbage collector's walk over torch's and
+    transformers' objects at interpreter exit took 8-10 s on CPU after SIGTERM, long enough for
+    `serve` (15 s) or `docker stop` (10 s) to SIGKILL a trainer that had already stopped."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 async def keys_command(settings: Settings, args: argparse.Namespace) -> int:

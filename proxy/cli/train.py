@@ -29,19 +29,23 @@ async def train_command(settings: Settings, steps: int | None = None) -> int:
     from proxy.cli.trainer_process import stop_with_parent
 
     stop_with_parent()
-    from proxy.engines.loader import ensure_fp32_cache
+    from proxy.engines.loader import resolve_model_dir
     from proxy.runtime import open_runtime
     from trainer.config import TrainerConfig
-    from trainer.peft_backend import PeftTrainer
+    from trainer.peft_backend import open_trainer
 
     if settings.train_threads is not None:
         import torch
 
         torch.set_num_threads(settings.train_threads)
     config = TrainerConfig(**settings.trainer)
-    model_dir = await asyncio.to_thread(ensure_fp32_cache, settings.model_dir or settings.data_dir)
+    # The base model the server serves (RLPROXY_BASE_MODEL), as a folder from_pretrained loads.
+    model_dir = await asyncio.to_thread(
+        resolve_model_dir, settings.base_model, settings.model_dir or settings.data_dir
+    )
     async with open_runtime(settings) as rt, AsyncExitStack() as stack:
-        trainer = await asyncio.to_thread(PeftTrainer, model_dir, config)
+        # The backend RLPROXY_TRAINER names (peft, or unsloth in the GPU trainer image).
+        trainer = await asyncio.to_thread(open_trainer, model_dir, config)
         wandb = WandbLog.from_env(dataclasses.asdict(config), settings.model_name)
         if wandb is not None:
             stack.callback(wandb.close)

@@ -67,6 +67,16 @@ class EngineError(RuntimeError):
     """The engine failed while generating (not the client's fault)."""
 
 
+class EngineUnavailableError(EngineError):
+    """A remote engine could not take the request (no server reachable: a 503), or the server
+    generating it died mid-answer (`mid_answer`: a 502). Not the client's fault; a retry may
+    succeed. Nothing of the failed answer was acknowledged to the client."""
+
+    def __init__(self, message: str, *, mid_answer: bool = False) -> None:
+        super().__init__(message)
+        self.mid_answer = mid_answer
+
+
 class RequestInputError(EngineError):
     """Generation of one request failed because of its own input (a grammar that validated but
     cannot be followed): the client's fault, answered with a 400; its neighbours go on."""

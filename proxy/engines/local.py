@@ -103,11 +103,8 @@ class LocalEngine:
         self.max_batch_size = max_batch_size
         self.max_context = int(getattr(loaded.model.config, "max_position_embeddings", 2048))
         self.vocab_size = int(loaded.model.config.vocab_size)
-        stop_ids = {self.tokenizer.eos_token_id}
-        im_start = self.tokenizer.convert_tokens_to_ids("<|im_start|>")
-        if isinstance(im_start, int) and im_start >= 0:
-            stop_ids.add(im_start)
-        self.stop_token_ids = frozenset(i for i in stop_ids if i is not None)
+        # The loader's stop ids (EOS, the generation config's, <|im_start|> for ChatML).
+        self.stop_token_ids = loaded.stop_token_ids or frozenset({self.tokenizer.eos_token_id})
         self._adapters: dict[str, str] = {}  # name -> path
         self._pending_unload: set[str] = set()
         # Requests in flight per adapter (from `generate` until its stream closes), and the lock

@@ -56,6 +56,10 @@ def start_server(data_dir: Path, model_dir: Path, env_extra: dict[str, str] | No
         # Likewise training and auto-publishing adapters: the suites about them turn them on.
         "RLPROXY_TRAIN": "false",
         "RLPROXY_PUBLISH_ADAPTERS": "false",
+        # Judge checks add a canary member or a second judge call to some groups, which the
+        # suites scripting a fixed reply per group do not expect; test_judge_checks.py turns
+        # them on.
+        "RLPROXY_JUDGE_CHECKS": "false",
         **(env_extra or {}),
     }
     proc = subprocess.Popen(

@@ -16,7 +16,9 @@ A test scripts what the next requests get, in order:
         judge.requests                         # every request body received, in order
 
 A request that finds the script empty gets a 500 that says so, so a test that under-scripts fails
-loudly. It is not a model: nothing here looks at the meaning of the messages.
+loudly, unless the test set a rule (`judge.rule(fn)`: `fn(request body) -> content` answers
+every request the script does not). Nothing here looks at the meaning of the messages; a rule
+may (tests/e2e/test_judge_checks.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +63,7 @@ class FakeJudge:
     _script: deque[_Reply | _Status] = field(default_factory=deque)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _ids: itertools.count = field(default_factory=itertools.count)
+    _rule: Callable[[dict[str, Any]], str] | None = None
 
     @property
     def base_url(self) -> str:
@@ -76,6 +80,12 @@ class FakeJudge:
     def status(self, code: int, message: str = "The fake judge failed.") -> FakeJudge:
         """The next request gets an OpenAI-shaped error with this HTTP status."""
         return self._push(_Status(code, message))
+
+    def rule(self, fn: Callable[[dict[str, Any]], str] | None) -> FakeJudge:
+        """Answer every request the script does not with a 200 whose content is `fn(body)`."""
+        with self._lock:
+            self._rule = fn
+        return self
 
     def reset(self) -> None:
         """Forget the script and the recorded requests (between tests sharing one server)."""
@@ -97,6 +107,8 @@ class FakeJudge:
     def _next(self, body: dict[str, Any]) -> _Reply | _Status:
         with self._lock:
             self.requests.append(body)
+            if not self._script and self._rule is not None:
+                return _Reply(self._rule(body))
             if not self._script:
                 return _Status(500, "The fake judge has no scripted reply left.")
             return self._script.popleft()

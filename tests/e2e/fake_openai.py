@@ -10,12 +10,16 @@ the first tool when tools are given, and records every request (headers and body
 
 A message whose content contains `trigger-400` gets a 400 `invalid_request_error`; one that
 contains `trigger-echo-key` gets a 401 whose message echoes the `Authorization` header it was
-sent, as careless providers do (OpenAI itself masks all but the key's last characters). It is
-not a model: nothing here looks at the meaning of the messages.
+sent, as careless providers do (OpenAI itself masks all but the key's last characters);
+`trigger-500` and `trigger-503` get those statuses with a `server_error` body;
+`trigger-stream-error` streams its first content chunk and then an `{"error": ...}` event (how
+OpenAI reports a failure after the status line is sent); `trigger-slow` waits 8 s before
+answering. It is not a model: nothing here looks at the meaning of the messages.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -86,8 +90,18 @@ def build_app(fake: FakeOpenAI) -> FastAPI:
                 "code": "invalid_api_key",
             }
             return JSONResponse({"error": error}, status_code=401)
+        for status in (500, 503):
+            if any(f"trigger-{status}" in str(m.get("content")) for m in body["messages"]):
+                error = {"message": f"The fake failed ({status}).", "type": "server_error"}
+                return JSONResponse({"error": {**error, "param": None, "code": None}}, status)
+        if any("trigger-slow" in str(m.get("content")) for m in body["messages"]):
+            await asyncio.sleep(8)
         call = _tool_call(body)
         created = int(time.time())
+        if body.get("stream") and any(
+            "trigger-stream-error" in str(m.get("content")) for m in body["messages"]
+        ):
+            return StreamingResponse(_failing_events(body["model"]), media_type="text/event-stream")
         if not body.get("stream"):
             message: dict[str, Any] = {"role": "assistant", "content": None if call else TEXT}
             if call:
@@ -147,6 +161,20 @@ def _events(
     if include_usage:
         yield chunk([], _usage())
     yield "data: [DONE]\n\n"
+
+
+def _failing_events(model: str) -> Iterator[str]:
+    """One content chunk, then the error event a provider sends when it fails mid-stream."""
+    first = {
+        "id": "chatcmpl-fake",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "delta": {"role": "assistant", "content": TEXT_PIECES[0]}}],
+    }
+    yield f"data: {json.dumps(first)}\n\n"
+    error = {"message": "The fake broke mid-stream.", "type": "server_error", "code": None}
+    yield f"data: {json.dumps({'error': {**error, 'param': None}})}\n\n"
 
 
 class FakeOpenAIServer:

@@ -27,7 +27,7 @@ from proxy.chat.grammar import (
     constraint_for_tools,
     fill_bitmasks,
 )
-from proxy.chat.prompt import render_prompt
+from proxy.chat.prompt import ChatTemplate
 from proxy.chat.tool_parser import parse_complete
 
 WEATHER_PARAMS = {
@@ -202,6 +202,7 @@ ALL_TOOLS = {"get_weather", "get_time"}
 @pytest.fixture(scope="module")
 def outputs(loaded_model, info) -> dict[str, list[Row]]:
     """One batched generation, every row under its own grammar (greedy and seeded sampling)."""
+    render_prompt = ChatTemplate.for_tokenizer(loaded_model.tokenizer).render
     plain = render_prompt([{"role": "user", "content": "What's the weather in Paris?"}], None)
     person = render_prompt([{"role": "user", "content": "Describe a person: name, age."}], None)
     weather = render_prompt([{"role": "user", "content": "What's the weather in Paris?"}], TOOLS)

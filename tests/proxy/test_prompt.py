@@ -1,4 +1,6 @@
-"""Prompt rendering: identical to the tokenizer's template for plain chats; tools and results."""
+"""Prompt rendering with the embedded model's own template (SmolLM2's ChatML, which knows no
+tools): identical to the tokenizer's template for plain chats; tools, calls and results in the
+Hermes family's prompt, exactly as rlproxy wrote it by hand before templates."""
 
 from __future__ import annotations
 
@@ -6,13 +8,23 @@ import json
 
 import pytest
 
-from proxy.chat.prompt import (
-    DEFAULT_SYSTEM_PROMPT,
-    ChatFormatError,
-    UnsupportedContentError,
-    render_prompt,
-)
+from proxy.chat.prompt import ChatFormatError, ChatTemplate, UnsupportedContentError
 from proxy.chat.tool_parser import parse_complete
+
+DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+@pytest.fixture(scope="module")
+def render(tokenizer):
+    return ChatTemplate.for_tokenizer(tokenizer).render
+
+
+def test_the_embedded_template_is_read_as_toolless_hermes(tokenizer) -> None:
+    template = ChatTemplate.for_tokenizer(tokenizer)
+    assert template.tool_format.name == "hermes"
+    assert not template.renders_tools and not template.renders_calls
+    assert template.default_system == DEFAULT_SYSTEM_PROMPT
+
 
 WEATHER = {
     "type": "function",
@@ -47,23 +59,23 @@ PLAIN_CHATS = [
 
 
 @pytest.mark.parametrize("messages", PLAIN_CHATS)
-def test_plain_chat_equals_tokenizer_template(tokenizer, messages) -> None:
+def test_plain_chat_equals_tokenizer_template(render, tokenizer, messages) -> None:
     expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert render_prompt(messages, None) == expected
-    assert render_prompt(messages, []) == expected
+    assert render(messages, None) == expected
+    assert render(messages, []) == expected
 
 
-def test_developer_is_system_and_text_parts_are_joined(tokenizer) -> None:
+def test_developer_is_system_and_text_parts_are_joined(render, tokenizer) -> None:
     messages = [
         {"role": "developer", "content": [{"type": "text", "text": "Rule one."}]},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
     ]
     plain = [{"role": "system", "content": "Rule one."}, {"role": "user", "content": "a\nb"}]
     expected = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
-    assert render_prompt(messages) == expected
+    assert render(messages, None) == expected
 
 
-def test_non_text_parts_are_rejected_with_a_value_error() -> None:
+def test_non_text_parts_are_rejected_with_a_value_error(render) -> None:
     messages = [
         {
             "role": "user",
@@ -71,7 +83,7 @@ def test_non_text_parts_are_rejected_with_a_value_error() -> None:
         }
     ]
     with pytest.raises(UnsupportedContentError, match="image_url") as info:
-        render_prompt(messages)
+        render(messages, None)
     assert isinstance(info.value, ValueError)
 
 
@@ -79,13 +91,13 @@ def test_non_text_parts_are_rejected_with_a_value_error() -> None:
     "messages",
     [[], [{"role": "wizard", "content": "x"}], [{"role": "user", "content": 5}]],
 )
-def test_bad_messages_raise(messages) -> None:
+def test_bad_messages_raise(render, messages) -> None:
     with pytest.raises(ChatFormatError):
-        render_prompt(messages)
+        render(messages, None)
 
 
-def test_tools_block_goes_into_the_default_system_prompt() -> None:
-    prompt = render_prompt([{"role": "user", "content": "Weather in Paris?"}], [WEATHER])
+def test_tools_block_goes_into_the_default_system_prompt(render) -> None:
+    prompt = render([{"role": "user", "content": "Weather in Paris?"}], [WEATHER])
     system = prompt.split("<|im_end|>")[0]
     assert system.startswith("<|im_start|>system\n" + DEFAULT_SYSTEM_PROMPT + "\n\n# Tools")
     block = system.split("<tools>\n")[1].split("\n</tools>")[0]
@@ -96,23 +108,23 @@ def test_tools_block_goes_into_the_default_system_prompt() -> None:
     assert prompt.endswith("<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_tools_block_follows_a_given_system_prompt() -> None:
-    prompt = render_prompt(
+def test_tools_block_follows_a_given_system_prompt(render) -> None:
+    prompt = render(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "x"}], [WEATHER]
     )
     assert prompt.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
     assert DEFAULT_SYSTEM_PROMPT not in prompt
 
 
-def test_tool_without_parameters_shows_an_empty_object_schema() -> None:
+def test_tool_without_parameters_shows_an_empty_object_schema(render) -> None:
     tool = {"type": "function", "function": {"name": "now"}}
-    prompt = render_prompt([{"role": "user", "content": "x"}], [tool])
+    prompt = render([{"role": "user", "content": "x"}], [tool])
     assert '{"type": "function", "function": {"name": "now", "parameters": {"type": "object", ' in (
         prompt
     )
 
 
-def test_assistant_tool_calls_and_results_round_trip() -> None:
+def test_assistant_tool_calls_and_results_round_trip(render) -> None:
     args = '{"city": "Paris"}'
     messages = [
         {"role": "user", "content": "Weather in Paris and the time?"},
@@ -131,7 +143,7 @@ def test_assistant_tool_calls_and_results_round_trip() -> None:
         {"role": "tool", "tool_call_id": "call_1", "content": "18C, cloudy"},
         {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "9:00"}]},
     ]
-    prompt = render_prompt(messages, [WEATHER])
+    prompt = render(messages, [WEATHER])
     assistant = prompt.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
     assert assistant == (
         "Checking.\n"
@@ -154,7 +166,7 @@ def test_assistant_tool_calls_and_results_round_trip() -> None:
     ) in prompt
 
 
-def test_assistant_with_only_tool_calls_has_no_leading_newline() -> None:
+def test_assistant_with_only_tool_calls_has_no_leading_newline(render) -> None:
     messages = [
         {"role": "user", "content": "x"},
         {
@@ -166,7 +178,7 @@ def test_assistant_with_only_tool_calls_has_no_leading_newline() -> None:
         },
         {"role": "tool", "tool_call_id": "unknown", "content": "r"},
     ]
-    prompt = render_prompt(messages)
+    prompt = render(messages, None)
     assert (
         '<|im_start|>assistant\n<tool_call>{"name": "f", "arguments": {}}</tool_call><|im_end|>'
         in (prompt)

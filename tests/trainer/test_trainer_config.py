@@ -16,6 +16,8 @@ def test_defaults_are_valid_and_documented() -> None:
     assert config.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
     assert config.epsilon == 0.2 and config.kl_beta == 0.0
     assert config.scale_advantages_by_std is True
+    assert config.backend == "peft" and config.dtype == "auto"
+    assert config.share_prompt_prefix is True and config.gradient_checkpointing is False
     for f in fields(TrainerConfig):
         assert f.metadata.get("help"), f"{f.name} has no help text"
 
@@ -50,6 +52,9 @@ def test_unknown_field_in_a_dict_is_refused() -> None:
         ({"max_seq_len": 1}, "max_seq_len"),
         ({"max_grad_norm": 0.0}, "max_grad_norm"),
         ({"weight_decay": -1.0}, "weight_decay"),
+        ({"backend": "trl"}, "backend must be one of"),
+        ({"dtype": "float16"}, "dtype must be one of"),
+        ({"backend": "unsloth", "dtype": "float32"}, "unsloth backend trains in 16-bit"),
     ],
 )
 def test_invariants(changes: dict[str, Any], hint: str) -> None:

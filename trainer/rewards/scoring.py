@@ -30,6 +30,7 @@ from storage.group_ops import DEFAULT_LEASE_S, FormResult
 from storage.grouping import SignatureGrouper
 from storage.records import GroupDetail, JudgeOutcome, ScoreRecord
 from storage.store import Store
+from trainer.rewards.judge_checks import JudgeChecker, JudgeChecksConfig
 from trainer.rewards.ruler import DEFAULT_RUBRIC, Judge, JudgeGroup, JudgeMember, score_group
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class ScoringConfig:
     reward_policy: str = "explicit"
     lease_s: float = DEFAULT_LEASE_S
     """How long a claim on a group holds without renewal (renewed every third of it)."""
+    checks: JudgeChecksConfig | None = None
+    """Canaries, self-agreement and the gate (`trainer.rewards.judge_checks`); None: off."""
 
 
 class Scorer:
@@ -68,6 +71,7 @@ class Scorer:
         self.grouper = grouper
         self.config = config or ScoringConfig()
         self.on_scored = on_scored
+        self.checker = None if self.config.checks is None else JudgeChecker(self.config.checks)
 
     async def form(self) -> FormResult:
         return await self.store.form_groups(self.grouper)
@@ -93,6 +97,7 @@ class Scorer:
         while True:
             try:
                 await self.form()
+                await self.release_recovered()
                 while await self.score_next() is not None:
                     pass
             except asyncio.CancelledError:
@@ -124,8 +129,17 @@ class Scorer:
             )
         elif outcome.status == "failed":
             logger.warning("group %s: judging failed: %s", group_id, outcome.failure)
+        elif outcome.hold_reason is not None:
+            logger.warning(
+                "group %s scored by %s, scores HELD (not trained on): %s",
+                group_id,
+                outcome.judge_model,
+                outcome.hold_reason,
+            )
         else:
             logger.info("group %s scored by %s", group_id, outcome.judge_model)
+        if stored and outcome is not None and outcome.check is not None:
+            await self._watch_drift()
         detail = await self.store.get_group(group_id, reward_policy=self.config.reward_policy)
         if stored and outcome is not None and detail is not None:
             self._tell(detail, outcome)
@@ -171,15 +185,22 @@ class Scorer:
         ):
             return JudgeOutcome(status="scored", scores=[], judge_model="explicit")
         rubric = self.rubric_for(group)
-        result = await score_group(
-            JudgeGroup(
-                group_id=group.id,
-                members=[JudgeMember(m.member_id, m.messages) for m in members],
-                tools=members[0].tools if members else None,
-                rubric=rubric,
-            ),
-            self.judge,
+        judge_group = JudgeGroup(
+            group_id=group.id,
+            members=[JudgeMember(m.member_id, m.messages) for m in members],
+            tools=members[0].tools if members else None,
+            rubric=rubric,
         )
+        check = hold_reason = None
+        if self.checker is None:
+            result = await score_group(judge_group, self.judge)
+        else:
+            result, check = await self.checker.judge(
+                judge_group, self.judge, group, self.config.reward_policy
+            )
+            if check is not None:
+                gate = await self.checker.decide(self.store, check)
+                hold_reason = gate.reason if gate.decision == "held" else None
         per_member = len(members) or 1
         return JudgeOutcome(
             status=result.status,
@@ -205,7 +226,25 @@ class Scorer:
             completion_tokens=result.completion_tokens,
             cost_usd=result.cost_usd,
             failure=result.failure,
+            check=check,
+            hold_reason=hold_reason,
         )
+
+    async def release_recovered(self) -> list[str]:
+        """Groups held from this judge go back to be judged again once its gate no longer holds
+        (`JudgeChecker.release_recovered`); [] when checks are off."""
+        if self.checker is None:
+            return []
+        rubrics = [self.config.rubric, *self.config.rubrics.values()]
+        return await self.checker.release_recovered(self.store, self.judge.model, rubrics)
+
+    async def _watch_drift(self) -> None:
+        if self.checker is None:
+            return
+        try:
+            await self.checker.watch_drift(self.store)
+        except Exception:
+            logger.exception("the drift alarm could not read the judge checks")
 
     def rubric_for(self, group: GroupDetail) -> str:
         rubrics = self.config.rubrics

@@ -77,11 +77,20 @@ async def _check_trajectory_owner(call: CallInfo, caller: Principal, store: Stor
 
 
 async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
-    """Run `work`; if the client goes away first, cancel it (its generation stops): None."""
+    """Run `work`; if the client goes away first, cancel it (its generation stops): None.
+
+    If this request is cancelled itself (uvicorn's graceful shutdown ran out of time), `work` is
+    cancelled and awaited before the cancellation goes on, so the call is stored as interrupted
+    while the store is still open, not left running past the server's shutdown."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise
     finally:
         watcher.cancel()
     if not task.done():

@@ -22,7 +22,7 @@ from storage.records import GroupDetail, GroupMemberView, GroupSummary
 
 router = APIRouter(prefix="/rl/groups", route_class=TextJSONRoute)
 
-Status = Literal["forming", "ready", "scoring", "scored", "failed", "expired"]
+Status = Literal["forming", "ready", "scoring", "scored", "failed", "expired", "held"]
 Source = Literal["explicit", "task", "shadow", "cohort"]
 
 

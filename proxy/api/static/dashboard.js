@@ -250,8 +250,36 @@
   // --------------------------------------------------------------------------- overview
 
   async function overview() {
-    const [stats, models] = await Promise.all([api("rl/stats"), api("v1/models")]);
-    return { data: { stats, models: models.data.map((m) => m.id) }, draw: () => drawOverview(stats, models) };
+    const [stats, models, judgeReport] = await Promise.all([api("rl/stats"), api("v1/models"), api("rl/judge")]);
+    return {
+      data: { stats, models: models.data.map((m) => m.id), judge: judgeReport },
+      draw: () => [drawOverview(stats, models), judgePanel(judgeReport)],
+    };
+  }
+
+  // The judge checks (GET /rl/judge): canaries, self-agreement, agreement with the environment,
+  // the gate on training and the drift alarm.
+  function judgePanel(report) {
+    const row = (j) => h("tr", { data: { judge: j.judge_model, rubric: j.rubric_hash } }, [
+      j.judge_model,
+      j.rubric_hash,
+      `${j.canary.passed}/${j.canary.checks}` + (j.canary.checks ? ` (95% ${num(j.canary.low, 2)}–${num(j.canary.high, 2)})` : ""),
+      j.self_agreement.mean_tau === null ? "–" : `τ ${num(j.self_agreement.mean_tau, 2)} over ${j.self_agreement.checks}`,
+      j.environment.groups ? `ρ ${num(j.environment.spearman, 2)}, τ ${num(j.environment.kendall, 2)} (${j.environment.groups})` : "–",
+      j.gate.decision === "held" ? `HELD: ${j.gate.reason}` : j.gate.reason || "trains",
+      String(j.held_groups),
+    ].map((c, i) => h("td", { class: i === 5 && j.gate.decision === "held" ? "bad" : null, text: c })));
+    return h(
+      "section",
+      { class: "panel", id: "judge-checks" },
+      h("h2", { text: "Judge checks" }),
+      report.drift.alarm ? h("p", { class: "notice error", text: `Drift alarm: ${report.drift.reason}` }) : null,
+      report.judges.length === 0
+        ? h("p", { class: "small muted", text: report.checks ? "No group judged with checks yet." : "Judge checks are off." })
+        : h("div", { class: "table-wrap" }, h("table", {},
+          h("thead", {}, h("tr", {}, ["judge", "rubric", "canaries passed", "self-agreement", "environment", "gate", "held"].map((c) => h("th", { text: c })))),
+          h("tbody", {}, report.judges.map(row)))),
+    );
   }
 
   function drawOverview(stats, models) {
@@ -532,7 +560,8 @@
     return [
       h("p", {}, h("a", { href: "#/groups", text: "← all groups" })),
       h("h1", {}, "Group ", h("span", { class: "mono", text: short(g.id) })),
-      h("div", { class: "panel" }, factList(facts), g.failure ? h("p", { class: "notice error", text: `Judging failed: ${g.failure}` }) : null),
+      h("div", { class: "panel" }, factList(facts), g.failure ? h("p", { class: "notice error", text: `Judging failed: ${g.failure}` }) : null,
+        g.hold_reason ? h("p", { class: "notice error", id: "hold-reason", text: `Scores held, not trained on: ${g.hold_reason}` }) : null),
       h("div", { class: "members", id: "members" }, g.members.map(drawMember)),
     ];
   }

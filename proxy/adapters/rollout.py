@@ -1,0 +1,182 @@
+"""Canary rollout: a new adapter version serves part of the traffic until it has shown it is not
+worse than the version it would replace; then it is promoted, or rolled back and rejected.
+
+What it does, in order (driven by `proxy.adapters.publisher.Publisher.check`):
+
+1. `start(version)`: load the version, let it serve `share` of the policy name's
+   conversations (the registry draws per conversation and keeps a conversation on the version
+   its first turn drew: `proxy.adapters.registry.ServedModels.route`), and write its rollout
+   state ("canary", the baseline it is compared with, when it began) to the adapters table.
+2. `evaluate()`: read the groups scored since the canary began that hold members of both
+   versions (`Store.paired_rewards`: the judge compared them side by side; explicit rewards
+   count through the reward policy) and run the stated test (`proxy.adapters.rollout_stats`).
+   - promote: the version becomes active (the registry's canary ends);
+   - roll back: the canary ends, the previous version serves everything again, the version is
+     marked rejected with the figures in its error and rollout state; the publisher never
+     activates it again, and the trainer leaves its weights (`trainer.loop`);
+   - wait: the latest figures are kept when they changed.
+   Every decision is kept in the version's `rollout.decisions` with its figures (`GET
+   /rl/adapters`).
+
+A manual activation through `/rl/adapters/{v}/activate` ends a canary (the comparison was
+against the version that served before); it is recorded as "abandoned".
+
+Not here: SQL (`storage.rollout`), the statistics (`rollout_stats`), which version to try next
+(`publisher`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.adapters.manager import AdapterManager
+from proxy.adapters.rollout_stats import Comparison, RolloutTest, compare
+from storage.store import Store
+
+logger = logging.getLogger(__name__)
+
+ROLLED_BACK = "rolled_back"
+"""The rollout state of a version that lost its canary (the trainer leaves its weights)."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    share: float = 0.25
+    """The share of the policy name's conversations the canary serves."""
+    test: RolloutTest = field(default_factory=RolloutTest)
+    reward_policy: str = "explicit"
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.share < 1.0:
+            raise ValueError("the canary share must be between 0 and 1 (exclusive)")
+
+
+@dataclass
+class _Trial:
+    version: int
+    baseline: int | None
+    started_at: float
+    state: dict[str, Any]
+
+
+class Rollout:
+    def __init__(
+        self,
+        adapters: AdapterManager,
+        store: Store,
+        config: RolloutConfig,
+        note: Callable[..., Awaitable[None]],
+    ) -> None:
+        """`note(version, **changes)` writes a version's row, creating it if the trainer has
+        not recorded it yet (`Publisher._note`)."""
+        self.adapters = adapters
+        self.store = store
+        self.config = config
+        self._note = note
+        self.registry = adapters.registry
+        self.policy = adapters.registry.policy
+        self._trial: _Trial | None = None
+        self._last: dict[str, Any] | None = None
+
+    @property
+    def version(self) -> int | None:
+        """The version on canary, if any."""
+        return self._trial.version if self._trial is not None else None
+
+    async def start(self, version: int, previous: dict[str, Any] | None = None) -> None:
+        """Put `version` on canary against the active version. `previous`: a rollout state
+        kept from before a restart, whose start time (and so its evidence) carries on."""
+        await self.adapters.load(version)
+        baseline = self.registry.active
+        now = time.time()
+        started_at = now
+        decisions: list[dict[str, Any]] = []
+        if (
+            previous
+            and previous.get("state") == "canary"
+            and previous.get("baseline") == (baseline or 0)
+        ):
+            started_at = float(previous.get("started_at") or now)
+            decisions = list(previous.get("decisions") or [])
+        self.registry.start_canary(version, self.config.share)
+        state = {
+            "state": "canary",
+            "baseline": baseline or 0,
+            "share": self.config.share,
+            "started_at": started_at,
+            "test": {
+                "kind": "one-sided paired t-test, non-inferiority margin, Bonferroni over looks",
+                "margin": self.config.test.margin,
+                "alpha": self.config.test.alpha,
+                "looks": self.config.test.looks(),
+                "reward_policy": self.config.reward_policy,
+            },
+            "latest": None,
+            "decisions": decisions,
+        }
+        self._trial = _Trial(version, baseline, started_at, state)
+        self._last = None
+        await self._write(version, status="loaded", loaded_at=now, rollout=state)
+        logger.info(
+            "adapter %d on canary: %.0f%% of %s's traffic, compared with %s",
+            version,
+            100 * self.config.share,
+            self.policy,
+            baseline or "the base model",
+        )
+
+    async def evaluate(self) -> Comparison | None:
+        """Look at the evidence; promote, roll back or wait. None when no canary runs."""
+        trial = self._trial
+        if trial is None:
+            return None
+        canary = self.registry.canary
+        if canary is None or canary.version != trial.version:
+            await self._finish(trial, "abandoned", None, "the active version was changed by hand")
+            return None
+        pairs = await self.store.paired_rewards(
+            old=trial.baseline or 0,
+            new=trial.version,
+            since=trial.started_at,
+            reward_policy=self.config.reward_policy,
+        )
+        result = compare([(list(p.old), list(p.new)) for p in pairs], self.config.test)
+        figures = result.to_dict()
+        if result.decision == "promote":
+            await self.adapters.activate(trial.version)  # ends the registry's canary
+            await self._finish(trial, "promoted", result, result.reason)
+        elif result.decision == "roll_back":
+            self.registry.end_canary()
+            await self.adapters.evict()
+            await self._finish(trial, ROLLED_BACK, result, result.reason)
+        elif figures != self._last:
+            self._last = figures
+            trial.state["latest"] = figures
+            await self._write(trial.version, rollout=trial.state)
+        return result
+
+    async def _finish(
+        self, trial: _Trial, state: str, result: Comparison | None, reason: str
+    ) -> None:
+        now = time.time()
+        decision = {"decision": state, "at": now, "reason": reason}
+        if result is not None:
+            decision["figures"] = result.to_dict()
+        trial.state.update(state=state, decided_at=now, latest=decision.get("figures"))
+        trial.state["decisions"] = [*trial.state.get("decisions", []), decision]
+        changes: dict[str, Any] = {"rollout": trial.state}
+        if state == "promoted":
+            changes["activated_at"] = now
+        if state == ROLLED_BACK:
+            changes.update(status="rejected", error=f"rolled back after its canary: {reason}")
+        await self._write(trial.version, **changes)
+        self._trial = None
+        log = logger.warning if state == ROLLED_BACK else logger.info
+        log("adapter %d %s: %s", trial.version, state.replace("_", " "), reason)
+
+    async def _write(self, version: int, **changes: Any) -> None:
+        await self._note(version, **changes)

@@ -1,0 +1,174 @@
+"""The direct path to OpenAI-compatible servers: one pooled `httpx` client, no litellm.
+
+    client = OpenAICompatClient(timeout_s=600, redact=redact)
+    body = await client.complete(url, key, payload)             # the provider's JSON, a dict
+    chunks = await client.stream(url, key, payload)             # opened: status already checked
+    async for chunk in chunks: ...                               # each `data:` event, a dict
+
+For an `openai/` upstream target litellm adds nothing rlproxy needs (the request is already
+OpenAI's shape) but costs milliseconds per call (building its own request and response
+objects, cost lookup). This client sends the request body as given and hands back what the
+server sent: the JSON body, or each server-sent event's `data` parsed, in order, until
+`data: [DONE]` or the end of the body (https://html.spec.whatwg.org/multipage/server-sent-events.html:
+lines, `data:` fields joined by newlines, an empty line ends an event, `:` lines are comments).
+
+Errors are `proxy.engines.upstream.UpstreamError`s in OpenAI's shape, scrubbed of credentials
+(`status_error`, shared with the litellm path): a provider's 4xx keeps its status, a provider's
+5xx or broken body is a 502 (503 stays 503), an unreachable server a 502, a timeout a 504. An
+error event inside a stream (`data: {"error": ...}`) ends the stream with that error.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+
+from proxy.engines.upstream import UpstreamError, status_error
+
+DONE = "[DONE]"
+
+# Connections kept open to the providers: enough for a burst of concurrent calls to reuse them
+# instead of opening new ones (httpx's default keeps 20).
+_LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=256, keepalive_expiry=30)
+
+
+class OpenAICompatClient:
+    def __init__(self, *, timeout_s: float, redact: Callable[[str], str]) -> None:
+        self.redact = redact
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)), limits=_LIMITS
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def complete(self, url: str, key: str | None, payload: dict[str, Any]) -> dict[str, Any]:
+        """POST `payload`; the JSON body of a 2xx answer, else the provider's error raised."""
+        try:
+            response = await self._http.post(url, content=_dumps(payload), headers=_headers(key))
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc) from exc
+        if response.status_code >= 400:
+            raise self._status_error(response.status_code, response.content)
+        try:
+            body = response.json()
+        except ValueError as exc:
+            raise self._bad_body("a body that is not JSON") from exc
+        if not isinstance(body, dict) or not isinstance(body.get("choices"), list):
+            if isinstance(body, dict) and body.get("error") is not None:
+                raise self._status_error(502, response.content)
+            raise self._bad_body("a body without `choices`")
+        return body
+
+    async def stream(
+        self, url: str, key: str | None, payload: dict[str, Any]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """POST a streamed `payload`; return its events once the answer's status is known (a
+        refusal is raised here, before any chunk)."""
+        request = self._http.build_request(
+            "POST", url, content=_dumps(payload), headers=_headers(key, sse=True)
+        )
+        try:
+            response = await self._http.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc) from exc
+        if response.status_code >= 400:
+            try:
+                content = await response.aread()
+            except httpx.HTTPError:
+                content = b""
+            finally:
+                await response.aclose()
+            raise self._status_error(response.status_code, content)
+        return self._events(response)
+
+    async def _events(self, response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+        data: list[str] = []
+        try:
+            async for line in response.aiter_lines():
+                if line:
+                    if line.startswith("data:"):
+                        value = line[5:]
+                        data.append(value[1:] if value.startswith(" ") else value)
+                    continue  # comments, `event:`, `id:`, `retry:`: nothing rlproxy uses
+                if not data:
+                    continue
+                text = "\n".join(data)
+                data = []
+                if text == DONE:
+                    return
+                yield self._event(text)
+            if data and "\n".join(data) != DONE:  # a last event without its empty line
+                yield self._event("\n".join(data))
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc) from exc
+        finally:
+            await response.aclose()
+
+    def _event(self, text: str) -> dict[str, Any]:
+        try:
+            event = json.loads(text)
+        except ValueError as exc:
+            raise self._bad_body("a stream event that is not JSON") from exc
+        if not isinstance(event, dict):
+            raise self._bad_body("a stream event that is not a JSON object")
+        if event.get("error") is not None:
+            raise self._status_error(502, text.encode())
+        return event
+
+    def _status_error(self, status: int, content: bytes) -> UpstreamError:
+        try:
+            parsed = json.loads(content) if content else None
+        except ValueError:
+            parsed = None
+        error = parsed.get("error") if isinstance(parsed, dict) else None
+        if isinstance(error, dict):
+            detail = error
+        elif isinstance(error, str):
+            detail = {"message": error}
+        else:
+            text = content.decode("utf-8", "replace").strip()[:2000]
+            detail = {"message": text or f"HTTP {status}"}
+        return status_error(status, detail, self.redact)
+
+    def _transport_error(self, exc: httpx.HTTPError) -> UpstreamError:
+        message = self.redact(str(exc) or type(exc).__name__)
+        if isinstance(exc, httpx.TimeoutException):
+            return UpstreamError(
+                f"The upstream provider timed out: {message}", 504, "server_error", code="timeout"
+            )
+        if isinstance(exc, httpx.ConnectError):
+            return UpstreamError(
+                f"Could not reach the upstream provider: {message}",
+                502,
+                "server_error",
+                code="upstream_unreachable",
+            )
+        return UpstreamError(
+            f"The upstream provider failed: {message}", 502, "server_error", code="upstream_error"
+        )
+
+    def _bad_body(self, what: str) -> UpstreamError:
+        return UpstreamError(
+            f"The upstream provider answered with {what}.",
+            502,
+            "server_error",
+            code="upstream_error",
+        )
+
+
+def _dumps(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _headers(key: str | None, *, sse: bool = False) -> dict[str, str]:
+    headers = {
+        "content-type": "application/json",
+        "accept": "text/event-stream" if sse else "application/json",
+    }
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    return headers

@@ -1,0 +1,202 @@
+"""The vLLM servers behind the `vllm` engine: which are up, which takes the next request, and
+each one's LoRA admin calls.
+
+    pool = ReplicaPool(urls, client, on_rejoin=reload_adapters)
+    replica = pool.pick()                      # least outstanding work among the healthy ones
+    await pool.load_lora(replica, "rlproxy@3", "/data/checkpoints/rlproxy/0003")
+    asyncio.create_task(pool.watch(2.0))       # GET /health on each; out when failing, back in
+                                               # (after `on_rejoin` reloaded its adapters) once
+                                               # it answers again
+
+Outstanding work is counted in tokens: a request adds `n * max_tokens` when it starts on a
+replica, each token that arrives takes one off, and whatever is left goes when it ends. A replica
+that fails its probe, refuses a connection or dies mid-answer leaves the rotation at once; it comes
+back only after its probe answers 200 and every adapter rlproxy serves was loaded on it again.
+
+The vLLM side, read from its source (vllm-project/vllm):
+- `GET /health`: 200 with an empty body, 503 once the engine is dead
+  (`vllm/entrypoints/serve/instrumentator/health.py`).
+- `POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace"}` and
+  `POST /v1/unload_lora_adapter {"lora_name"}`, present only with
+  `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` (`vllm/entrypoints/serve/lora/api_router.py`). Success
+  is a 200 whose body is a plain sentence; errors are `{"error": {"message", "type", "param",
+  "code"}}` with the HTTP status as an integer `code`
+  (`vllm/entrypoints/serve/utils/error_response.py`). A name already loaded is a 400 unless
+  `load_inplace`, a path with no adapter a 404, an adapter the loader refuses (modules_to_save,
+  DoRA, bias, a rank over `--max-lora-rank`: `vllm/lora/peft_helper.py`) a 500, an unknown name
+  to unload a 404 (`vllm/entrypoints/openai/models/serving.py`).
+- `GET /v1/models`: the base model's card (with `max_model_len`) and one card per LoRA, whose
+  `parent` names the base.
+
+This module speaks HTTP to vLLM and keeps replica state; it knows nothing of prompts or tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Replica:
+    url: str  # base URL, no trailing slash, no /v1
+    healthy: bool = False
+    outstanding: int = 0  # tokens still owed to the requests in flight here
+    in_flight: int = 0
+    served: int = 0  # requests started here
+    loras: set[str] = field(default_factory=set)  # vLLM names this engine loaded here
+    last_error: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "in_flight": self.in_flight,
+            "outstanding_tokens": self.outstanding,
+            "served": self.served,
+            "adapters": sorted(self.loras),
+            "last_error": self.last_error,
+        }
+
+
+class ReplicaRefused(Exception):
+    """A replica answered a LoRA admin call with an error (vLLM's status, type and message)."""
+
+    def __init__(self, url: str, status: int, message: str, type_: str | None = None) -> None:
+        super().__init__(f"{url}: {status} {type_ or ''}: {message}".replace(" :", ":"))
+        self.status = status
+        self.message = message
+        self.type = type_
+
+
+def error_message(response: httpx.Response) -> tuple[str, str | None]:
+    """vLLM's error body `{"error": {"message", "type", ...}}` as (message, type); the raw
+    text when the body is something else."""
+    try:
+        info = response.json().get("error")
+    except (ValueError, AttributeError):
+        info = None
+    if isinstance(info, dict) and isinstance(info.get("message"), str):
+        return info["message"], info.get("type")
+    return response.text[:500] or response.reason_phrase, None
+
+
+class ReplicaPool:
+    def __init__(
+        self,
+        urls: list[str],
+        client: httpx.AsyncClient,
+        *,
+        on_rejoin: Callable[[Replica], Awaitable[None]] | None = None,
+        probe_timeout_s: float = 2.0,
+    ) -> None:
+        if not urls:
+            raise ValueError("the vllm engine needs at least one server URL (RLPROXY_VLLM_URLS)")
+        self.replicas = [Replica(url.rstrip("/")) for url in urls]
+        self.client = client
+        self.on_rejoin = on_rejoin
+        self.probe_timeout_s = probe_timeout_s
+        self._turn = 0  # breaks ties between equally loaded replicas, in turn
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas if r.healthy]
+
+    def pick(self, exclude: set[str] = frozenset()) -> Replica | None:  # type: ignore[assignment]
+        """The healthy replica with the least outstanding work (None: none is left)."""
+        ready = [r for r in self.replicas if r.healthy and r.url not in exclude]
+        if not ready:
+            return None
+        self._turn += 1
+        n = len(self.replicas)
+        return min(
+            ready,
+            key=lambda r: (r.outstanding, r.in_flight, (self.replicas.index(r) - self._turn) % n),
+        )
+
+    def mark_down(self, replica: Replica, why: str) -> None:
+        if replica.healthy:
+            logger.warning("vLLM replica %s taken out of rotation: %s", replica.url, why)
+        replica.healthy = False
+        replica.last_error = why
+
+    # ----------------------------------------------------------------- health
+
+    async def probe(self, replica: Replica) -> bool:
+        try:
+            r = await self.client.get(f"{replica.url}/health", timeout=self.probe_timeout_s)
+        except httpx.HTTPError as exc:
+            replica.last_error = f"health probe failed: {type(exc).__name__}: {exc}"
+            return False
+        if r.status_code != 200:
+            replica.last_error = f"health probe answered {r.status_code}"
+        return r.status_code == 200
+
+    async def check(self, replica: Replica) -> None:
+        """Probe one replica; take it out if it fails, let it back in (adapters reloaded
+        first) if it was out and answers."""
+        ok = await self.probe(replica)
+        if not ok:
+            self.mark_down(replica, replica.last_error or "health probe failed")
+            return
+        if replica.healthy:
+            return
+        try:
+            if self.on_rejoin is not None:
+                await self.on_rejoin(replica)
+        except Exception as exc:  # it stays out; the next probe tries again
+            replica.last_error = f"rejoining failed: {exc}"
+            logger.warning("vLLM replica %s answers but could not rejoin: %s", replica.url, exc)
+            return
+        replica.healthy = True
+        replica.last_error = None
+        logger.info("vLLM replica %s is in rotation", replica.url)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(r) for r in self.replicas))
+
+    async def watch(self, interval_s: float) -> None:
+        """Probe every replica every `interval_s` seconds, forever (cancel to stop)."""
+        while True:
+            try:
+                await self.check_all()
+            except Exception:  # a probe must never end the loop
+                logger.exception("vLLM health round failed; trying again")
+            await asyncio.sleep(interval_s)
+
+    # ----------------------------------------------------------------- LoRA admin
+
+    async def load_lora(self, replica: Replica, name: str, path: str) -> None:
+        """Load `name` from `path` on `replica`. A 400 saying the name is already loaded counts
+        as loaded: names are versions (`POLICY@N`), and a version's folder never changes."""
+        r = await self.client.post(
+            f"{replica.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}
+        )
+        if r.status_code != 200:
+            message, type_ = error_message(r)
+            if not (r.status_code == 400 and "already been loaded" in message):
+                raise ReplicaRefused(replica.url, r.status_code, message, type_)
+        replica.loras.add(name)
+
+    async def unload_lora(self, replica: Replica, name: str) -> None:
+        """Unload `name` from `replica`; a 404 (not loaded there) counts as done."""
+        r = await self.client.post(
+            f"{replica.url}/v1/unload_lora_adapter", json={"lora_name": name}
+        )
+        if r.status_code not in (200, 404):
+            message, type_ = error_message(r)
+            raise ReplicaRefused(replica.url, r.status_code, message, type_)
+        replica.loras.discard(name)
+
+    async def models(self, replica: Replica) -> list[dict[str, Any]]:
+        """The cards of `GET /v1/models` (the base model and the LoRAs loaded there)."""
+        r = await self.client.get(f"{replica.url}/v1/models", timeout=self.probe_timeout_s * 5)
+        r.raise_for_status()
+        data = r.json().get("data")
+        return [card for card in data if isinstance(card, dict)] if isinstance(data, list) else []

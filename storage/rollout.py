@@ -1,0 +1,133 @@
+"""The SQL of a canary rollout: the rewards of two adapter versions on the same work.
+
+A scored group whose members were served by both versions compares them directly: the judge
+saw both answers side by side (and the environment rewarded both runs of one task). For every
+such group scored since the canary began, `paired_rewards` returns each version's member
+rewards; the statistics live in `proxy.adapters.rollout_stats`.
+
+A member's version is the one that served its first call (a trajectory member) or its call (a
+sampled answer), 0 for the base model, as in `storage.stats`. A member's reward follows the
+reward policy: "explicit" takes the environment's latest reward for a trajectory member and
+falls back to the judge's score; "ruler" the other way round. Sampled answers only have judge
+scores. Only calls served by the local engine count.
+
+Bounded: the newest `limit` groups scored since `since`, each read by its indexed id.
+Callers go through `storage.store.Store`; nothing else should import this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import case, func, select
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from storage.models import calls_table as C
+from storage.models import group_members_table as GM
+from storage.models import groups_table as G
+from storage.models import rewards_table as R
+from storage.models import scores_table as S
+
+
+@dataclass(frozen=True)
+class GroupPair:
+    """One scored group holding members of both versions: their rewards, per version."""
+
+    group_id: str
+    scored_at: float
+    old: tuple[float, ...]
+    new: tuple[float, ...]
+
+
+def _first_call_of(trajectory_id: object) -> object:
+    calls = C.alias("first_calls")
+    return (
+        select(calls.c.id)
+        .where(calls.c.trajectory_id == trajectory_id)
+        .order_by(calls.c.turn_index, calls.c.created_at)
+        .limit(1)
+        .scalar_subquery()
+    )
+
+
+async def paired_rewards(
+    conn: AsyncConnection,
+    *,
+    old: int,
+    new: int,
+    since: float,
+    reward_policy: str = "explicit",
+    limit: int = 1000,
+) -> list[GroupPair]:
+    """Scored groups since `since` (oldest first, at most the newest `limit`) that hold members
+    served by `old` and by `new` (0: the base model), with each member's reward."""
+    groups = (
+        await conn.execute(
+            select(G.c.id, G.c.scored_at)
+            .where(G.c.status == "scored", G.c.scored_at >= since)
+            .order_by(G.c.scored_at.desc(), G.c.id)
+            .limit(limit)
+        )
+    ).all()
+    if not groups:
+        return []
+    ids = [g.id for g in groups]
+    member_call = case(
+        (GM.c.call_id.is_not(None), GM.c.call_id), else_=_first_call_of(GM.c.trajectory_id)
+    )
+    members = (
+        await conn.execute(
+            select(
+                GM.c.group_id,
+                GM.c.member_id,
+                GM.c.trajectory_id,
+                GM.c.call_id,
+                func.coalesce(C.c.adapter_version, 0).label("version"),
+            )
+            .select_from(GM)
+            .join(C, C.c.id == member_call)
+            .where(GM.c.group_id.in_(ids), C.c.engine == "local")
+        )
+    ).all()
+    wanted = {old, new}
+    by_group: dict[str, list[tuple[str, str, str | None, int]]] = {}
+    for m in members:
+        if m.version in wanted:
+            by_group.setdefault(m.group_id, []).append(
+                (m.member_id, m.trajectory_id, m.call_id, int(m.version))
+            )
+    mixed = {g: ms for g, ms in by_group.items() if {v for *_, v in ms} == wanted and old != new}
+    if not mixed:
+        return []
+    scores: dict[tuple[str, str], float] = {}
+    for s in await conn.execute(
+        select(S.c.group_id, S.c.member_id, S.c.score)
+        .where(S.c.group_id.in_(list(mixed)))
+        .order_by(S.c.id)
+    ):
+        scores[(s.group_id, s.member_id)] = s.score  # the latest wins
+    trajectories = sorted({t for ms in mixed.values() for _, t, call, _ in ms if call is None})
+    explicit: dict[str, float] = {}
+    if trajectories:
+        for r in await conn.execute(
+            select(R.c.trajectory_id, R.c.reward)
+            .where(R.c.trajectory_id.in_(trajectories))
+            .order_by(R.c.id)
+        ):
+            explicit[r.trajectory_id] = r.reward
+    scored_at = {g.id: g.scored_at for g in groups}
+    out = []
+    for group_id, ms in mixed.items():
+        rewards: dict[int, list[float]] = {old: [], new: []}
+        for member_id, trajectory_id, call_id, version in ms:
+            ruler = scores.get((group_id, member_id))
+            ex = explicit.get(trajectory_id) if call_id is None else None
+            first, second = (ex, ruler) if reward_policy == "explicit" else (ruler, ex)
+            value = first if first is not None else second
+            if value is not None:
+                rewards[version].append(float(value))
+        if rewards[old] and rewards[new]:
+            out.append(
+                GroupPair(group_id, scored_at[group_id], tuple(rewards[old]), tuple(rewards[new]))
+            )
+    return sorted(out, key=lambda p: (p.scored_at, p.group_id))

@@ -1,0 +1,141 @@
+"""The canary's traffic split in the served-model registry, conversations kept on the version
+they started with, and the lineage rule that keeps a rolled-back version's descendants out."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from proxy.adapters.registry import Resolved, ServedModels, conversation_key
+from trainer import checkpoints
+
+
+def _registry(share: float = 0.25, seed: int = 7) -> ServedModels:
+    reg = ServedModels("rlproxy", aliases=("gpt-4o-mini",), rng=random.Random(seed))
+    reg.add_version(1)
+    reg.add_version(2)
+    reg.activate(1)
+    reg.start_canary(2, share)
+    return reg
+
+
+def test_the_policy_name_splits_by_share() -> None:
+    reg = _registry(share=0.25)
+    draws = [reg.route(reg.resolve("rlproxy")).version for _ in range(20_000)]
+    assert set(draws) == {1, 2}
+    # binomial(20000, 0.25): sd 0.003; 0.02 is more than six of them
+    assert draws.count(2) / len(draws) == pytest.approx(0.25, abs=0.02)
+    aliased = [reg.route(reg.resolve("gpt-4o-mini")).version for _ in range(2_000)]
+    assert set(aliased) == {1, 2}
+
+
+def test_pins_and_the_base_are_never_split() -> None:
+    reg = _registry(share=0.9)
+    assert {reg.route(reg.resolve("rlproxy@1")).version for _ in range(200)} == {1}
+    assert {reg.route(reg.resolve("rlproxy@2")).version for _ in range(200)} == {2}
+    assert {reg.route(reg.resolve("rlproxy@base")).version for _ in range(200)} == {None}
+
+
+def test_without_a_canary_routing_changes_nothing() -> None:
+    reg = ServedModels("rlproxy")
+    reg.add_version(3)
+    reg.activate(3)
+    resolved = reg.resolve("rlproxy")
+    assert reg.route(resolved, "m:any") is resolved
+
+
+def test_a_conversation_stays_on_the_version_its_first_turn_drew() -> None:
+    reg = _registry(share=0.5)
+    system = {"role": "system", "content": "Be brief."}
+    seen = set()
+    for i in range(60):
+        first = [system, {"role": "user", "content": f"question {i}"}]
+        assert conversation_key(first) is None  # a first turn has nothing to key on yet
+        version = reg.route(reg.resolve("rlproxy")).version
+        seen.add(version)
+        answer = {"role": "assistant", "content": f"answer {i}", "refusal": None}
+        key = conversation_key([*first, answer])
+        assert key is not None
+        reg.remember(key, version)
+        # the client sends the whole history back, in its own shape (no refusal field)
+        later = [*first, {"role": "assistant", "content": f"answer {i}"}]
+        for turn in range(3):
+            later = [*later, {"role": "user", "content": f"more {turn}"}]
+            assert reg.route(reg.resolve("rlproxy"), conversation_key(later)).version == version
+            later = [*later, {"role": "assistant", "content": f"reply {turn}"}]
+    assert seen == {1, 2}
+
+
+def test_an_explicit_trajectory_id_keys_the_conversation() -> None:
+    reg = _registry(share=0.5)
+    key = conversation_key([{"role": "user", "content": "hi"}], "traj-1")
+    assert key == "t:traj-1"
+    first = reg.route(reg.resolve("rlproxy"), key).version
+    assert {reg.route(reg.resolve("rlproxy"), key).version for _ in range(50)} == {first}
+
+
+def test_tool_calls_key_the_same_as_the_client_sends_them_back() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    ours = {"role": "assistant", "content": None, "refusal": None, "tool_calls": [call]}
+    theirs = {"role": "assistant", "tool_calls": [{**call, "id": "call_1"}]}
+    user = {"role": "user", "content": [{"type": "text", "text": "go"}]}
+    user_plain = {"role": "user", "content": "go"}
+    assert conversation_key([user, ours]) == conversation_key([user_plain, theirs])
+
+
+def test_activation_ends_the_canary_and_forgets_the_conversations() -> None:
+    reg = _registry(share=0.5)
+    reg.remember("m:x", 2)
+    reg.activate(2)  # promoted
+    assert reg.canary is None and len(reg.sticky) == 0
+    assert {reg.route(reg.resolve("rlproxy"), "m:x").version for _ in range(50)} == {2}
+    reg.start_canary(1, 0.5)
+    reg.end_canary()  # rolled back
+    assert reg.canary is None
+    assert reg.resolve("rlproxy") == Resolved("rlproxy", 2)
+
+
+def test_a_canary_must_be_loaded_and_not_active_and_cannot_be_removed() -> None:
+    reg = ServedModels("rlproxy")
+    reg.add_version(1)
+    reg.activate(1)
+    with pytest.raises(ValueError, match="not loaded"):
+        reg.start_canary(5, 0.5)
+    with pytest.raises(ValueError, match="already active"):
+        reg.start_canary(1, 0.5)
+    reg.add_version(2)
+    with pytest.raises(ValueError, match="share"):
+        reg.start_canary(2, 1.0)
+    reg.start_canary(2, 0.5)
+    with pytest.raises(ValueError, match="canary"):
+        reg.remove_version(2)
+
+
+def _version(root: Path, version: int, parent: int | None) -> None:
+    folder = checkpoints.version_dir(root, version)
+    folder.mkdir(parents=True)
+    state = {"step": version} if parent is None else {"step": version, "parent": parent}
+    (folder / checkpoints.TRAINER_STATE).write_text(json.dumps(state))
+
+
+def test_lineage_finds_a_rolled_back_ancestor(tmp_path: Path) -> None:
+    # 1 <- 2 <- 3 (no parent recorded: the version before) ; 2 was rolled back; 4 restarted
+    # from 1; 5 from 4
+    _version(tmp_path, 1, 0)
+    _version(tmp_path, 2, 1)
+    _version(tmp_path, 3, None)
+    _version(tmp_path, 4, 1)
+    _version(tmp_path, 5, 4)
+    rolled = {2}
+    assert checkpoints.rolled_back_ancestor(tmp_path, 2, rolled) == 2
+    assert checkpoints.rolled_back_ancestor(tmp_path, 3, rolled) == 2
+    assert checkpoints.rolled_back_ancestor(tmp_path, 4, rolled) is None
+    assert checkpoints.rolled_back_ancestor(tmp_path, 5, rolled) is None
+    assert checkpoints.rolled_back_ancestor(tmp_path, 1, rolled) is None
+    # a version that served as active stops the walk: what lies below it was accepted
+    assert checkpoints.rolled_back_ancestor(tmp_path, 3, rolled, trusted={3}) is None
+    assert checkpoints.parent_version(tmp_path, 3) == 2
+    assert checkpoints.parent_version(tmp_path, 9) == 8  # no folder: the version before

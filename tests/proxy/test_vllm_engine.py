@@ -1,0 +1,398 @@
+"""The `vllm` engine against vLLM-shaped HTTP handlers (httpx.MockTransport): what it sends, how
+it reads streams, routing, replicas that fail, versioned adapters.
+
+The end-to-end tests with real processes are tests/e2e/test_vllm_*.py; these pin the rules that
+are hard to provoke there (a replica refusing one adapter, a death between two tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import llguidance
+import pytest
+
+from proxy.api.errors import BadGatewayError, EngineUnreachableError
+from proxy.chat.grammar import ToolChoice, constraint_for_json_schema, constraint_for_tools
+from proxy.chat.service import _api_error
+from proxy.engines.base import (
+    ChoiceFinished,
+    EngineError,
+    EngineUnavailableError,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent,
+)
+from proxy.engines.vllm import VLLMEngine, lark_text
+
+A, B = "http://a:8000", "http://b:8000"
+PROMPT = [1, 2, 3]
+
+
+class FakeTokenizer:
+    eos_token_id = 2
+    unk_token_id = 0
+    model_max_length = 4096
+
+    def convert_tokens_to_ids(self, token: str) -> int:
+        return 1 if token == "<|im_start|>" else 0
+
+
+def sse(*chunks: dict[str, Any], done: bool = True) -> bytes:
+    lines = [f"data: {json.dumps(c)}\n\n" for c in chunks]
+    return ("".join(lines) + ("data: [DONE]\n\n" if done else "")).encode()
+
+
+def chunk(
+    index: int, ids: list[int], lps: list[float], text: str, finish: str | None = None, **extra
+) -> dict[str, Any]:
+    tops = [{f"token_id:{t}": lp, "token_id:99": -0.1} for t, lp in zip(ids, lps, strict=True)]
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 0,
+        "model": "m",
+        "choices": [
+            {
+                "index": index,
+                "text": text,
+                "logprobs": {
+                    "text_offset": [0] * len(ids),
+                    "token_logprobs": lps,
+                    "tokens": [f"token_id:{t}" for t in ids],
+                    "top_logprobs": tops,
+                },
+                "finish_reason": finish,
+                "stop_reason": None,
+                "token_ids": ids,
+                **extra,
+            }
+        ],
+    }
+
+
+def answer(ids: list[int], lps: list[float], texts: list[str], finish: str = "length") -> bytes:
+    chunks = []
+    for k, (t, lp, text) in enumerate(zip(ids, lps, texts, strict=True)):
+        extra = {"prompt_token_ids": PROMPT} if k == 0 else {"prompt_token_ids": None}
+        last = k == len(ids) - 1
+        chunks.append(chunk(0, [t], [lp], text, finish if last else None, **extra))
+    return sse(*chunks)
+
+
+Handler = Callable[[httpx.Request], Any]
+
+
+def health_ok(request: httpx.Request) -> httpx.Response | None:
+    if request.url.path == "/health":
+        return httpx.Response(200)
+    if request.url.path == "/v1/models":
+        card = {"id": "base", "object": "model", "parent": None, "max_model_len": 2048}
+        return httpx.Response(200, json={"object": "list", "data": [card]})
+    return None
+
+
+def engine_with(handler: Handler, urls: tuple[str, ...] = (A, B)) -> VLLMEngine:
+    async def route(request: httpx.Request) -> httpx.Response:
+        result = handler(request)
+        if asyncio.iscoroutine(result):
+            result = await result
+        return result if result is not None else httpx.Response(404, json={"error": {}})
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(route))
+    return VLLMEngine(list(urls), FakeTokenizer(), policy="rlproxy", client=client)
+
+
+def request(**params: Any) -> GenerationRequest:
+    return GenerationRequest(PROMPT, SamplingParams(max_tokens=3, **params), request_id="r1")
+
+
+async def collect(engine: VLLMEngine, req: GenerationRequest) -> list[Any]:
+    return [event async for event in engine.generate(req)]
+
+
+async def started(engine: VLLMEngine) -> VLLMEngine:
+    await engine.pool.check_all()
+    await engine._learn_model(engine.pool.replicas[0])
+    return engine
+
+
+# ----------------------------------------------------------------------------- the wire
+
+
+async def test_sends_token_ids_and_reads_exact_ids_logprobs_and_top_logprobs() -> None:
+    sent: list[dict[str, Any]] = []
+
+    def handler(req: httpx.Request) -> httpx.Response | None:
+        if req.url.path == "/v1/completions":
+            sent.append(json.loads(req.content))
+            body = answer([11, 12, 13], [-0.5, -1.25, -2.0], ["He", "llo", "!"])
+            return httpx.Response(200, content=body)
+        return health_ok(req)
+
+    engine = await started(engine_with(handler, (A,)))
+    events = await collect(engine, request(logprobs=True, top_logprobs=1, seed=7))
+
+    body = sent[0]
+    assert body["model"] == "base" and body["prompt"] == PROMPT
+    assert body["return_token_ids"] and body["return_tokens_as_token_ids"] and body["stream"]
+    assert body["logprobs"] == 1 and body["seed"] == 7 and body["stop_token_ids"] == [1, 2]
+    assert engine.max_context == 2048
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    assert [(t.token_id, t.logprob, t.text) for t in tokens] == [
+        (11, -0.5, "He"),
+        (12, -1.25, "llo"),
+        (13, -2.0, "!"),
+    ]
+    assert tokens[0].top_logprobs == ((99, -0.1),)
+    (fin,) = [e for e in events if isinstance(e, ChoiceFinished)]
+    assert (fin.prompt_token_ids, fin.completion_token_ids) == (PROMPT, [11, 12, 13])
+    assert fin.completion_logprobs == [-0.5, -1.25, -2.0]
+    assert (fin.finish_reason, fin.text) == ("length", "Hello!")
+
+
+async def test_logprobs_are_asked_for_even_when_the_client_did_not() -> None:
+    sent: list[dict[str, Any]] = []
+
+    def handler(req: httpx.Request) -> httpx.Response | None:
+        if req.url.path == "/v1/completions":
+            sent.append(json.loads(req.content))
+            return httpx.Response(200, content=answer([5], [-0.3], ["x"], "stop"))
+        return health_ok(req)
+
+    engine = await started(engine_with(handler, (A,)))
+    events = await collect(engine, request())
+    assert sent[0]["logprobs"] == 0
+    assert events[-1].completion_logprobs == [-0.3]
+    assert events[0].top_logprobs == ()
+
+
+async def test_a_prompt_other_than_the_one_sent_fails_the_call() -> None:
+    def handler(req: httpx.Request) -> httpx.Response | None:
+        if req.url.path == "/v1/completions":
+            body = sse(chunk(0, [5], [-0.3], "x", "stop", prompt_token_ids=[9, 9]))
+            return httpx.Response(200, content=body)
+        return health_ok(req)
+
+    engine = await started(engine_with(handler, (A,)))
+    with pytest.raises(EngineError, match="different prompt"):
+        await collect(engine, request())
+
+
+async def test_an_answer_outside_the_protocol_is_an_engine_error() -> None:
+    def handler(req: httpx.Request) -> httpx.Response | None:
+        if req.url.path == "/v1/completions":  # a choice index the request never asked for
+            return httpx.Response(200, content=sse(chunk(5, [5], [-0.3], "x", "stop")))
+        return health_ok(req)
+
+    engine = await started(engine_with(handler, (A,)))
+    with pytest.raises(EngineError, match="cannot read"):
+        await collect(engine, request())
+
+
+def test_grammars_travel_as_lark_that_llguidance_reads() -> None:
+    schema = constraint_for_json_schema({"type": "object", "properties": {"a": {"type": "string"}}})
+    tools = constraint_for_tools(
+        [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        ToolChoice("required"),
+    )
+    for grammar in (schema, tools):
+        text = lark_text(grammar)
+        # what vLLM's guidance backend does with `structured_outputs.grammar`
+        assert llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("grammar", text)) == ""
+    assert lark_text(schema).startswith("start: %json {")
+
+
+# ----------------------------------------------------------------------------- replicas
+
+
+async def test_least_outstanding_work_and_a_refused_connection_goes_elsewhere() -> None:
+    served: list[str] = []
+
+    def handler(req: httpx.Request) -> httpx.Response | None:
+        if req.url.path == "/v1/completions":
+            host = f"http://{req.url.host}:8000"
+            if host == A:
+                raise httpx.ConnectError("refused", request=req)
+            served.append(host)
+            return httpx.Response(200, content=answer([5], [-0.3], ["x"], "stop"))
+        return health_ok(req)
+
+    engine = await started(engine_with(handler))
+    engine.pool.replicas[1].outstanding = 10  # B is busier: A is picked first
+    events = await collect(engine, request())
+    assert served == [B] and isinstance(events[-1], ChoiceFinished)
+    assert not engine.pool.replicas[0].healthy  # out of rotation until its probe answers
+    assert engine.pool.replicas[1].outstanding == 10  # what the request owed was given back
+
+
+async def test_a_replica_dying_mid_answer_is_a_502_and_none_left_a_503() -> None:
+    async def dying() -> AsyncIterator[bytes]:
+        yield sse(chunk(0, [5], [-0.3], "x", prompt_token_ids=PROMPT), done=False)
+        raise httpx.RemoteProtocolError("peer closed connection")
+
+    def handler(req: httpx.Request) -> httpx.Response | None:
+        if req.url.path == "/v1/completions":
+            return httpx.Response(200, content=dying())
+        return health_ok(req)
+
+    engine = await started(engine_with(handler, (A,)))
+    events: list[Any] = []
+    with pytest.raises(EngineUnavailableError) as died:
+        async for event in engine.generate(request()):
+            events.append(event)
+    assert len(events) == 1 and died.value.mid_answer
+    assert isinstance(_api_error(died.value), BadGatewayError)
+    assert _api_error(died.value).status_code == 502
+    with pytest.raises(EngineUnavailableError) as none_left:
+        await collect(engine, request())
+    assert not none_left.value.mid_answer
+    assert _api_error(none_left.value).status_code == 503
+    assert isinstance(_api_error(none_left.value), EngineUnreachableError)
+
+
+# ----------------------------------------------------------------------------- adapters
+
+
+def lora_handler(
+    loaded: dict[str, set[str]], refuse: str | None = None
+) -> Callable[[httpx.Request], httpx.Response | None]:
+    def handler(req: httpx.Request) -> httpx.Response | None:
+        host = f"http://{req.url.host}:8000"
+        names = loaded.setdefault(host, set())
+        if req.url.path == "/v1/load_lora_adapter":
+            name = json.loads(req.content)["lora_name"]
+            if host == refuse:
+                info = {"message": "LoRA rank 64 is greater than max_lora_rank 16.", "code": 500}
+                return httpx.Response(500, json={"error": {**info, "type": "InternalServerError"}})
+            if name in names:
+                msg = f"The lora adapter '{name}' has already been loaded."
+                return httpx.Response(400, json={"error": {"message": msg, "code": 400}})
+            names.add(name)
+            return httpx.Response(200, text="Success")
+        if req.url.path == "/v1/unload_lora_adapter":
+            name = json.loads(req.content)["lora_name"]
+            if name not in names:
+                return httpx.Response(404, json={"error": {"message": "cannot be found"}})
+            names.discard(name)
+            return httpx.Response(200, text="Success")
+        if req.url.path == "/v1/models":
+            base = {"id": "base", "parent": None, "max_model_len": 2048}
+            cards = [{"id": n, "parent": "base"} for n in sorted(names)]
+            return httpx.Response(200, json={"data": [base, *cards]})
+        if req.url.path == "/health":
+            return httpx.Response(200)
+        return None
+
+    return handler
+
+
+async def test_each_version_loads_on_every_replica_under_its_own_name() -> None:
+    loaded: dict[str, set[str]] = {}
+    engine = await started(engine_with(lora_handler(loaded)))
+    await engine.load_adapter("v3", "/data/checkpoints/rlproxy/0003")
+    assert loaded == {A: {"rlproxy@3"}, B: {"rlproxy@3"}}
+    await engine.load_adapter("v3", "/data/checkpoints/rlproxy/0003")  # again: nothing new
+    await engine.unload_adapter("v3")
+    assert loaded == {A: set(), B: set()}
+
+
+async def test_one_refusal_fails_the_load_and_undoes_it_elsewhere() -> None:
+    loaded: dict[str, set[str]] = {}
+    engine = await started(engine_with(lora_handler(loaded, refuse=B)))
+    with pytest.raises(EngineError, match="max_lora_rank"):
+        await engine.load_adapter("v4", "/data/checkpoints/rlproxy/0004")
+    assert loaded.get(A, set()) == set()
+    with pytest.raises(EngineError, match="not loaded"):
+        await collect(engine, GenerationRequest(PROMPT, SamplingParams(max_tokens=1), adapter="v4"))
+
+
+async def test_unload_waits_for_the_requests_in_flight_on_that_version() -> None:
+    loaded: dict[str, set[str]] = {}
+    release = asyncio.Event()
+    models: list[str] = []
+    base = lora_handler(loaded)
+
+    async def slow() -> AsyncIterator[bytes]:
+        yield sse(chunk(0, [5], [-0.3], "x", prompt_token_ids=PROMPT), done=False)
+        await release.wait()
+        yield sse(chunk(0, [6], [-0.2], "y", "length"))
+
+    def handler(req: httpx.Request) -> httpx.Response | None:
+        if req.url.path == "/v1/completions":
+            models.append(json.loads(req.content)["model"])
+            return httpx.Response(200, content=slow())
+        return base(req)
+
+    engine = await started(engine_with(handler, (A,)))
+    await engine.load_adapter("v1", "/x/0001")
+    req = GenerationRequest(PROMPT, SamplingParams(max_tokens=2), adapter="v1")
+    stream = engine.generate(req)
+    first = await stream.__anext__()
+    unload = asyncio.create_task(engine.unload_adapter("v1"))
+    await asyncio.sleep(0.05)
+    assert not unload.done() and loaded[A] == {"rlproxy@1"}  # still serving the request
+    with pytest.raises(EngineError, match="not loaded"):  # but no new one starts on it
+        await collect(engine, GenerationRequest(PROMPT, SamplingParams(max_tokens=1), adapter="v1"))
+    release.set()
+    rest = [e async for e in stream]
+    await asyncio.wait_for(unload, 5)
+    assert first.token_id == 5 and rest[-1].completion_token_ids == [5, 6]
+    assert models == ["rlproxy@1"] and loaded[A] == set()
+
+
+async def test_a_replica_rejoins_only_after_its_adapters_are_loaded_again() -> None:
+    loaded: dict[str, set[str]] = {}
+    up = {A: True, B: True}
+    base = lora_handler(loaded)
+
+    def handler(req: httpx.Request) -> httpx.Response | None:
+        host = f"http://{req.url.host}:8000"
+        if not up[host]:
+            raise httpx.ConnectError("down", request=req)
+        return base(req)
+
+    engine = await started(engine_with(handler))
+    await engine.load_adapter("v1", "/x/0001")
+    up[B] = False
+    await engine.pool.check_all()
+    assert [r.healthy for r in engine.pool.replicas] == [True, False]
+    await engine.load_adapter("v2", "/x/0002")  # while B is away
+    await engine.unload_adapter("v1")
+    loaded[B] = {"rlproxy@1"}  # B comes back as it was (a network blip, not a restart)
+    up[B] = True
+    await engine.pool.check_all()
+    assert [r.healthy for r in engine.pool.replicas] == [True, True]
+    assert loaded == {A: {"rlproxy@2"}, B: {"rlproxy@2"}}
+
+
+# ----------------------------------------------------------------------------- the stand-in
+
+
+@pytest.mark.parametrize(
+    ("change", "refusal"),
+    [
+        ({}, None),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"use_dora": True}, "DoRA"),
+        ({"bias": "lora_only"}, "bias"),
+        ({"r": 32}, "max_lora_rank 16"),
+    ],
+)
+def test_the_stand_in_refuses_what_vllms_lora_loader_refuses(
+    change: dict[str, Any], refusal: str | None
+) -> None:
+    from tests.fakes.vllm_server import FakeVLLM
+
+    fake = FakeVLLM.__new__(FakeVLLM)
+    fake.max_lora_rank = 16
+    # What PEFT writes for the trainer's LoraConfig (trainer/peft_backend.py, r=8, bias none).
+    config = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "bias": "none"}
+    config["modules_to_save"] = None
+    config["use_dora"] = False
+    result = fake._peft_refusal({**config, **change})
+    assert result is None if refusal is None else refusal in (result or "")

@@ -1,0 +1,422 @@
+"""Judge checks: canaries, the gate and the drift alarm on hand-made check rows, then the scorer
+with scripted in-process judges on a real SQLite file (each honours
+`trainer.rewards.ruler.Judge`: one RULER reply in the documented JSON shape). The end-to-end
+test through a real server and a judge on loopback is tests/e2e/test_judge_checks.py.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from storage import CallRecord, ChoiceRecord, JudgeCheckRecord, Store
+from storage.grouping import SignatureGrouper
+from trainer.config import TrainerConfig
+from trainer.loop import TrainingLoop
+from trainer.rewards.canaries import REFUSAL, insert_canary, make_canary
+from trainer.rewards.judge_checks import JudgeChecksConfig, drift_report, gate_decision
+from trainer.rewards.ruler import JudgeMember, JudgeReply
+from trainer.rewards.scoring import Scorer, ScoringConfig
+
+TASK = [{"role": "user", "content": "What is 17 + 25?"}]
+
+
+def member(text: str, n: int = 0) -> JudgeMember:
+    return JudgeMember(f"m{n}", [*TASK, {"role": "assistant", "content": text}])
+
+
+def check(**fields: Any) -> JudgeCheckRecord:
+    return JudgeCheckRecord(
+        group_id="g", judge_model="j", rubric_hash="r", member_count=3, **fields
+    )
+
+
+CONFIG = JudgeChecksConfig(min_checks=20, min_canary_pass=0.8, min_self_tau=0.5)
+
+
+# ----------------------------------------------------------------------------- canaries
+
+
+def test_each_canary_kind_replaces_only_the_final_answer() -> None:
+    rng = random.Random(1)
+    members = [member("The answer is 42, since 17 + 25 = 42.")]
+    empty = make_canary(members, "empty", rng)
+    refusal = make_canary(members, "refusal", rng)
+    copied = make_canary(members, "copied", rng, other_answer="Paris is the capital.")
+    cut = make_canary(members, "truncated", rng)
+    assert empty and refusal and copied and cut
+    assert [c.messages[-1]["content"] for c in (empty, refusal, copied)] == [
+        "",
+        REFUSAL,
+        "Paris is the capital.",
+    ]
+    assert cut.messages[-1]["content"] == "The answer is 42, "[:19]
+    assert all(c.messages[:-1] == TASK for c in (empty, refusal, copied, cut))
+    assert members[0].messages[-1]["content"].startswith("The answer is 42")  # untouched
+    # An id like any member's: 32 hex digits, different each time.
+    assert re.fullmatch(r"[0-9a-f]{32}", empty.member_id) and empty.member_id != cut.member_id
+
+
+def test_a_kind_that_cannot_be_made_gives_way_to_the_next() -> None:
+    rng = random.Random(2)
+    members = [member("42", 0), member("41", 1)]
+    assert make_canary(members, "copied", rng) is None  # no other task seen yet
+    assert make_canary(members, "truncated", rng) is None  # too short to cut
+    canary = insert_canary(members, ["copied", "truncated", "refusal"], rng)
+    assert canary is not None and canary.kind == "refusal"
+    assert 0 <= canary.position <= len(members)
+
+
+# ----------------------------------------------------------------------------- the gate
+
+
+def test_too_few_canaries_cannot_decide() -> None:
+    gate = gate_decision([check(canary_passed=False, canary_kind="empty")] * 19, CONFIG)
+    assert gate.canary.verdict == "undecided" and gate.decision == "train"
+    assert gate.reason is not None and "0/19" in gate.reason
+
+
+def test_a_judge_whose_canary_upper_bound_is_below_the_threshold_is_held() -> None:
+    # 9 of 20 passed: Wilson 95 % upper bound 0.66 < 0.8
+    rows = [check(canary_passed=i < 9, canary_kind="refusal") for i in range(20)]
+    gate = gate_decision(rows, CONFIG)
+    assert gate.canary.verdict == "fail" and gate.decision == "held"
+    assert gate.canary.high == pytest.approx(0.6579, abs=1e-3)
+    assert gate.reason is not None and "9/20" in gate.reason
+    assert gate.canary.by_kind == {"refusal": {"checks": 20, "passed": 9}}
+
+
+def test_between_the_bounds_the_gate_trains_unless_told_to_hold_undecided() -> None:
+    # 18 of 20: bounds (0.70, 0.97) straddle 0.8
+    rows = [check(canary_passed=i < 18) for i in range(20)]
+    assert gate_decision(rows, CONFIG).decision == "train"
+    strict = JudgeChecksConfig(min_checks=20, hold_undecided=True)
+    gate = gate_decision(rows, strict)
+    assert gate.decision == "held" and gate.reason and gate.reason.startswith("judge not proven")
+
+
+def test_a_judge_that_passes_every_canary_passes() -> None:
+    gate = gate_decision([check(canary_passed=True)] * 40, CONFIG)  # lower bound 0.912
+    assert gate.canary.verdict == "pass" and gate.decision == "train"
+
+
+def test_a_judge_that_disagrees_with_itself_is_held() -> None:
+    # taus alternate -0.2 and 0.2: mean 0, se 0.2 * sqrt(20/19) / sqrt(20); upper 0.09 < 0.5
+    rows = [check(position_tau=0.2 if i % 2 else -0.2) for i in range(20)]
+    gate = gate_decision(rows, CONFIG)
+    assert gate.self_agreement.verdict == "fail" and gate.decision == "held"
+    assert gate.self_agreement.mean_tau == pytest.approx(0.0)
+    assert "self-agreement" in (gate.reason or "")
+    steady = [check(position_tau=0.9 if i % 2 else 0.8) for i in range(20)]
+    assert gate_decision(steady, CONFIG).self_agreement.verdict == "pass"
+
+
+def test_with_the_gate_off_a_failing_judge_still_trains_and_says_so() -> None:
+    rows = [check(canary_passed=False)] * 20
+    gate = gate_decision(rows, JudgeChecksConfig(gate=False))
+    assert gate.decision == "train" and (gate.reason or "").startswith("gate off")
+
+
+def test_only_the_newest_window_counts() -> None:
+    old_failures = [check(canary_passed=False)] * 30
+    newer_passes = [check(canary_passed=True)] * 30
+    config = JudgeChecksConfig(min_checks=20, window=30)
+    assert gate_decision([*newer_passes, *old_failures], config).decision == "train"
+    assert gate_decision([*old_failures, *newer_passes], config).decision == "held"
+
+
+def test_environment_agreement_is_averaged_per_day() -> None:
+    day = 86400.0
+    rows = [
+        check(env_members=3, env_spearman=1.0, env_kendall=1.0, created_at=day * 10 + 5),
+        check(env_members=3, env_spearman=0.5, env_kendall=0.0, created_at=day * 10 + 9),
+        check(env_members=2, env_spearman=-1.0, env_kendall=-1.0, created_at=day * 11),
+        check(env_members=None),
+    ]
+    env = gate_decision(rows, CONFIG).environment
+    assert env.groups == 3
+    assert env.spearman == pytest.approx(0.5 / 3)
+    assert [d["groups"] for d in env.by_day] == [2, 1]
+    assert env.by_day[0]["spearman"] == pytest.approx(0.75)
+    assert env.by_day[0]["kendall"] == pytest.approx(0.5)
+
+
+# ----------------------------------------------------------------------------- drift
+
+
+def _halves(recent: dict[str, Any], earlier: dict[str, Any], w: int = 10) -> list[JudgeCheckRecord]:
+    return [check(**recent) for _ in range(w)] + [check(**earlier) for _ in range(w)]
+
+
+def test_reward_climbing_while_canaries_collapse_is_flagged() -> None:
+    config = JudgeChecksConfig(drift_window=10, drift_reward_rise=0.1, drift_canary_drop=0.2)
+    rows = _halves(
+        {"mean_reward": 0.8, "canary_passed": False},
+        {"mean_reward": 0.5, "canary_passed": True},
+    )
+    report = drift_report(rows, config)
+    assert report.alarm and report.reason is not None
+    assert "0.500 -> 0.800" in report.reason and "canary pass rate 1.00 -> 0.00" in report.reason
+
+
+def test_reward_climbing_while_lengths_collapse_is_flagged() -> None:
+    config = JudgeChecksConfig(drift_window=10, drift_length_ratio=0.5)
+    rows = _halves(
+        {"mean_reward": 0.9, "completion_tokens_mean": 12.0, "completion_tokens_std": 1.0},
+        {"mean_reward": 0.4, "completion_tokens_mean": 40.0, "completion_tokens_std": 9.0},
+    )
+    report = drift_report(rows, config)
+    assert report.alarm and "median completion length 40.0 -> 12.0" in (report.reason or "")
+
+
+def test_no_alarm_when_reward_is_flat_or_nothing_collapses_or_history_is_short() -> None:
+    config = JudgeChecksConfig(drift_window=10)
+    flat = _halves(
+        {"mean_reward": 0.5, "canary_passed": False}, {"mean_reward": 0.5, "canary_passed": True}
+    )
+    assert not drift_report(flat, config).alarm
+    steady = _halves(
+        {"mean_reward": 0.9, "canary_passed": True, "completion_tokens_mean": 30.0},
+        {"mean_reward": 0.4, "canary_passed": True, "completion_tokens_mean": 32.0},
+    )
+    assert not drift_report(steady, config).alarm
+    short = _halves({"mean_reward": 0.9, "canary_passed": False}, {"mean_reward": 0.1}, w=10)[:15]
+    assert not drift_report(short, config).alarm
+
+
+# ----------------------------------------------------------------------------- the scorer
+
+Rule = Callable[[list[str], str], list[float]]
+
+
+class RuleJudge:
+    """Scores the answers of each judge prompt with `rule(answers, prompt) -> scores` and replies
+    with RULER's documented JSON; records every prompt's answers."""
+
+    def __init__(self, rule: Rule, model: str = "rule-judge") -> None:
+        self.rule = rule
+        self.model = model
+        self.seen: list[list[str]] = []
+
+    async def complete(
+        self, messages: list[dict[str, Any]], response_format: dict[str, Any]
+    ) -> JudgeReply:
+        answers = re.findall(
+            r'<trajectory id="\d+">\n(?:continues the shared context with:\n\n)?\[assistant\]\n'
+            r"(.*?)\n</trajectory>",
+            messages[1]["content"],
+            re.DOTALL,
+        )
+        self.seen.append(answers)
+        scores = self.rule(answers, messages[1]["content"])
+        entries = [
+            {"trajectory_id": str(i + 1), "explanation": "scripted", "score": s}
+            for i, s in enumerate(scores)
+        ]
+        return JudgeReply(json.dumps({"scores": entries}), prompt_tokens=10, completion_tokens=5)
+
+
+GOOD = ("17 + 25 = 42, so the answer is 42.", "The answer is 42 (17 + 25).", "It is 42, surely.")
+
+
+def _is_bad(answer: str, answers: list[str], prompt: str) -> bool:
+    """What a competent judge sees: empty, a refusal, another task's answer, a cut answer."""
+    task = re.search(r"Task (\d+):", prompt)
+    return (
+        answer in ("", "(empty)")
+        or answer == REFUSAL
+        or task is None
+        or not answer.endswith(f"(task {task.group(1)})")
+        or any(a != answer and a.startswith(answer) for a in answers)
+    )
+
+
+def honest(answers: list[str], prompt: str) -> list[float]:
+    return [
+        0.0 if _is_bad(a, answers, prompt) else 0.5 + 0.1 * GOOD.index(a.split(" (task")[0])
+        for a in answers
+    ]
+
+
+def prefers_canaries(answers: list[str], prompt: str) -> list[float]:
+    return [
+        1.0 if _is_bad(a, answers, prompt) else 0.1 + 0.1 * GOOD.index(a.split(" (task")[0])
+        for a in answers
+    ]
+
+
+async def _ready_group(store: Store, n: int) -> str:
+    """A group of three runs of task n (token ids stored, so training could use it)."""
+    for i, text in enumerate(GOOD):
+        now = time.time()
+        record = CallRecord(
+            id=f"call-{n}-{i}",
+            created_at=now,
+            finished_at=now,
+            model_requested="rlproxy",
+            engine="local",
+            request_messages=[{"role": "user", "content": f"Task {n}: what is 17 + 25?"}],
+            choices=[
+                ChoiceRecord(
+                    0,
+                    {"role": "assistant", "content": f"{text} (task {n})"},
+                    "stop",
+                    completion_token_ids=[1, 2, 3 + i],
+                    completion_logprobs=[-0.1, -0.2, -0.3],
+                )
+            ],
+            prompt_token_ids=[7, 8, 9],
+        )
+        await store.end_trajectory(await store.record_call(record))
+    (gid,) = (await store.form_groups(SignatureGrouper(min_size=3))).ready
+    return gid
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[Store]:
+    s = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'rlproxy.db'}")
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+def _scorer(store: Store, judge: RuleJudge, **checks: Any) -> Scorer:
+    config = JudgeChecksConfig(seed=3, **checks)
+    return Scorer(store, judge, SignatureGrouper(min_size=3), ScoringConfig(checks=config))
+
+
+async def _trainers_read(store: Store) -> list[tuple[str, list[str]]]:
+    """The groups and member ids the trainer's read of scored groups returns (`_collect` of the
+    real loop; its model is not needed to read)."""
+    backend = SimpleNamespace(config=TrainerConfig())  # the loop reads only its config here
+    loop = TrainingLoop(store, backend, Path("unused"), policy="rlproxy")  # type: ignore[arg-type]
+    chosen, _, _ = await loop._collect(100)
+    return [(g.id, [e.sample_id for e in examples]) for g, examples in chosen]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_canary_is_judged_but_never_stored_or_trained_on(store: Store) -> None:
+    judge = RuleJudge(honest)
+    scorer = _scorer(store, judge, canary_share=1.0, position_share=0.0)
+    gid = await _ready_group(store, 0)
+    detail = await scorer.score(gid)
+    assert detail is not None and detail.summary.status == "scored"
+    assert len(judge.seen[0]) == 4  # three members and the canary
+    member_ids = {m.member_id for m in detail.members}
+    assert len(member_ids) == 3 and all(m.ruler is not None for m in detail.members)
+    (row,) = await store.checks_of_judge("rule-judge", detail.summary.rubric_hash or "")
+    assert row.canary_kind == "empty" and row.canary_passed is True
+    assert row.canary_member_id not in member_ids and row.canary_score == 0.0
+    assert row.canary_median == pytest.approx(0.6) and row.decision == "train"
+    assert row.mean_reward == pytest.approx(0.6) and row.completion_tokens_mean == 3.0
+    read = await _trainers_read(store)
+    assert [g for g, _ in read] == [gid]
+    assert set(read[0][1]) == member_ids  # the canary is not among the training examples
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_judge_preferring_canaries_is_held_and_released_once_it_recovers(
+    store: Store,
+) -> None:
+    bad = RuleJudge(prefers_canaries)
+    scorer = _scorer(store, bad, canary_share=1.0, position_share=0.0, min_checks=3, window=3)
+    groups = [await _ready_group(store, n) for n in range(4)]
+    details = [await scorer.score(g) for g in groups]
+    statuses = [d.summary.status if d else None for d in details]
+    # 0/1, 0/2: too few to decide; at 0/3 the Wilson upper bound (0.56) is below 0.8
+    assert statuses == ["scored", "scored", "held", "held"]
+    held = details[3]
+    assert held is not None and held.summary.hold_reason is not None
+    assert "canary pass rate 0/3" in held.summary.hold_reason
+    kinds = [c.canary_kind for c in await store.checks_of_judge("rule-judge", "x", limit=10)]
+    assert kinds == []  # another rubric has no checks
+    rows = await store.checks_of_judge(bad.model, held.summary.rubric_hash or "")
+    assert [r.canary_kind for r in reversed(rows)] == ["empty", "refusal", "copied", "truncated"]
+    assert {g for g, _ in await _trainers_read(store)} == set(groups[:2])
+    assert await store.held_count() == 2
+
+    # While the judge still fails, nothing is released.
+    assert await scorer.release_recovered() == []
+    # The same judge model, now honest: three passing canaries fill the window of 3.
+    honest_judge = RuleJudge(honest)
+    scorer.judge = honest_judge
+    recovering = [await scorer.score(await _ready_group(store, n)) for n in range(4, 7)]
+    # 1/3 in the window: upper bound 0.79, still held; 2/3 and 3/3: undecided, trained on.
+    assert [d.summary.status if d else None for d in recovering] == ["held", "scored", "scored"]
+    first = recovering[0]
+    assert first is not None
+    released = await scorer.release_recovered()
+    assert sorted(released) == sorted([*groups[2:], first.id])
+    assert await store.held_count() == 0
+    while await scorer.score_next() is not None:
+        pass
+    again = await store.get_group(groups[3])
+    assert again is not None and again.summary.status == "scored"
+    assert again.summary.hold_reason is None
+    assert {m.ruler.score for m in again.members if m.ruler} == {0.5, 0.6, 0.7}  # re-judged
+    assert set(groups) <= {g for g, _ in await _trainers_read(store)}
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_judge_scoring_everything_alike_gives_no_canary_check(store: Store) -> None:
+    flat = RuleJudge(lambda answers, _: [0.0] * len(answers), "flat")
+    scorer = _scorer(store, flat, canary_share=1.0, position_share=0.0)
+    detail = await scorer.score(await _ready_group(store, 0))
+    assert detail is not None
+    (row,) = await store.checks_of_judge("flat", detail.summary.rubric_hash or "")
+    assert row.canary_kind == "empty" and row.canary_score == 0.0 and row.canary_passed is None
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_position_checks_keep_kendalls_tau(store: Store) -> None:
+    judge = RuleJudge(honest)
+    scorer = _scorer(store, judge, canary_share=0.0, position_share=1.0)
+    detail = await scorer.score(await _ready_group(store, 0))
+    assert detail is not None and len(judge.seen) == 2
+    assert judge.seen[1] == list(reversed(judge.seen[0]))
+    (row,) = await store.checks_of_judge(judge.model, detail.summary.rubric_hash or "")
+    assert row.position_tau == 1.0 and row.canary_kind is None
+    assert detail.summary.judge_attempts == 2 and detail.summary.judge_prompt_tokens == 20
+
+    by_position = RuleJudge(lambda answers, _: [1.0 - 0.3 * i for i in range(len(answers))], "pos")
+    scorer = _scorer(store, by_position, canary_share=0.0, position_share=1.0)
+    detail = await scorer.score(await _ready_group(store, 1))
+    assert detail is not None
+    (row,) = await store.checks_of_judge("pos", detail.summary.rubric_hash or "")
+    assert row.position_tau == -1.0
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_agreement_with_the_environment_is_kept(store: Store) -> None:
+    gid = await _ready_group(store, 0)
+    group = await store.get_group(gid)
+    assert group is not None
+    for m, reward in zip(group.members, (0.0, 1.0, 0.5), strict=True):
+        await store.add_reward(m.trajectory_id, reward, "env")
+    judge = RuleJudge(honest)
+    scorer = Scorer(
+        store,
+        judge,
+        SignatureGrouper(min_size=3),
+        ScoringConfig(
+            judge_explicit_groups=True,
+            checks=JudgeChecksConfig(canary_share=0.0, position_share=0.0),
+        ),
+    )
+    detail = await scorer.score(gid)
+    assert detail is not None
+    (row,) = await store.checks_of_judge(judge.model, detail.summary.rubric_hash or "")
+    # judge 0.5, 0.6, 0.7 against the environment's 0, 1, 0.5: ranks 1 2 3 vs 1 3 2
+    assert row.env_members == 3
+    assert row.env_spearman == pytest.approx(0.5)
+    assert row.env_kendall == pytest.approx(1 / 3)
+    assert row.mean_reward == pytest.approx(0.5)  # explicit rewards win under "explicit"
