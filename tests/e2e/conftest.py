@@ -57,7 +57,7 @@ def start_server(data_dir: Path, model_dir: Path, env_extra: dict[str, str] | No
         "RLPROXY_TRAIN": "false",
         "RLPROXY_PUBLISH_ADAPTERS": "false",
         # Judge checks add a canary member or a second judge call to some groups, which the
-        # suites scripting a fixed reply per group do not expect; test_judge_checks.py turns
+        # suites scripting a fixed reply per group do not expect; test_judge_gate.py turns
         # them on.
         "RLPROXY_JUDGE_CHECKS": "false",
         **(env_extra or {}),

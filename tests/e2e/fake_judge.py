@@ -18,7 +18,7 @@ A test scripts what the next requests get, in order:
 A request that finds the script empty gets a 500 that says so, so a test that under-scripts fails
 loudly, unless the test set a rule (`judge.rule(fn)`: `fn(request body) -> content` answers
 every request the script does not). Nothing here looks at the meaning of the messages; a rule
-may (tests/e2e/test_judge_checks.py).
+may (tests/e2e/test_judge_gate.py).
 """
 
 from __future__ import annotations
