@@ -312,6 +312,8 @@ def test_score_cli_prints_a_table(
         "RLPROXY_JUDGE_MODEL": "openai/judge",
         "RLPROXY_JUDGE_API_BASE": judge.base_url,
         "OPENAI_API_KEY": "sk-judge",
+        # One scripted reply for the group's own members: no canary or re-ordered judging.
+        "RLPROXY_JUDGE_CHECKS": "false",
     }
     done = subprocess.run(
         [sys.executable, "-m", "proxy.cli", "score", "--group", shadow_group["id"]],
