@@ -52,8 +52,8 @@ test-fuzz: setup
 # Real podman builds and runs of deploy/ (tests/deploy/, marker `deploy`): the CPU image, one
 # container's life (completion through the published port, data on the volume, stop/start,
 # SIGTERM under load) and the compose stack (cpu profile) with Postgres; gpu and observability
-# through `docker-compose config`. Needs root and ../shared/containers (podman, a local base
-# image: no registry is reachable here). Prints image size and start times; see README "Deploy".
+# through `docker-compose config`. Needs root on Debian: tests/deploy/host/ installs podman and
+# builds a local python:3.11-slim stand-in (no registry is needed). Prints image size and start times; see README "Deploy".
 test-deploy: setup
 	$(BIN)/python -m pytest -q -s -m deploy tests/deploy
 

@@ -1,7 +1,8 @@
 """Real container builds and runs for deploy/ (`make test-deploy`, marker `deploy`).
 
-This machine reaches no container registry: `../shared/containers/setup-host.sh` (next to the
-repository, or $RLPROXY_CONTAINERS_DIR) installs podman and builds a local stand-in for
+A machine that reaches no container registry is the case this harness is built for:
+`tests/deploy/host/setup-host.sh` (or the folder $RLPROXY_CONTAINERS_DIR names) installs podman
+(and debootstrap, docker-compose) from Debian and builds a local stand-in for
 python:3.11-slim, and `compose-up.sh` runs docker-compose over podman with working
 healthchecks. The images are built with the same Dockerfile users build, only with
 BASE_IMAGE pointing at the stand-in (and the machine's torch CPU wheel folder mounted when it
@@ -25,7 +26,7 @@ import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-CONTAINERS = Path(os.environ.get("RLPROXY_CONTAINERS_DIR", REPO.parent / "shared" / "containers"))
+CONTAINERS = Path(os.environ.get("RLPROXY_CONTAINERS_DIR", Path(__file__).parent / "host"))
 LOCAL_BASE = "localhost/local/python:3.11-slim"
 CPU_IMAGE = os.environ.get("RLPROXY_DEPLOY_IMAGE", "localhost/rlproxy:deploy-test")
 POSTGRES_IMAGE = "localhost/rlproxy-test/postgres:16"
