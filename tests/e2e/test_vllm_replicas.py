@@ -10,7 +10,7 @@
   the replica, and the restarted replica comes back into rotation with the active adapter loaded
   before it serves again.
 
-Slow (several minutes on the shared machine): `make test-slow`.
+In the default run (about a minute on a quiet 2-core machine).
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ from tests.e2e.helpers import db_rows
 from tests.e2e.test_adapters import write_random_lora
 from tests.e2e.test_hotswap import _adapters, _publish, _wait_status
 from tests.fakes.stack import FakeReplica, vllm_stack, wait_in_rotation
-
-pytestmark = pytest.mark.slow
 
 CLIENTS = 4
 

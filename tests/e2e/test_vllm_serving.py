@@ -5,12 +5,12 @@ The replicas (`tests/fakes/vllm_server.py`) generate with the real embedded mode
 completion they finish to a file; a call's stored prompt ids, completion ids and logprobs must be
 exactly one of those. vLLM's admin routes must not be reachable through rlproxy.
 One replica keeps this module cheap; routing between replicas, versions, dead replicas and
-the client suites are in test_vllm_replicas.py and test_vllm_clients.py (slow, two replicas), and
+the client suites are in test_vllm_clients.py (slow, two replicas), the replica rules in
+test_vllm_replicas.py, and
 the engine's rules against vLLM-shaped handlers in tests/proxy/test_vllm_engine.py (the
 default run's share of the vllm engine).
 
-Slow: about two minutes with the machine shared (load average ~20), mostly starting the replica
-and rlproxy; `make test-slow`.
+In the default run; most of its time is starting the replica and rlproxy.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ from openai import OpenAI
 from tests.e2e.conftest import Server
 from tests.e2e.helpers import db_rows
 from tests.fakes.stack import FakeReplica, vllm_stack
-
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
