@@ -47,7 +47,15 @@ _WS = " \t\n\r"
 _ID_ALPHABET = string.ascii_letters + string.digits
 # The header of a call, in order: "{", "name", ":", a JSON string, ",", "arguments", ":".
 # None stands for the JSON string (the tool's name); JSON whitespace is allowed between items.
-_HEADER_ITEMS: tuple[str | None, ...] = ("{", '"name"', ":", None, ",", '"arguments"', ":")
+_HEADER_ITEMS: tuple[str | tuple[str, ...] | None, ...] = (
+    "{",
+    '"name"',
+    ":",
+    None,
+    ",",
+    '"arguments"',
+    ":",
+)
 _JSON_STRING = re.compile(r'"(?:[^"\\\x00-\x1f]|\\.)*"')
 # What ends a call's arguments: whitespace, the call object's own "}", whitespace, the tag.
 _CALL_END = re.compile(r"[ \t\n\r]*(?:\}[ \t\n\r]*)?" + re.escape(CLOSE_TAG))
@@ -100,15 +108,23 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def _match_header(buf: str) -> tuple[int, str] | Literal[False] | None:
-    """Match a call header at the start of `buf` (the text right after `<tool_call>`).
+HeaderItem = str | tuple[str, ...] | None
+
+
+def match_header(
+    buf: str, items: tuple[HeaderItem, ...] = _HEADER_ITEMS
+) -> tuple[int, str] | Literal[False] | None:
+    """Match a call header (`items`, in order) at the start of `buf`: each item a literal, a tuple
+    of literals any of which may stand there, or None for the JSON string naming the tool; JSON
+    whitespace is allowed between items. The Hermes header by default (the text right after
+    `<tool_call>`); `proxy.chat.tool_parser_llama3` passes its own.
 
     Returns (end, name) when complete, `end` being where the arguments begin; None while `buf`
     could still grow into a header; False when it never can.
     """
     pos = 0
     name = ""
-    for item in _HEADER_ITEMS:
+    for item in items:
         while pos < len(buf) and buf[pos] in _WS:
             pos += 1
         if pos == len(buf):
@@ -125,13 +141,16 @@ def _match_header(buf: str) -> tuple[int, str] | Literal[False] | None:
             except ValueError:
                 return False
             pos = m.end()
+            continue
+        for option in (item,) if isinstance(item, str) else item:
+            chunk = buf[pos : pos + len(option)]
+            if option.startswith(chunk):
+                if len(chunk) < len(option):
+                    return None
+                pos += len(option)
+                break
         else:
-            chunk = buf[pos : pos + len(item)]
-            if not item.startswith(chunk):
-                return False
-            if len(chunk) < len(item):
-                return None
-            pos += len(item)
+            return False
     return pos, name
 
 
@@ -288,7 +307,7 @@ class ToolCallStreamParser:
                 self._buf = self._buf[keep:]
                 return events
             if self._state == "header":
-                header = _match_header(self._buf)
+                header = match_header(self._buf)
                 if header is None and final:
                     # The output ends inside a call's header (cut by max_tokens): there is no
                     # call to return, and the markup is not content.

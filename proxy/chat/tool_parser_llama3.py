@@ -26,64 +26,25 @@ This module only sees text; it knows nothing of tokens, grammars or HTTP.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Collection
-from typing import Any, Literal
+from typing import Any
 
 from proxy.chat.tool_parser import (
+    _WS,
     Event,
     TextDelta,
     ToolCallArgsDelta,
     ToolCallStart,
     canonical_args,
+    match_header,
     new_call_id,
 )
 
 PYTHON_TAG = "<|python_tag|>"
 SEPARATOR = "; "  # between parallel calls, as rlproxy's grammar writes them
 
-_WS = " \t\n\r"
-_JSON_STRING = re.compile(r'"(?:[^"\\\x00-\x1f]|\\.)*"')
-_ARG_KEYS = ('"parameters"', '"arguments"')
-
-
-def _match_header(buf: str) -> tuple[int, str] | Literal[False] | None:
-    """Match `{"name": <string>, "parameters": ` at the start of `buf`.
-
-    (end, name) when complete (`end`: where the arguments begin), None while `buf` could still
-    grow into a header, False when it never can."""
-    pos = 0
-    name = ""
-    for item in ("{", '"name"', ":", None, ",", _ARG_KEYS, ":"):
-        while pos < len(buf) and buf[pos] in _WS:
-            pos += 1
-        if pos == len(buf):
-            return None
-        if item is None:
-            m = _JSON_STRING.match(buf, pos)
-            if m is None:
-                if buf[pos] != '"' or "\n" in buf[pos:]:
-                    return False
-                return None
-            try:
-                name = json.loads(m.group())
-            except ValueError:
-                return False
-            pos = m.end()
-            continue
-        options = item if isinstance(item, tuple) else (item,)
-        chunk_ok = False
-        for option in options:
-            chunk = buf[pos : pos + len(option)]
-            if option.startswith(chunk):
-                if len(chunk) < len(option):
-                    return None
-                pos += len(option)
-                chunk_ok = True
-                break
-        if not chunk_ok:
-            return False
-    return pos, name
+# `{"name": <string>, "parameters"|"arguments": ` (either key, as vLLM's llama3_json reads).
+_HEADER_ITEMS = ("{", '"name"', ":", None, ",", ('"parameters"', '"arguments"'), ":")
 
 
 class _JsonValueEnd:
@@ -234,7 +195,7 @@ class Llama3JsonStreamParser:
                 self._state = "header" if stripped[0] == "{" else "text"
                 continue
             if self._state == "header":
-                header = _match_header(self._buf)
+                header = match_header(self._buf, _HEADER_ITEMS)
                 if header is None:
                     return events  # finish() drops an unfinished header
                 if header is False or (
