@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import case, func, select
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage.models import calls_table as C
@@ -27,6 +27,7 @@ from storage.models import group_members_table as GM
 from storage.models import groups_table as G
 from storage.models import rewards_table as R
 from storage.models import scores_table as S
+from storage.stats import member_call
 
 
 @dataclass(frozen=True)
@@ -37,17 +38,6 @@ class GroupPair:
     scored_at: float
     old: tuple[float, ...]
     new: tuple[float, ...]
-
-
-def _first_call_of(trajectory_id: object) -> object:
-    calls = C.alias("first_calls")
-    return (
-        select(calls.c.id)
-        .where(calls.c.trajectory_id == trajectory_id)
-        .order_by(calls.c.turn_index, calls.c.created_at)
-        .limit(1)
-        .scalar_subquery()
-    )
 
 
 async def paired_rewards(
@@ -72,9 +62,6 @@ async def paired_rewards(
     if not groups:
         return []
     ids = [g.id for g in groups]
-    member_call = case(
-        (GM.c.call_id.is_not(None), GM.c.call_id), else_=_first_call_of(GM.c.trajectory_id)
-    )
     members = (
         await conn.execute(
             select(
@@ -85,7 +72,7 @@ async def paired_rewards(
                 func.coalesce(C.c.adapter_version, 0).label("version"),
             )
             .select_from(GM)
-            .join(C, C.c.id == member_call)
+            .join(C, C.c.id == member_call())
             .where(GM.c.group_id.in_(ids), C.c.engine == "local")
         )
     ).all()

@@ -147,6 +147,12 @@ def _first_call(trajectory_id: ColumnElement[Any]) -> Any:
     )
 
 
+def member_call() -> Any:
+    """The call a group member's version is read from: its own call (a shadow sample), else its
+    trajectory's first call. Shared with `storage.rollout`."""
+    return case((GM.c.call_id.is_not(None), GM.c.call_id), else_=_first_call(GM.c.trajectory_id))
+
+
 SERVED_VERSION = func.coalesce(C.c.adapter_version, 0).label("version")
 """The version that served a call (0: the base model), read with the call joined in."""
 
@@ -186,9 +192,6 @@ def _judge_scores(window: int, owner: str | None) -> Any:
     latest = select(func.max(recent_cte.c.id)).group_by(
         recent_cte.c.group_id, recent_cte.c.member_id
     )
-    member_call = case(
-        (GM.c.call_id.is_not(None), GM.c.call_id), else_=_first_call(GM.c.trajectory_id)
-    )
     stmt = (
         select(SERVED_VERSION, recent_cte.c.score.label("value"))
         .select_from(recent_cte)
@@ -196,7 +199,7 @@ def _judge_scores(window: int, owner: str | None) -> Any:
             GM,
             (GM.c.group_id == recent_cte.c.group_id) & (GM.c.member_id == recent_cte.c.member_id),
         )
-        .join(C, C.c.id == member_call)
+        .join(C, C.c.id == member_call())
         .where(recent_cte.c.id.in_(latest), C.c.engine == "local")
     )
     if owner is not None:
