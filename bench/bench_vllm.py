@@ -16,6 +16,14 @@ time to the first token p50/p95 (direct: the first chunk carrying token ids; rlp
 chunk carrying content, not the role chunk it sends before generating), and the ratio and added
 TTFT. Targets: rlproxy >= 0.97 of direct's tokens/s and <= 5 ms added TTFT p50; the last lines
 say which hold. This is a benchmark, not a test: it prints figures and asserts nothing.
+
+CPU time is printed beside the wall-clock figures (from /proc, Linux): rlproxy's own CPU
+milliseconds per request, and the stand-in's CPU milliseconds per generated token on each path.
+On a small shared machine rlproxy's CPU work competes with the stand-in's generation, which a
+GPU server would not feel; the CPU figures separate rlproxy's cost from that competition.
+`--profile out.txt` records rlproxy with py-spy (collapsed stacks; `.svg`: a flame graph) during
+the rlproxy rounds of the first concurrency level (py-spy's sampling inflates rlproxy's CPU
+figure of that level several times over: read the CPU figures from a run without it).
 """
 
 from __future__ import annotations
@@ -23,7 +31,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import shutil
+import signal
 import sqlite3
+import subprocess
 import sys
 import tempfile
 import time
@@ -158,6 +170,25 @@ async def level(clients: int, requests: int, call: Call, jobs: list[Any], timeou
     return total
 
 
+def cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of process `pid` so far (0 when unknown)."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def profile(out: Path, pid: int) -> subprocess.Popen[bytes]:
+    """py-spy sampling `pid` until SIGINT (needs ptrace rights)."""
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
+    fmt = "flamegraph" if out.suffix == ".svg" else "raw"
+    cmd = [spy, "record", "--pid", str(pid), "--rate", "250", "--format", fmt, "-o", str(out)]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def stored_prompts(db: Path) -> dict[str, list[int]]:
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
         rows = conn.execute("SELECT request_messages, prompt_token_ids FROM calls").fetchall()
@@ -176,6 +207,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vllm-url", default=None, help="a real vLLM server (default: the fake)")
     p.add_argument("--model-dir", type=Path, default=REPO / "rlproxy-data")
     p.add_argument("--timeout-s", type=float, default=600)
+    p.add_argument("--profile", type=Path, default=None, help="py-spy output (see above)")
     return p.parse_args()
 
 
@@ -186,12 +218,13 @@ def main() -> int:
 
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         data_dir = Path(tmp)
-        vllm_url = args.vllm_url
+        vllm_url, fake_pid = args.vllm_url, None
         if vllm_url is None:
             (fake,) = start_replicas(data_dir / "replicas", args.model_dir, 1)
             stack.callback(fake.stop)
             fake.wait()
             vllm_url = fake.url
+            fake_pid = fake.proc.pid if fake.proc is not None else None
         env = {
             "RLPROXY_ENGINE": "vllm",
             "RLPROXY_VLLM_URLS": json.dumps([vllm_url]),
@@ -217,9 +250,14 @@ def main() -> int:
         jobs = [ids[p] for p in PROMPTS]
         print(f"server: {vllm_url} ({model}); {args.max_tokens} tokens per request, temperature 0")
         verdicts = []
-        for clients in args.concurrency:
+        for level_no, clients in enumerate(args.concurrency):
             d_all, r_all = Run(), Run()
+            cpu = {"rlproxy": 0.0, "fake direct": 0.0, "fake rlproxy": 0.0}
+            spy = None
+            if args.profile is not None and level_no == 0:
+                spy = profile(args.profile, proc.pid)
             for _ in range(args.rounds):
+                fake0 = cpu_s(fake_pid)
                 d = asyncio.run(
                     level(
                         clients,
@@ -229,6 +267,7 @@ def main() -> int:
                         args.timeout_s,
                     )
                 )
+                fake1, rl1 = cpu_s(fake_pid), cpu_s(proc.pid)
                 r = asyncio.run(
                     level(
                         clients,
@@ -238,8 +277,15 @@ def main() -> int:
                         args.timeout_s,
                     )
                 )
+                cpu["fake direct"] += fake1 - fake0
+                cpu["fake rlproxy"] += cpu_s(fake_pid) - fake1
+                cpu["rlproxy"] += cpu_s(proc.pid) - rl1
                 d_all.add(d)
                 r_all.add(r)
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+                spy.wait(timeout=60)
+                print(f"py-spy profile of rlproxy at {clients} client(s): {args.profile}")
             ratio = r_all.tps / d_all.tps if d_all.tps else float("nan")
             added50 = (pct(r_all.ttft_s, 50) - pct(d_all.ttft_s, 50)) * 1000
             added95 = (pct(r_all.ttft_s, 95) - pct(d_all.ttft_s, 95)) * 1000
@@ -253,6 +299,17 @@ def main() -> int:
             print(
                 f"  rlproxy/direct tokens/s {ratio:.3f}; added TTFT p50 {added50:+.1f} ms, "
                 f"p95 {added95:+.1f} ms"
+            )
+            n_requests = args.rounds * args.requests
+            per_token = [
+                cpu[f"fake {k}"] * 1000 / run.tokens if run.tokens else float("nan")
+                for k, run in (("direct", d_all), ("rlproxy", r_all))
+            ]
+            print(
+                f"  CPU: rlproxy {cpu['rlproxy'] * 1000 / n_requests:.1f} ms per request; "
+                f"stand-in {per_token[0]:.2f} ms per token direct, {per_token[1]:.2f} via rlproxy"
+                + ("" if fake_pid else " (remote server: not measured)")
+                + f"; load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
             )
             verdicts.append(
                 f"{clients} client(s): throughput ratio {ratio:.3f} "

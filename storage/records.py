@@ -19,6 +19,10 @@ MAX_ABS_REWARD = 1e6
 """Rewards are finite numbers within ±this: GRPO normalises them per group, so any scale works,
 but advantages of rewards near the float limit overflow."""
 
+POLICY_ENGINES: tuple[str, ...] = ("local", "vllm")
+"""`CallRecord.engine` values of calls the policy served (its exact tokens, trainable); the
+other value, "upstream", is a provider's model."""
+
 TrajectoryStatus = Literal["open", "closed"]
 CloseReason = Literal["end", "reward", "idle"]
 

@@ -26,6 +26,7 @@ from storage.models import groups_table as G
 from storage.models import rewards_table as R
 from storage.models import scores_table as S
 from storage.models import trajectories_table as T
+from storage.records import POLICY_ENGINES
 
 PIPELINE_STATUSES = ("forming", "ready", "scoring")
 """Group statuses that are still on their way to training (few at any time)."""
@@ -177,7 +178,7 @@ def _explicit_rewards(window: int, owner: str | None) -> Any:
         select(SERVED_VERSION, recent_cte.c.reward.label("value"))
         .select_from(recent_cte)
         .join(C, C.c.id == _first_call(recent_cte.c.trajectory_id))
-        .where(recent_cte.c.id.in_(latest), C.c.engine == "local")
+        .where(recent_cte.c.id.in_(latest), C.c.engine.in_(POLICY_ENGINES))
     )
     if owner is not None:
         stmt = stmt.join(T, T.c.id == recent_cte.c.trajectory_id).where(T.c.owner_key_id == owner)
@@ -200,7 +201,7 @@ def _judge_scores(window: int, owner: str | None) -> Any:
             (GM.c.group_id == recent_cte.c.group_id) & (GM.c.member_id == recent_cte.c.member_id),
         )
         .join(C, C.c.id == member_call())
-        .where(recent_cte.c.id.in_(latest), C.c.engine == "local")
+        .where(recent_cte.c.id.in_(latest), C.c.engine.in_(POLICY_ENGINES))
     )
     if owner is not None:
         stmt = stmt.join(T, T.c.id == GM.c.trajectory_id).where(T.c.owner_key_id == owner)

@@ -455,7 +455,7 @@ class ChatService:
             return
         record = call_record(
             prep.call,
-            engine="local",
+            engine=self.engine.kind,
             status=status,
             choices=outcomes,
             response=body,

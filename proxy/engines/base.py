@@ -92,6 +92,8 @@ class Engine(Protocol):
     """One async interface; `local` (transformers + PEFT) is the embedded implementation."""
 
     max_context: int
+    kind: str
+    """"local" or "vllm": stored as each call's `engine` (`storage.records.POLICY_ENGINES`)."""
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]: ...
 

@@ -94,6 +94,8 @@ class _Control:
 class LocalEngine:
     """Dynamic-batching generation on the embedded model. Thread-safe async facade."""
 
+    kind = "local"
+
     def __init__(self, loaded: LoadedModel, *, max_batch_size: int = 16) -> None:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer

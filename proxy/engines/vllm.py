@@ -182,6 +182,7 @@ class VLLMEngine:
         self._watch: asyncio.Task[None] | None = None
         self.tokens = 0
         self.requests = 0
+        self._queued = 0  # rows sent (or about to be) whose first token has not come yet
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -230,12 +231,16 @@ class VLLMEngine:
                 "adapters": sorted(self._adapters),
                 "tokens": self.tokens,
                 "requests": self.requests,
+                "queued_rows": self._queued,
             },
         )
 
     def queued_rows(self) -> int:
-        """vLLM queues and schedules on its own; rlproxy holds nothing back."""
-        return 0
+        """Rows handed to `generate` that have no token yet, across replicas: waiting in vLLM's
+        queue (or being prefilled), the counterpart of the local engine's rows waiting for room
+        in its batch. Rows that are generating do not count: vLLM's batch is its own to size
+        (`--max-num-seqs`), so `RLPROXY_MAX_QUEUED_ROWS` bounds the backlog, not the batch."""
+        return self._queued
 
     # ----------------------------------------------------------------- adapters
 
@@ -358,6 +363,8 @@ class VLLMEngine:
             raise EngineError(f"adapter {adapter!r} is not loaded")
         key = adapter or ""
         self._in_use[key] += 1
+        self._queued += request.n
+        waiting = set(range(request.n))  # rows still without their first token
         try:
             body = self._body(request)
             tried: set[str] = set()
@@ -373,6 +380,9 @@ class VLLMEngine:
                 try:
                     async for event in self._run_on(replica, body, request):
                         started = True
+                        if event.index in waiting:
+                            waiting.discard(event.index)
+                            self._queued -= 1
                         yield event
                     return
                 except _Retry as retry:
@@ -380,6 +390,7 @@ class VLLMEngine:
                         raise EngineUnavailableError(str(retry), mid_answer=True) from retry
                     logger.warning("request %s: %s; trying another", request.request_id, retry)
         finally:
+            self._queued -= len(waiting)
             self._in_use[key] -= 1
             if adapter is not None:
                 async with self._idle:
@@ -403,12 +414,17 @@ class VLLMEngine:
                     await response.aread()
                     self._refused(replica, response)
                 choices = [_Choice() for _ in range(request.n)]
+                ended = False
+                # Read on past `[DONE]` to the end of the body: a response read to its end gives
+                # its connection back to the pool, one left unread is closed (the next request
+                # would pay a new connection before its first token).
                 async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
+                    if ended or not line.startswith("data:"):
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
-                        break
+                        ended = True
+                        continue
                     for event in self._events(json.loads(data), choices, request):
                         if isinstance(event, TokenEvent):
                             replica.outstanding -= 1

@@ -46,7 +46,7 @@ def client(stack: tuple[Server, list[FakeReplica]]) -> Iterator[OpenAI]:
 def _stored(server: Server, trajectory: str) -> list[dict[str, Any]]:
     rows = db_rows(
         server.data_dir,
-        "SELECT c.id, c.status, c.stream, c.prompt_token_ids, ch.choice_index, "
+        "SELECT c.id, c.status, c.engine, c.stream, c.prompt_token_ids, ch.choice_index, "
         "ch.completion_token_ids, ch.completion_logprobs FROM calls c "
         "JOIN call_choices ch ON ch.call_id = c.id WHERE c.trajectory_id = "
         "(SELECT trajectory_id FROM calls WHERE explicit_trajectory_id = ? LIMIT 1) "
@@ -88,6 +88,7 @@ def test_stored_ids_and_logprobs_are_what_a_replica_generated(
     stored = _stored(server, trajectory)
     assert [(s["stream"], s["choice_index"]) for s in stored] == [(0, 0), (0, 1), (1, 0)]
     assert all(s["status"] == "completed" for s in stored)
+    assert {s["engine"] for s in stored} == {"vllm"}  # the stats count it as the policy's
     generated = [
         (c["prompt_token_ids"], choice["token_ids"], choice["token_logprobs"])
         for r in replicas

@@ -194,6 +194,25 @@ async def test_an_answer_outside_the_protocol_is_an_engine_error() -> None:
         await collect(engine, request())
 
 
+async def test_each_stream_is_read_to_its_end_so_its_connection_is_reused() -> None:
+    """Past `[DONE]` to the end of the body: httpx returns a connection to the pool only when its
+    response was read to the end, and a new connection per request delays every first token."""
+    ended: list[bool] = []
+
+    async def body() -> AsyncIterator[bytes]:
+        yield answer([5], [-0.3], ["x"], "stop")  # its last event is `data: [DONE]`
+        ended.append(True)
+
+    def handler(req: httpx.Request) -> httpx.Response | None:
+        if req.url.path == "/v1/completions":
+            return httpx.Response(200, content=body())
+        return health_ok(req)
+
+    engine = await started(engine_with(handler, (A,)))
+    events = await collect(engine, request())
+    assert events[-1].completion_token_ids == [5] and ended == [True]
+
+
 def test_grammars_travel_as_lark_that_llguidance_reads() -> None:
     schema = constraint_for_json_schema({"type": "object", "properties": {"a": {"type": "string"}}})
     tools = constraint_for_tools(
@@ -396,3 +415,90 @@ def test_the_stand_in_refuses_what_vllms_lora_loader_refuses(
     config["use_dora"] = False
     result = fake._peft_refusal({**config, **change})
     assert result is None if refusal is None else refusal in (result or "")
+
+
+# ----------------------------------------------------------------------------- the chat service
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(model_data_dir: Any) -> Any:
+    """The embedded model's tokenizer and chat template (no weights): what rlproxy renders
+    prompts with in front of vLLM."""
+    from transformers import AutoTokenizer
+
+    from proxy.engines.loader import ensure_fp32_cache
+
+    return AutoTokenizer.from_pretrained(str(ensure_fp32_cache(model_data_dir)))
+
+
+def echo_handler(gate: asyncio.Event | None = None) -> Handler:
+    """Answers every completion with two tokens for the prompt it was sent; with `gate`, the
+    first token waits until the gate opens (vLLM still queueing the request)."""
+
+    async def body(prompt: list[int], n: int) -> AsyncIterator[bytes]:
+        if gate is not None:
+            await gate.wait()
+        for i in range(n):
+            yield sse(chunk(i, [5], [-0.3], "x", prompt_token_ids=prompt), done=False)
+        yield sse(*(chunk(i, [6], [-0.2], "y", "length") for i in range(n)))
+
+    def handler(req: httpx.Request) -> httpx.Response | None:
+        if req.url.path == "/v1/completions":
+            sent = json.loads(req.content)
+            return httpx.Response(200, content=body(sent["prompt"], sent["n"]))
+        return health_ok(req)
+
+    return handler
+
+
+def chat_request(**extra: Any) -> Any:
+    from proxy.api.protocol import ChatCompletionRequest
+    from proxy.chat.record import CallInfo
+
+    body = {"model": "rlproxy", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    return CallInfo(ChatCompletionRequest.model_validate({**body, **extra}), "req")
+
+
+async def test_calls_it_served_are_stored_as_the_vllm_engines(chat_tokenizer: Any) -> None:
+    from proxy.adapters.registry import ServedModels
+    from proxy.chat.service import ChatService
+
+    records: list[Any] = []
+
+    async def record(call: Any) -> None:
+        records.append(call)
+
+    engine = await started(engine_with(echo_handler(), (A,)))
+    chat = ChatService(engine, ServedModels("rlproxy"), chat_tokenizer, record=record)
+    await chat.complete(await chat.prepare(chat_request()))
+    async for _ in chat.stream(await chat.prepare(chat_request(stream=True))):
+        pass
+    assert [(r.engine, r.status) for r in records] == [("vllm", "completed")] * 2
+    assert records[0].choices[0].completion_token_ids == [5, 6]
+
+
+async def test_admission_counts_rows_vllm_has_not_started(chat_tokenizer: Any) -> None:
+    """RLPROXY_MAX_QUEUED_ROWS bounds the rows sent to vLLM that have no token yet (waiting in
+    its queue), as it bounds the local engine's queue; rows generating do not count."""
+    from proxy.adapters.registry import ServedModels
+    from proxy.api.errors import OverloadedError
+    from proxy.chat.service import ChatService
+
+    gate = asyncio.Event()
+    engine = await started(engine_with(echo_handler(gate)))
+    chat = ChatService(engine, ServedModels("rlproxy"), chat_tokenizer, max_queued_rows=3)
+    first = asyncio.create_task(chat.complete(await chat.prepare(chat_request(n=2))))
+    second = asyncio.create_task(chat.complete(await chat.prepare(chat_request())))
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if engine.queued_rows() == 3:
+            break
+    assert engine.queued_rows() == 3  # sent, across both replicas, and not started
+    assert chat._admissions.rows == 0
+    with pytest.raises(OverloadedError):
+        await chat.prepare(chat_request())
+    gate.set()
+    bodies = await asyncio.gather(first, second)
+    assert [len(b["choices"]) for b in bodies] == [2, 1]
+    assert engine.queued_rows() == 0 and engine.health().detail["queued_rows"] == 0
+    await chat.complete(await chat.prepare(chat_request(n=3)))
