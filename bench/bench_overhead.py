@@ -1,6 +1,7 @@
 """Proxy overhead in steady state: rlproxy vs the LiteLLM proxy, same upstream, same run.
 
     .venv/bin/python bench/bench_overhead.py [--long-calls 20000] [--rounds 5] [--quick]
+    .venv/bin/python bench/bench_overhead.py --only rlproxy --profile x.svg   # one target
 
 Targets, all answering chat completions from one "instant" OpenAI-compatible server (a raw
 asyncio HTTP server in a subprocess: a fixed completion, or a fixed chunk stream, at once,
@@ -21,7 +22,9 @@ Phases, in order:
 1. warm-up: sequential calls, then a short open-loop burst, on every target (not measured);
 2. sequential latency, interleaved: `--rounds` rounds; in each, every target (order rotated)
    gets `--calls` non-streamed calls and half as many streamed ones (time to the first `data:`
-   event and to the end); "added" = target minus direct, per round and overall;
+   event and to the end); "added" = target minus direct, per round and overall; beside it, the
+   CPU seconds each server process spent per call (all its threads; steadier than latency on a
+   shared machine);
 3. the long run: `--long-calls` sequential calls to rlproxy (every tenth call also to direct),
    p50/p95 per block of `--block` calls beside the stored-call count: does latency drift?
 4. the zero-error rate: every target stepped up through `--step-rates` (interleaved per rate,
@@ -216,6 +219,8 @@ class Target:
     model: str
     key: str
     workload: Workload = field(default_factory=lambda: Workload(0))
+    pid: int | None = None
+    """The server process behind the target (its CPU time per call is reported); None: direct."""
 
     def body(self, stream: bool = False) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -248,6 +253,18 @@ class Sequential:
     stream_total_ms: list[float] = field(default_factory=list)
     ttfb_ms: list[float] = field(default_factory=list)
     errors: int = 0
+    cpu_s: float = 0.0
+    """CPU seconds (user + system, all threads) the target's server process spent on the calls."""
+    calls: int = 0
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc); 0.0 for no process.
+    Unlike latency, this hardly moves with what else the machine runs."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def call_once(client: httpx.Client, target: Target) -> float | None:
@@ -288,6 +305,8 @@ def stream_once(client: httpx.Client, target: Target) -> tuple[float, float] | N
 
 
 def sequential(client: httpx.Client, target: Target, calls: int, out: Sequential) -> None:
+    cpu = cpu_seconds(target.pid)
+    out.calls += calls + max(1, calls // 2)
     for _ in range(calls):
         ms = call_once(client, target)
         if ms is None:
@@ -301,6 +320,7 @@ def sequential(client: httpx.Client, target: Target, calls: int, out: Sequential
         else:
             out.ttfb_ms.append(s[0])
             out.stream_total_ms.append(s[1])
+    out.cpu_s += cpu_seconds(target.pid) - cpu
 
 
 # ----------------------------------------------------------------------------- open loop
@@ -399,6 +419,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=10.0, help="per-request timeout, s")
     parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM proxy")
     parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=["rlproxy", "rlproxy-litellm", "litellm"],
+        help="measure only these targets beside direct (the baseline always runs)",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="a short smoke run (2 rounds, 2,000 long calls)"
     )
     parser.add_argument(
@@ -409,6 +435,8 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--serve-instant", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.only and "litellm" not in args.only:
+        args.no_litellm = True
     if args.quick:
         args.rounds, args.calls, args.long_calls, args.block = 2, 50, 2_000, 500
         args.step_rates, args.step_duration = [50, 200], 3.0
@@ -458,8 +486,8 @@ def main() -> int:
         rl_chat = f"{rl_url}/v1/chat/completions"
         targets = [
             Target("direct", f"{instant_base}/chat/completions", "instant", "sk-instant"),
-            Target("rlproxy", rl_chat, "instant", "sk-c"),
-            Target("rlproxy-litellm", rl_chat, "instant-litellm", "sk-c"),
+            Target("rlproxy", rl_chat, "instant", "sk-c", pid=rl_proc.pid),
+            Target("rlproxy-litellm", rl_chat, "instant-litellm", "sk-c", pid=rl_proc.pid),
         ]
         if not args.no_litellm:
             assert litellm_bin is not None
@@ -473,9 +501,13 @@ def main() -> int:
             lite_cmd += ["--num_workers", "1"]
             lite_env = {**base_env, "LITELLM_MASTER_KEY": "sk-master", "LITELLM_LOG": "ERROR"}
             lite_health = f"http://127.0.0.1:{p_lite}/health/liveliness"
-            stack.enter_context(process(lite_cmd, lite_env, work / "litellm.log", lite_health))
+            lite = stack.enter_context(
+                process(lite_cmd, lite_env, work / "litellm.log", lite_health)
+            )
             lite_url = f"http://127.0.0.1:{p_lite}/chat/completions"
-            targets.append(Target("litellm", lite_url, "instant", "sk-master"))
+            targets.append(Target("litellm", lite_url, "instant", "sk-master", pid=lite.pid))
+        if args.only:
+            targets = [t for t in targets if t.name == "direct" or t.name in args.only]
         db = work / "rlproxy-data" / "rlproxy.db"
         run(args, targets, lambda: stored_calls(db), rl_proc.pid)
     return 0
@@ -531,6 +563,8 @@ def run_sequential(
                 for name in ("total_ms", "stream_total_ms", "ttfb_ms"):
                     getattr(seq[t.name], name).extend(getattr(s, name))
                 seq[t.name].errors += s.errors
+                seq[t.name].cpu_s += s.cpu_s
+                seq[t.name].calls += s.calls
             base = pct(this_round[direct.name].total_ms, 50)
             for t in targets:
                 per_round[t.name].append(pct(this_round[t.name].total_ms, 50) - base)
@@ -660,7 +694,7 @@ def print_sequential(
             f"{pct(s.stream_total_ms, 50) - pct(direct.stream_total_ms, 50):>7.2f}"
         )
     names = [t.name for t in targets]
-    if "litellm" in names:
+    if "litellm" in names and "rlproxy" in names:
         ratios = [
             b / a for a, b in zip(per_round["rlproxy"], per_round["litellm"], strict=True) if a > 0
         ]
@@ -670,6 +704,13 @@ def print_sequential(
                 f"median {statistics.median(ratios):.2f} "
                 f"(min {min(ratios):.2f}, max {max(ratios):.2f})"
             )
+    cpu = [
+        f"{t.name} {1000 * seq[t.name].cpu_s / seq[t.name].calls:.2f}"
+        for t in targets
+        if t.pid is not None and seq[t.name].calls
+    ]
+    if cpu:
+        print(f"server CPU ms per call (user + system, all its threads): {', '.join(cpu)}")
     print(f"stored calls so far: {stored_now}")
 
 

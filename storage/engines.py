@@ -1,13 +1,17 @@
 """Engine setup for the two supported backends: SQLite (aiosqlite) and Postgres (asyncpg).
 
-SQLite gets two engines on the same file:
+SQLite gets three engines on the same file:
 - the *write* engine, one pooled connection, whose transactions start with BEGIN IMMEDIATE, so a
   writer takes the write lock up front and waits (busy_timeout) instead of failing with
-  "database is locked" when it later tries to upgrade a read lock;
+  "database is locked" when it later tries to upgrade a read lock (migrations use it);
+- the *write thread* engine: the same, but blocking (the standard `sqlite3` driver), for the
+  group-commit writer, which runs each batch's whole transaction in its own thread: one thread
+  hop per batch instead of one per statement (aiosqlite), which is what a call's commit cost
+  on a busy machine;
 - the *read* engine, whose transactions start with a plain (deferred) BEGIN, so readers never
   take the write lock; in WAL mode they do not block the writer or each other.
 
-Both use SQLAlchemy's documented recipe for pysqlite/aiosqlite: turn off the driver's own
+All use SQLAlchemy's documented recipe for pysqlite/aiosqlite: turn off the driver's own
 transaction handling (`isolation_level = None`) and emit BEGIN ourselves in the "begin" event.
 
 Durability: `synchronous=FULL` by default. In WAL mode NORMAL already keeps every committed
@@ -28,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sqlalchemy import event
+from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
@@ -40,19 +44,45 @@ class Engines:
     write: AsyncEngine
     read: AsyncEngine
     dialect: str  # "sqlite" | "postgresql"
+    write_thread: Engine | None = None
+    """SQLite only: the group-commit writer's blocking engine, run in its own thread so that a
+    whole batch costs one hop off the event loop (aiosqlite hops once per statement)."""
 
     async def dispose(self) -> None:
         await self.write.dispose()
         if self.read is not self.write:
             await self.read.dispose()
+        if self.write_thread is not None:
+            self.write_thread.dispose()
 
 
 def _sqlite_engine(
     url: str, *, immediate: bool, busy_timeout_s: float, synchronous: SqliteSynchronous, **kw: Any
 ) -> AsyncEngine:
     engine = create_async_engine(url, connect_args={"timeout": busy_timeout_s}, **kw)
+    _sqlite_events(engine.sync_engine, immediate, busy_timeout_s, synchronous)
+    return engine
 
-    @event.listens_for(engine.sync_engine, "connect")
+
+def _sqlite_thread_engine(
+    url: str, *, busy_timeout_s: float, synchronous: SqliteSynchronous
+) -> Engine:
+    """The writer's engine: the standard library's `sqlite3` (pysqlite) on the same file, one
+    connection, used from the writer's own thread only (`storage.writer`)."""
+    engine = create_engine(
+        make_url(url).set(drivername="sqlite+pysqlite"),
+        connect_args={"timeout": busy_timeout_s, "check_same_thread": False},
+        pool_size=1,
+        max_overflow=0,
+    )
+    _sqlite_events(engine, True, busy_timeout_s, synchronous)
+    return engine
+
+
+def _sqlite_events(
+    engine: Engine, immediate: bool, busy_timeout_s: float, synchronous: SqliteSynchronous
+) -> None:
+    @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, connection_record: Any) -> None:
         # Stop the driver from issuing its own BEGIN; _on_begin below emits ours.
         dbapi_connection.isolation_level = None
@@ -63,11 +93,9 @@ def _sqlite_engine(
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()
 
-    @event.listens_for(engine.sync_engine, "begin")
+    @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
-
-    return engine
 
 
 def _set_wal(cursor: Any, busy_timeout_s: float) -> None:
@@ -114,7 +142,8 @@ def create_engines(
         }
         write = _sqlite_engine(url, immediate=True, pool_size=1, max_overflow=0, **opts)
         read = _sqlite_engine(url, immediate=False, pool_size=pool_size, **opts)
-        return Engines(write=write, read=read, dialect="sqlite")
+        thread = _sqlite_thread_engine(url, **opts)
+        return Engines(write=write, read=read, dialect="sqlite", write_thread=thread)
     if backend == "postgresql":
         connect_args: dict[str, Any] = {}
         if postgres_schema is not None:

@@ -134,7 +134,11 @@ class Store:
             raise
         linker = PrefixLinker(retry_window_s=retry_window_s)
         writer = GroupCommitWriter(
-            engines.write, max_batch=max_batch, probe=probe_write, probe_interval_s=probe_interval_s
+            engines.write,
+            max_batch=max_batch,
+            probe=probe_write,
+            probe_interval_s=probe_interval_s,
+            thread_engine=engines.write_thread,
         )
         writer.start()
         return cls(engines, linker, writer, redact=redact)

@@ -16,6 +16,11 @@ are still tried meanwhile, but only the probe decides recovery (see `storage.hea
 
 A waiter that is cancelled (its client went away) does not cancel its write: it still
 happens. This module knows nothing about calls or trajectories.
+
+Given a `thread_engine` (SQLite), a batch's transaction runs in the writer's own thread on that
+blocking engine (`storage.blocking_conn`): the event loop hands the batch over once and gets the
+results back once, instead of hopping to aiosqlite's thread and back for every statement (BEGIN,
+the linking read, each insert, COMMIT). The handlers are the same either way.
 """
 
 from __future__ import annotations
@@ -26,12 +31,15 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from storage.blocking_conn import BlockingConnection, run_inline
 from storage.errors import StoreClosed, StoreUnavailable
 from storage.health import WriteHealth, driver_message, unwritable_reason
 
@@ -87,8 +95,15 @@ class GroupCommitWriter:
         max_batch: int = 500,
         probe: Probe | None = None,
         probe_interval_s: float = 5.0,
+        thread_engine: Engine | None = None,
     ) -> None:
         self._engine = engine
+        self._thread_engine = thread_engine
+        self._thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="rlproxy-store-writer")
+            if thread_engine is not None
+            else None
+        )
         self._max_batch = max_batch
         self._queue: asyncio.Queue[_Item | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
@@ -132,6 +147,8 @@ class GroupCommitWriter:
         self._queue.put_nowait(None)
         if self._task is not None:
             await self._task
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
 
     async def _run(self) -> None:
         stop = False
@@ -185,15 +202,15 @@ class GroupCommitWriter:
     async def _transaction(self, items: list[_Item]) -> list[Any]:
         for attempt in range(1, _TRANSIENT_ATTEMPTS + 1):
             try:
-                results: list[Any] = []
                 started = time.perf_counter()
-                async with self._engine.begin() as conn:
-                    for handler, group in itertools.groupby(items, key=lambda i: i.handler):
-                        payloads = [i.payload for i in group]
-                        out = await handler(conn, payloads)
-                        if len(out) != len(payloads):
-                            raise RuntimeError(f"{handler!r} returned {len(out)} results")
-                        results.extend(out)
+                if self._thread is not None:
+                    loop = asyncio.get_running_loop()
+                    results = await loop.run_in_executor(self._thread, self._in_thread, items)
+                else:
+                    results = []
+                    async with self._engine.begin() as conn:
+                        for handler, payloads in _runs(items):
+                            results += _checked(handler, payloads, await handler(conn, payloads))
                 self.stats.commits += 1
                 if self._probe is None:  # no probe to decide recovery: any commit does
                     self._note_writable()
@@ -205,6 +222,16 @@ class GroupCommitWriter:
                 log.warning("transient database error (attempt %d): %r; retrying", attempt, e)
                 await asyncio.sleep(0.01 * attempt)
         raise AssertionError("unreachable")
+
+    def _in_thread(self, items: list[_Item]) -> list[Any]:
+        """One batch's transaction on the blocking engine, in the writer's thread."""
+        assert self._thread_engine is not None
+        results: list[Any] = []
+        with self._thread_engine.begin() as sync_conn:
+            conn: Any = BlockingConnection(sync_conn)  # what the handlers use of AsyncConnection
+            for handler, payloads in _runs(items):
+                results += _checked(handler, payloads, run_inline(handler(conn, payloads)))
+        return results
 
     def _tell_commit(self, payloads: int, seconds: float) -> None:
         """Tell `on_commit`; its failure is logged, never the batch's (the batch committed)."""
@@ -278,6 +305,20 @@ class GroupCommitWriter:
                 log.warning("the write probe failed: %r", e)
             else:
                 self._note_writable()
+
+
+def _runs(items: list[_Item]) -> list[tuple[Handler, list[Any]]]:
+    """Consecutive payloads of the same handler, together."""
+    return [
+        (handler, [i.payload for i in group])
+        for handler, group in itertools.groupby(items, key=lambda i: i.handler)
+    ]
+
+
+def _checked(handler: Handler, payloads: list[Any], out: list[Any]) -> list[Any]:
+    if len(out) != len(payloads):
+        raise RuntimeError(f"{handler!r} returned {len(out)} results")
+    return out
 
 
 def _resolve(item: _Item, result: Any) -> None:

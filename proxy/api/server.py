@@ -1,4 +1,5 @@
-"""The HTTP/1.1 protocol `rlproxy serve` runs: uvicorn's h11 protocol plus a request-head timeout.
+"""The HTTP/1.1 protocol `rlproxy serve` runs: uvicorn's httptools protocol plus a request-head
+timeout.
 
     uvicorn.run(app, ..., http=http_protocol(settings.header_timeout_s))
 
@@ -7,14 +8,16 @@ Why it exists: uvicorn bounds only the idle time between two requests of a keep-
 opens and then sends its request line and headers slowly (slowloris), or sends nothing, is kept
 forever; each holds a socket and a file descriptor, and enough of them starve the server.
 uvicorn 0.54 has no setting for it (neither `h11_impl.py` nor `httptools_impl.py` times the
-head), so this subclass arms a timer when a connection opens and at the first byte of each later
-request, cancels it once h11 has the whole head, and closes the connection if it fires first.
+head), so this subclass arms a timer when a connection opens and when the parser meets the first
+byte of each later request (`on_message_begin`), cancels it once the whole head is parsed
+(`on_headers_complete`), and closes the connection if it fires first.
 
 Only the head is timed: a slow body is bounded by the body size limit and belongs to the route,
 and a long response (a stream) is the server's time, not the client's.
 
-It is h11's protocol whatever is installed (uvicorn's "auto" would take httptools when present),
-because the timer reads h11's connection state.
+It is httptools' protocol (the C parser, `llhttp`), named explicitly: h11's pure-Python parser
+and its event objects cost a noticeable share of each proxied call (`bench/bench_overhead.py
+--profile`), and the timer hooks into httptools' parser callbacks.
 """
 
 from __future__ import annotations
@@ -22,14 +25,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 logger = logging.getLogger(__name__)
 
 
-class HeaderTimeoutProtocol(H11Protocol):
-    """uvicorn's h11 protocol, closing a connection whose request head is late."""
+class HeaderTimeoutProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, closing a connection whose request head is late."""
 
     header_timeout_s: float = 10.0
 
@@ -37,25 +39,22 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm_head_timer()
+        self._arm_head_timer()  # the client owes its first request head
 
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self._waiting_for_head():
-            self._arm_head_timer()  # a timer already running keeps its deadline
-        else:
-            self._cancel_head_timer()
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm_head_timer()  # the first byte of a request: its head is owed now
+
+    def on_headers_complete(self) -> None:
+        self._cancel_head_timer()
+        super().on_headers_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
         super().connection_lost(exc)
 
-    def _waiting_for_head(self) -> bool:
-        """True while the client owes a request line and headers (h11: the client is IDLE)."""
-        return self.conn.their_state is h11.IDLE
-
     def _arm_head_timer(self) -> None:
-        if self._head_timer is None:
+        if self._head_timer is None:  # a timer already running keeps its deadline
             self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
 
     def _cancel_head_timer(self) -> None:
@@ -65,7 +64,7 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self._waiting_for_head() and not self.transport.is_closing():
+        if not self.transport.is_closing():
             logger.debug(
                 "closing the connection from %s: no complete request head after %s s",
                 self.client,

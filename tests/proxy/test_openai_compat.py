@@ -187,3 +187,65 @@ async def test_unreachable_and_timeout() -> None:
             await client.complete(url, None, {})
     await client.aclose()
     assert (slow.value.status_code, slow.value.code) == (504, "timeout")
+
+
+@asynccontextmanager
+async def _keep_alive_server(
+    stream_body: bytes, end_body: bool = True
+) -> AsyncIterator[tuple[str, list[int]]]:
+    """HTTP/1.1 with keep-alive: every request on a connection gets `stream_body` as one
+    chunk of a chunked SSE answer, then the chunked terminator (`end_body`) or nothing more.
+    Yields the URL and a list that counts the connections opened."""
+    opened: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        opened.append(1)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                )
+                await reader.readexactly(length)
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n"
+                    + b"%x\r\n%s\r\n"
+                    % (len(stream_body), stream_body)
+                )
+                if not end_body:
+                    await writer.drain()
+                    await asyncio.sleep(30)
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield f"http://127.0.0.1:{port}/v1/chat/completions", opened
+
+
+async def test_streams_end_with_the_connection_back_in_the_pool() -> None:
+    # The body's end follows `[DONE]`: it is read, so the next call reuses the connection
+    # instead of opening one per stream.
+    body = f"data: {json.dumps(_chunk('hi'))}\n\ndata: [DONE]\n\n".encode()
+    client = _client()
+    async with _keep_alive_server(body) as (url, opened):
+        for _ in range(3):
+            events = await _collect(url, client)
+            assert [e["choices"][0]["delta"]["content"] for e in events] == ["hi"]
+    await client.aclose()
+    assert len(opened) == 1
+
+
+async def test_a_body_that_does_not_end_after_done_still_ends_the_stream() -> None:
+    body = f"data: {json.dumps(_chunk('hi'))}\n\ndata: [DONE]\n\n".encode()
+    client = _client(timeout_s=5.0)
+    async with _keep_alive_server(body, end_body=False) as (url, _):
+        events = await _collect(url, client)  # not the read timeout's 504
+    await client.aclose()
+    assert [e["choices"][0]["delta"]["content"] for e in events] == ["hi"]
