@@ -11,8 +11,12 @@ groups the gate held. No assertion: read the figures.
 
     .venv/bin/python bench/bench_judge_checks.py [--groups 20] [--samples 3] [--min-checks 20]
 
-Figures are printed once every group is judged (or at --timeout-s); on this shared 2-core
-machine one local judge call took several minutes (2026-12-01): the full run is an hour or more.
+A canary check passes only when the canary scores strictly below the real members' median; the
+figures count each outcome (below, tie, above). Progress is printed every minute once the calls
+are sent, the figures once every group is judged (or at --timeout-s). On the shared 2-core machine
+(load average 6-9, OMP_NUM_THREADS=1) a group took about a minute to judge:
+`--groups 16 --samples 3 --min-checks 8 --position-share 0.5` ran 23 minutes (README, "Keeping the
+judge honest").
 """
 
 from __future__ import annotations
@@ -47,18 +51,21 @@ def env_for(args: argparse.Namespace) -> dict[str, str]:
         "RLPROXY_JUDGE_CANARY_SHARE": "1",
         "RLPROXY_JUDGE_POSITION_SHARE": str(args.position_share),
         "RLPROXY_JUDGE_GATE_MIN_CHECKS": str(args.min_checks),
+        # A loaded 2-core machine takes minutes over one local judge call; a timed-out call
+        # fails the group and makes no check.
+        "RLPROXY_JUDGE_TIMEOUT_S": str(args.judge_timeout_s),
         "RLPROXY_LOG_LEVEL": "WARNING",
     }
 
 
-async def ask(client: AsyncOpenAI, question: str) -> None:
+async def ask(client: AsyncOpenAI, question: str, max_tokens: int) -> None:
     await client.chat.completions.create(
         model="rlproxy",
         messages=[
             {"role": "system", "content": "Answer the question with the number only."},
             {"role": "user", "content": question},
         ],
-        max_tokens=12,
+        max_tokens=max_tokens,
         temperature=1.0,
     )
 
@@ -79,6 +86,12 @@ def show(report: dict, groups: list[dict], elapsed_s: float) -> None:
         )
         for kind, k in sorted(c["by_kind"].items()):
             print(f"    {kind:<10} {k['passed']}/{k['checks']}")
+        outcomes = c.get("outcomes") or {}
+        print(
+            "  canary score against the real members' median: "
+            + ", ".join(f"{k} {outcomes.get(k, 0)}" for k in ("below", "tie", "above"))
+            + " (only below passes)"
+        )
         if a["mean_tau"] is None:
             print(f"  self-agreement: no defined tau in {a['checks']} re-orderings")
         else:
@@ -105,16 +118,28 @@ async def main_async(args: argparse.Namespace) -> None:
         async with AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-bench", timeout=600) as client:
             for _ in range(args.groups):
                 a, b = rng.randint(2, 60), rng.randint(2, 60)
-                await ask(client, f"What is {a} + {b}?")
+                await ask(client, f"What is {a} + {b}?", args.max_tokens)
         async with httpx.AsyncClient(timeout=60) as http:
             deadline = time.monotonic() + args.timeout_s
             groups: list[dict] = []
+            next_note = time.monotonic() + 60
             while time.monotonic() < deadline:
                 page = await http.get(f"{url}/rl/groups", params={"limit": 500})
                 groups = page.json()["data"]
                 judged = [g for g in groups if g["status"] in ("scored", "held", "failed")]
                 if len(judged) >= args.groups:
                     break
+                if time.monotonic() >= next_note:  # progress, in case the run is cut short
+                    next_note = time.monotonic() + 60
+                    for j in (await http.get(f"{url}/rl/judge")).json()["judges"]:
+                        c = j["canary"]
+                        print(
+                            f"  {time.monotonic() - started:.0f} s: {len(judged)} judged, "
+                            f"canaries {c['passed']}/{c['checks']} "
+                            f"[{c['low']:.2f}, {c['high']:.2f}] {c.get('outcomes')}, "
+                            f"gate {j['gate']['decision']}, held {j['held_groups']}",
+                            flush=True,
+                        )
                 await asyncio.sleep(2)
             report = (await http.get(f"{url}/rl/judge")).json()
             judged = [g for g in groups if g["status"] in ("scored", "held", "failed")]
@@ -137,6 +162,8 @@ def main() -> None:
     parser.add_argument("--min-checks", type=int, default=20)
     parser.add_argument("--position-share", type=float, default=1.0)
     parser.add_argument("--timeout-s", type=float, default=3600)
+    parser.add_argument("--max-tokens", type=int, default=12, help="tokens per sampled answer")
+    parser.add_argument("--judge-timeout-s", type=float, default=900)
     asyncio.run(main_async(parser.parse_args()))
 
 

@@ -4,32 +4,41 @@ is promoted, on the arithmetic task (examples/arithmetic_agent.py), with the num
 1. Practice (a server serving the base model, no trainer): the agent asks `--questions`
    practice questions `--runs` times each, `--practice-rounds` times, and reports the
    environment's reward for every answer; rlproxy groups the runs of each question.
-2. Two adapters are trained from that same practice with `rlproxy train` (the real GRPO loop):
-   - harmful: the same groups with every reward inverted (1 - r), `--harmful-lr`;
-   - good: the true rewards, `--good-lr`.
-3. The rollout server (RLPROXY_ROLLOUT=true, share 0.5, publisher on, no trainer, explicit rewards
-   decide: the agent's environment is the reward here, so the 135M local judge's noise plays
-   no part) gets the harmful version in its checkpoint folder. The agent keeps practising
-   (true rewards) on new questions; each question's runs form a group that mixes both versions.
-   The script counts the calls until the rollout decides. Then the good version (trained from
-   fresh weights) goes in, and the same again.
+2. Two adapters are trained from that same practice with `rlproxy train` (the real GRPO loop),
+   `--steps` steps of `--groups-per-step` groups each, from fresh weights:
+   - good: the true rewards, `--good-lr`;
+   - harmful: the same groups with every reward inverted (1 - r), `--harmful-lr` (high on
+     purpose, so that the version is measurably worse, not just different).
+3. Before any rollout, both are measured on their own server: the agent's `eval` (100 held-out
+   questions, `--eval-samples` each, the agent's own reward) for the base, the good and the
+   harmful version; each version's reward against its parent's (the base) is printed in
+   standard errors. A rollout decision means something only if these differ as intended.
+4. The rollout server (RLPROXY_ROLLOUT=true, share 0.5, publisher on, no trainer) decides on the
+   environment's explicit rewards (RLPROXY_REWARD_POLICY=explicit; groups whose members all
+   carry one are scored with no judge call): far less noisy than the 135M local judge, whose
+   scores are noise. The good version goes on canary first, against the base; the agent keeps
+   practising (true rewards) on new questions, each question's runs form a group that mixes
+   both versions, until the rollout decides. Then the harmful version goes on canary against
+   whatever serves then (the good version if it was promoted), and the same again.
 
-Prints each decision with its figures (groups, mean paired difference, bounds, t critical), the
-calls the canary took, and the wall time. Not a test: it prints, it asserts nothing.
+Prints the measured rewards, each decision with its figures (n groups, mean paired difference d,
+its sd, the bounds, t critical), the policy name's calls from the canary's start to its decision,
+and the wall time. Not a test: it prints, it asserts nothing.
 
-    .venv/bin/python bench/canary_rollout_proof.py
-    .venv/bin/python bench/canary_rollout_proof.py --questions 2 --runs 4 --practice-rounds 2 \
-        --steps 2 --groups-per-step 1 --min-groups 3 --max-groups 6 --max-rounds 4
+    OMP_NUM_THREADS=1 .venv/bin/python bench/canary_rollout_proof.py
+    OMP_NUM_THREADS=1 .venv/bin/python bench/canary_rollout_proof.py --reuse /tmp/rlproxy-canary-X
 
-Runtime: the small run (second line) took 19 minutes on the 2-core machine under a load average
-near 20 (other engineers' tests); the defaults need about 4 times its calls and were not run to
-the end there. What it printed is in the README's Canary rollout section.
+`--reuse` takes the trained versions of an earlier run's working folder and starts at 3. On a
+loaded machine one torch thread per process (OMP_NUM_THREADS=1, inherited by the servers and
+trainers) ran about ten times faster than the default. What it printed and how long it took on
+the shared 2-core machine: the README's Canary rollout section.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sqlite3
@@ -48,12 +57,17 @@ sys.path.insert(0, str(REPO))
 
 from servers import start_server, stop  # noqa: E402
 
+sys.path.insert(0, str(AGENT.parent))
+from arithmetic_agent import HELD_OUT_COUNT  # noqa: E402
+
 
 def agent(url: str, *args: str) -> dict[str, Any]:
     env = {**os.environ, "OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": "sk-agent"}
     done = subprocess.run(
-        [sys.executable, str(AGENT), *args], env=env, capture_output=True, text=True, check=True
+        [sys.executable, str(AGENT), *args], env=env, capture_output=True, text=True
     )
+    if done.returncode:
+        raise RuntimeError(f"the agent failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
@@ -144,8 +158,7 @@ def train(data_dir: Path, model_dir: Path, steps: int, lr: float, groups: int) -
         check=True,
         capture_output=True,
     )
-    root = data_dir / "checkpoints" / "rlproxy"
-    last = max(root.iterdir(), key=lambda p: p.name)
+    last = last_version(data_dir)
     print(f"  trained {last.name} in {time.monotonic() - started:.0f} s (lr {lr})", flush=True)
     return last
 
@@ -169,13 +182,12 @@ def listing(url: str) -> dict[int, dict[str, Any]]:
 
 def trial(url: str, data_dir: Path, version: int, args: argparse.Namespace, seed: int) -> dict:
     """Practise until the rollout decides on `version`; the decision and the calls it took."""
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while not listing(url).get(version, {}).get("canary"):
         if time.monotonic() > deadline:
             raise RuntimeError(f"version {version} never went on canary: {listing(url)}")
         time.sleep(0.5)
     started = time.monotonic()
-    before = query(data_dir, "SELECT count(*) FROM calls")[0][0]
     rounds = 0
     record: dict[str, Any] = {}
     while rounds < args.max_rounds:
@@ -193,18 +205,23 @@ def trial(url: str, data_dir: Path, version: int, args: argparse.Namespace, seed
         )
         if state != "canary":
             break
+    rollout = record.get("rollout") or {}
+    decision = (rollout.get("decisions") or [{}])[-1]
+    began_at = float(rollout.get("started_at") or 0)
+    decided_at = float(decision.get("at") or time.time())
+    # The policy name's calls from the canary's start to the decision (pins excepted).
     served = query(
         data_dir,
-        f"SELECT coalesce(adapter_version, 0), count(*) FROM calls WHERE rowid > {before} "
-        "GROUP BY 1",
+        "SELECT coalesce(adapter_version, 0), count(*) FROM calls WHERE model_requested = "
+        f"'rlproxy' AND created_at >= {began_at} AND created_at <= {decided_at} GROUP BY 1",
     )
-    calls = sum(n for _, n in served)
     return {
         "version": version,
-        "state": (record.get("rollout") or {}).get("state"),
+        "baseline": rollout.get("baseline"),
+        "state": rollout.get("state"),
         "status": record.get("status"),
-        "decision": ((record.get("rollout") or {}).get("decisions") or [{}])[-1],
-        "calls": calls,
+        "decision": decision,
+        "calls": sum(n for _, n in served),
         "calls_by_version": dict(served),
         "rounds": rounds,
         "seconds": time.monotonic() - started,
@@ -215,16 +232,16 @@ def show(result: dict[str, Any]) -> None:
     d = result["decision"]
     f = d.get("figures") or {}
     print(
-        f"version {result['version']}: {result['state']} (status {result['status']}) after "
-        f"{result['calls']} calls {result['calls_by_version']} in {result['rounds']} rounds, "
-        f"{result['seconds']:.0f} s",
+        f"version {result['version']} against {result['baseline']}: {result['state']} (status "
+        f"{result['status']}) after {result['calls']} calls {result['calls_by_version']} "
+        f"({result['rounds']} rounds, {result['seconds']:.0f} s)",
         flush=True,
     )
     print(f"  reason: {d.get('reason')}", flush=True)
     if f:
         print(
-            f"  groups {f['n']} (of {f['groups']} mixed), old mean {f['old_mean']:.3f}, new mean "
-            f"{f['new_mean']:.3f}, mean paired difference {f['mean_diff']:+.3f} "
+            f"  n {f['n']} groups (of {f['groups']} mixed), old mean {f['old_mean']:.3f}, new mean "
+            f"{f['new_mean']:.3f}, mean paired difference d {f['mean_diff']:+.3f} "
             f"(sd {f['sd_diff']:.3f}), bounds [{f['lower']:+.3f}, {f['upper']:+.3f}] at "
             f"t={f['t_critical']:.3f}, alpha per look {f['alpha_per_look']:.4f}, "
             f"margin {f['margin']}",
@@ -232,19 +249,66 @@ def show(result: dict[str, Any]) -> None:
         )
 
 
+def evaluate(url: str, version: int | None, samples: int) -> dict[str, Any]:
+    """The agent's own `eval` (held-out questions, its reward, nothing reported) on `version`."""
+    model = "rlproxy@base"
+    if version is not None:
+        httpx.post(f"{url}/rl/adapters/{version}/load", timeout=300).raise_for_status()
+        model = f"rlproxy@{version}"
+    result = agent(url, "eval", "--model", model, "--samples", str(samples))
+    print(
+        f"  held-out {model}: {result['mean_reward']:.3f} ± {result['stderr']:.3f} "
+        f"(exact answers {result['exact']:.0%}, n={result['episodes']}), e.g. "
+        f"{result['examples'][:3]}",
+        flush=True,
+    )
+    return result
+
+
+def last_version(data_dir: Path) -> Path:
+    root = data_dir / "checkpoints" / "rlproxy"
+    return max(root.iterdir(), key=lambda p: p.name)
+
+
+def held_out(url: str, versions: dict[str, int], samples: int) -> dict[str, dict[str, Any]]:
+    """Held-out reward of the base and each version (the agent's own `eval`, its reward)."""
+    out = {"base": evaluate(url, None, samples)}
+    for name, version in versions.items():
+        out[name] = evaluate(url, version, samples)
+    base = out["base"]
+    for name in versions:
+        r = out[name]
+        se = math.hypot(r["stderr"], base["stderr"])
+        r["vs_parent"] = r["mean_reward"] - base["mean_reward"]
+        r["vs_parent_se"] = r["vs_parent"] / se if se else None
+        print(
+            f"  {name}: {r['mean_reward']:.3f} vs its parent (base) {base['mean_reward']:.3f}: "
+            f"{r['vs_parent']:+.3f} ({r['vs_parent_se'] or 0:+.1f} s.e.)",
+            flush=True,
+        )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--questions", type=int, default=4, help="questions per round")
     parser.add_argument("--runs", type=int, default=8, help="attempts per question (group)")
-    parser.add_argument("--practice-rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4, help="GRPO steps per trained version")
+    parser.add_argument("--practice-rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6, help="GRPO steps per trained version")
     parser.add_argument("--groups-per-step", type=int, default=2)
-    parser.add_argument("--harmful-lr", type=float, default=3e-3)
-    parser.add_argument("--good-lr", type=float, default=1e-4)
+    parser.add_argument("--harmful-lr", type=float, default=1e-2)
+    parser.add_argument("--good-lr", type=float, default=1e-3)
+    parser.add_argument("--eval-samples", type=int, default=1, help="per held-out question")
     parser.add_argument("--margin", type=float, default=0.1)
     parser.add_argument("--min-groups", type=int, default=4)
     parser.add_argument("--max-groups", type=int, default=16)
     parser.add_argument("--max-rounds", type=int, default=6, help="rounds per trial at most")
+    parser.add_argument(
+        "--reuse",
+        type=Path,
+        default=None,
+        help="the working folder of an earlier run: reuse its trained versions (skips 1 and 2)",
+    )
     parser.add_argument(
         "--model-dir",
         type=Path,
@@ -254,7 +318,16 @@ def main() -> None:
     began = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="rlproxy-canary-"))
     print(f"working in {work}", flush=True)
+    if args.reuse is not None:
+        good, harmful = last_version(args.reuse / "good"), last_version(args.reuse / "harmful")
+        steps = int(good.name)
+        print(f"1-2. reusing {good} and {harmful} ({steps} steps each)", flush=True)
+    else:
+        good, harmful, steps = practise_and_train(work, args)
+    measure_and_roll_out(work, args, good, harmful, steps, began)
 
+
+def practise_and_train(work: Path, args: argparse.Namespace) -> tuple[Path, Path, int]:
     print("1. practice on the base model", flush=True)
     practice = work / "practice"
     proc, url = start_server(practice, args.model_dir, group_env(args.runs))
@@ -266,7 +339,7 @@ def main() -> None:
     finally:
         stop(proc)
 
-    print("2. train a harmful version (rewards inverted) and a good one", flush=True)
+    print("2. train a good version (true rewards) and a harmful one (rewards inverted)", flush=True)
     copy_data(practice, work / "harmful", invert=True)
     copy_data(practice, work / "good", invert=False)
     usable = usable_groups(practice)
@@ -274,13 +347,44 @@ def main() -> None:
     print(f"  {usable} groups with a reward spread: {steps} steps each", flush=True)
     if steps < 1:
         raise SystemExit("no group with a reward spread: practise more (--practice-rounds)")
-    harmful = train(work / "harmful", args.model_dir, steps, args.harmful_lr, args.groups_per_step)
     good = train(work / "good", args.model_dir, steps, args.good_lr, args.groups_per_step)
+    harmful = train(work / "harmful", args.model_dir, steps, args.harmful_lr, args.groups_per_step)
+    return good, harmful, steps
 
-    print("3. canary rollout", flush=True)
+
+def measure_and_roll_out(
+    work: Path, args: argparse.Namespace, good: Path, harmful: Path, steps: int, began: float
+) -> None:
+    print(
+        f"3. held-out reward before the rollout ({HELD_OUT_COUNT} questions x "
+        f"{args.eval_samples}, temperature 1; a server of its own)",
+        flush=True,
+    )
+    evals = work / "eval"
+    publish(good, evals, 1)
+    publish(harmful, evals, 2)
+    # `eval` sends its 100 questions at once: let them all queue.
+    proc, url = start_server(
+        evals,
+        args.model_dir,
+        {"RLPROXY_MAX_QUEUED_ROWS": "512", "RLPROXY_CALLER_CONCURRENCY": "256"},
+    )
+    try:
+        measured = held_out(url, {"good": 1, "harmful": 2}, args.eval_samples)
+    finally:
+        stop(proc)
+
+    print(
+        "4. canary rollout: the good version first (against the base), then the harmful one "
+        "(against whatever serves then); the environment's explicit rewards decide "
+        "(RLPROXY_REWARD_POLICY=explicit: groups whose members all carry one are scored with no "
+        "judge call)",
+        flush=True,
+    )
     served = work / "served"
     env = {
         **group_env(args.runs),
+        "RLPROXY_REWARD_POLICY": "explicit",
         "RLPROXY_PUBLISH_ADAPTERS": "true",
         "RLPROXY_ADAPTER_POLL_S": "1",
         "RLPROXY_ROLLOUT": "true",
@@ -291,21 +395,26 @@ def main() -> None:
     }
     proc, url = start_server(served, args.model_dir, env)
     try:
-        publish(harmful, served, 1)
-        bad = trial(url, served, 1, args, seed=1000)
-        show(bad)
-        publish(good, served, 2)
-        fine = trial(url, served, 2, args, seed=2000)
+        publish(good, served, 1)
+        fine = trial(url, served, 1, args, seed=1000)
         show(fine)
+        publish(harmful, served, 2)
+        bad = trial(url, served, 2, args, seed=2000)
+        show(bad)
         final = listing(url)
     finally:
         stop(proc)
     active = [v for v, a in final.items() if a.get("active")]
+    keep = ("state", "baseline", "calls", "calls_by_version", "rounds")
     print(
         json.dumps(
             {
-                "harmful": {k: bad[k] for k in ("state", "calls", "rounds")},
-                "good": {k: fine[k] for k in ("state", "calls", "rounds")},
+                "held_out": {
+                    k: {f: v.get(f) for f in ("mean_reward", "stderr", "exact", "vs_parent")}
+                    for k, v in measured.items()
+                },
+                "good": {k: fine[k] for k in keep} | {"figures": fine["decision"].get("figures")},
+                "harmful": {k: bad[k] for k in keep} | {"figures": bad["decision"].get("figures")},
                 "active_at_end": active,
                 "test": {
                     "margin": args.margin,
@@ -313,6 +422,13 @@ def main() -> None:
                     "max_groups": args.max_groups,
                     "group_size": args.runs,
                     "share": 0.5,
+                    "reward_policy": "explicit",
+                },
+                "training": {
+                    "steps": steps,
+                    "groups_per_step": args.groups_per_step,
+                    "good_lr": args.good_lr,
+                    "harmful_lr": args.harmful_lr,
                 },
                 "runtime_s": round(time.monotonic() - began),
             }

@@ -139,8 +139,9 @@ class Settings(BaseSettings):
     max_queued_rows: int = Field(
         64,
         ge=0,
-        description="Rows (choices) waiting for a place in the local engine's batch; a request "
-        "that would queue more is refused with a 429 before it starts (0: no bound).",
+        description="Rows (choices) waiting for a place in the local engine's batch, or sent to "
+        "vLLM and still without a first token (the vllm engine); a request that would queue more "
+        "is refused with a 429 before it starts (0: no bound).",
     )
     header_timeout_s: float = Field(
         10.0,
@@ -303,8 +304,9 @@ class Settings(BaseSettings):
         ge=0,
         le=1,
         description="Share of judged groups that get one extra synthetic member known to be bad "
-        "(empty, a refusal, another task's answer, an answer cut in half), never trained on. A "
-        "judge scoring it above the group's median fails the check.",
+        "(empty, a refusal, another task's answer, an answer cut in half), never trained on. The "
+        "check passes only when the judge scores it strictly below the group's median (a tie "
+        "fails).",
     )
     judge_position_share: float = Field(
         0.1,

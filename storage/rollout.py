@@ -9,7 +9,7 @@ A member's version is the one that served its first call (a trajectory member) o
 sampled answer), 0 for the base model, as in `storage.stats`. A member's reward follows the
 reward policy: "explicit" takes the environment's latest reward for a trajectory member and
 falls back to the judge's score; "ruler" the other way round. Sampled answers only have judge
-scores. Only calls served by the local engine count.
+scores. Only calls the policy served count (`POLICY_ENGINES`: the local or the vllm engine).
 
 Bounded: the newest `limit` groups scored since `since`, each read by its indexed id.
 Callers go through `storage.store.Store`; nothing else should import this module.
@@ -27,6 +27,7 @@ from storage.models import group_members_table as GM
 from storage.models import groups_table as G
 from storage.models import rewards_table as R
 from storage.models import scores_table as S
+from storage.records import POLICY_ENGINES
 from storage.stats import member_call
 
 
@@ -73,7 +74,7 @@ async def paired_rewards(
             )
             .select_from(GM)
             .join(C, C.c.id == member_call())
-            .where(GM.c.group_id.in_(ids), C.c.engine == "local")
+            .where(GM.c.group_id.in_(ids), C.c.engine.in_(POLICY_ENGINES))
         )
     ).all()
     wanted = {old, new}

@@ -97,6 +97,7 @@ def paired_differences(pairs: list[tuple[list[float], list[float]]]) -> list[flo
 
 def compare(pairs: list[tuple[list[float], list[float]]], test: RolloutTest) -> Comparison:
     """Run the test on the groups in `pairs` (oldest first): (old rewards, new rewards)."""
+    pairs = [(old, new) for old, new in pairs if old and new]  # as the differences count them
     diffs = paired_differences(pairs)
     looks = test.looks()
     alpha = test.alpha / len(looks)

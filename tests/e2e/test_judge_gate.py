@@ -164,6 +164,9 @@ def test_a_judge_preferring_canaries_is_held_and_an_honest_one_passes(
     assert honest["canary"]["verdict"] == "pass" and honest["gate"]["reason"] is None
     assert honest["self_agreement"]["checks"] >= 1
     assert sum(honest["canary"]["by_kind"][k]["checks"] for k in honest["canary"]["by_kind"]) == 4
+    # Each check's outcome against the real members' median: only "below" passes.
+    assert honest["canary"]["outcomes"] == {"below": GROUPS_PER_AGENT, "tie": 0, "above": 0}
+    assert fooled["canary"]["outcomes"] == {"below": 0, "tie": 0, "above": GROUPS_PER_AGENT}
     # The gate decides with the group it is scoring: the fourth canary failure holds the 4th group.
     assert fooled["held_groups"] == 1 and honest["held_groups"] == 0
 

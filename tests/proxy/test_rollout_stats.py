@@ -104,6 +104,17 @@ def test_a_look_uses_only_its_first_n_groups() -> None:
     assert result.decision == "promote" and result.n == 4 and result.groups == 7
 
 
+def test_groups_missing_a_version_count_nowhere() -> None:
+    # The second and fourth entries hold one version only: the look at 4 uses the four
+    # complete groups, and the means come from those same groups.
+    same = ([0.5], [0.6])
+    pairs = [same, ([], [0.0]), same, ([1.0], []), same, same]
+    result = compare(pairs, RolloutTest(margin=0.05, alpha=0.05, min_groups=4, max_groups=8))
+    assert result.groups == 4 and result.n == 4
+    assert result.mean_diff == pytest.approx(0.1) and result.sd_diff == pytest.approx(0.0)
+    assert result.old_mean == pytest.approx(0.5) and result.new_mean == pytest.approx(0.6)
+
+
 def test_bad_parameters_say_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="min_groups"):
         RolloutTest(min_groups=1)

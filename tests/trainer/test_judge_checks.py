@@ -1,7 +1,7 @@
 """Judge checks: canaries, the gate and the drift alarm on hand-made check rows, then the scorer
 with scripted in-process judges on a real SQLite file (each honours
 `trainer.rewards.ruler.Judge`: one RULER reply in the documented JSON shape). The end-to-end
-test through a real server and a judge on loopback is tests/e2e/test_judge_checks.py.
+test through a real server and a judge on loopback is tests/e2e/test_judge_gate.py.
 """
 
 from __future__ import annotations
@@ -367,13 +367,54 @@ async def test_a_judge_preferring_canaries_is_held_and_released_once_it_recovers
 
 
 @pytest.mark.asyncio(loop_scope="session")
-async def test_a_judge_scoring_everything_alike_gives_no_canary_check(store: Store) -> None:
+async def test_a_judge_scoring_everything_alike_fails_its_canaries_and_is_held(
+    store: Store,
+) -> None:
+    # Like the 135M base judge: one score for every member and the canary. A tie with the
+    # median has not told the canary from a real answer: each such check fails.
     flat = RuleJudge(lambda answers, _: [0.0] * len(answers), "flat")
-    scorer = _scorer(store, flat, canary_share=1.0, position_share=0.0)
-    detail = await scorer.score(await _ready_group(store, 0))
-    assert detail is not None
-    (row,) = await store.checks_of_judge("flat", detail.summary.rubric_hash or "")
-    assert row.canary_kind == "empty" and row.canary_score == 0.0 and row.canary_passed is None
+    scorer = _scorer(store, flat, canary_share=1.0, position_share=0.0, min_checks=3, window=3)
+    details = [await scorer.score(await _ready_group(store, n)) for n in range(3)]
+    assert [d.summary.status if d else None for d in details] == ["scored", "scored", "held"]
+    rows = await store.checks_of_judge("flat", details[0].summary.rubric_hash or "")  # type: ignore[union-attr]
+    assert [(r.canary_score, r.canary_median, r.canary_passed) for r in rows] == [
+        (0.0, 0.0, False)
+    ] * 3
+    gate = gate_decision(rows, JudgeChecksConfig(min_checks=3, window=3))
+    assert gate.decision == "held" and gate.canary.outcomes == {"below": 0, "tie": 3, "above": 0}
+    assert gate.canary.checks == 3 and gate.canary.passed == 0
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_canary_tied_with_the_median_fails_and_below_it_passes(store: Store) -> None:
+    def middling(answers: list[str], prompt: str) -> list[float]:
+        """Real answers 0.5, 0.6, 0.7; the canary gets the median (0.6) on task 0, 0.3 after."""
+        canary = 0.6 if "Task 0:" in prompt else 0.3
+        return [canary if _is_bad(a, answers, prompt) else honest([a], prompt)[0] for a in answers]
+
+    scorer = _scorer(store, RuleJudge(middling, "middling"), canary_share=1.0, position_share=0)
+    tied = await scorer.score(await _ready_group(store, 0))
+    below = await scorer.score(await _ready_group(store, 1))
+    assert tied is not None and below is not None
+    rows = await store.checks_of_judge("middling", tied.summary.rubric_hash or "")
+    by_group = {r.group_id: r for r in rows}
+    t, b = by_group[tied.id], by_group[below.id]
+    assert (t.canary_score, t.canary_median, t.canary_passed) == (0.6, pytest.approx(0.6), False)
+    assert (b.canary_score, b.canary_median, b.canary_passed) == (0.3, pytest.approx(0.6), True)
+    figures = gate_decision(rows, CONFIG).canary
+    assert figures.outcomes == {"below": 1, "tie": 1, "above": 0} and figures.passed == 1
+
+
+def test_canary_outcomes_are_counted_against_the_median() -> None:
+    rows = [
+        check(canary_score=0.0, canary_median=0.5, canary_passed=True),
+        check(canary_score=0.5, canary_median=0.5, canary_passed=False),
+        check(canary_score=0.9, canary_median=0.5, canary_passed=False),
+        check(canary_score=0.0, canary_median=0.0, canary_passed=False),
+    ]
+    figures = gate_decision(rows, CONFIG).canary
+    assert figures.outcomes == {"below": 1, "tie": 2, "above": 1}
+    assert (figures.checks, figures.passed) == (4, 1)
 
 
 @pytest.mark.asyncio(loop_scope="session")

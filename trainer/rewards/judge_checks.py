@@ -4,9 +4,12 @@ Every group the judge scores gets one `JudgeCheckRecord`, stored with its scores
 
 - canary (a share of groups, `canary_share`): one synthetic member known to be bad
   (`trainer.rewards.canaries`) is judged with the group, never stored as a member. The check
-  fails when the judge scores it above the median of the real members' scores, passes otherwise;
-  a judge that gives every member and the canary one same score ranked nothing, and that judging
-  counts as no canary check (its kind and score are still kept).
+  passes only when the judge scores it strictly below the median of the real members' scores.
+  A tie with the median fails: a judge that cannot rank an empty answer or a refusal below real
+  answers has not told them apart (a judge that gives every member and the canary one same
+  score, as the 135M base model does with 0.0, fails every canary check and the gate can hold
+  it). Each check's outcome against the median, "below", "tie" or "above", follows from its
+  stored canary score and median; `/rl/judge` counts them (`canary.outcomes`).
 - position (a share of groups, `position_share`): the group is judged a second time with its
   members in reverse order; Kendall's tau-b between the two scorings is kept. The first scoring
   is the one stored; the second call's tokens and cost are added to the group's.
@@ -121,6 +124,9 @@ class CanaryFigures:
     high: float
     verdict: Verdict
     by_kind: dict[str, dict[str, int]] = field(default_factory=dict)  # kind -> checks, passed
+    outcomes: dict[str, int] = field(default_factory=dict)
+    """Checks per outcome of the canary's score against the real members' median: "below"
+    (passed), "tie" or "above" (failed)."""
 
 
 @dataclass
@@ -165,6 +171,10 @@ def canary_figures(checks: Sequence[JudgeCheckRecord], config: JudgeChecksConfig
         entry = by_kind.setdefault(c.canary_kind or "?", {"checks": 0, "passed": 0})
         entry["checks"] += 1
         entry["passed"] += int(bool(c.canary_passed))
+    outcomes = {"below": 0, "tie": 0, "above": 0}
+    for c in done:
+        if (outcome := canary_outcome(c.canary_score, c.canary_median)) is not None:
+            outcomes[outcome] += 1
     return CanaryFigures(
         checks=len(done),
         passed=passed,
@@ -173,7 +183,16 @@ def canary_figures(checks: Sequence[JudgeCheckRecord], config: JudgeChecksConfig
         high=high,
         verdict=verdict,
         by_kind=by_kind,
+        outcomes=outcomes,
     )
+
+
+def canary_outcome(score: float | None, median: float | None) -> str | None:
+    """Where a canary's score lies against the real members' median: "below" (the check
+    passes), "tie" or "above" (it fails); None when either is unknown."""
+    if score is None or median is None:
+        return None
+    return "below" if score < median else "tie" if score == median else "above"
 
 
 def agreement_figures(
@@ -393,9 +412,9 @@ class JudgeChecker:
             check.canary_member_id = canary.member.member_id
             check.canary_score = canary_score
             check.canary_median = middle
-            # One score for everything, the canary included, ranks nothing: no check.
-            constant = all(v == canary_score for v in real.values())
-            check.canary_passed = None if constant else canary_score <= middle
+            # Only strictly below the median passes: a tie (one score for everything, the
+            # canary included, among others) has not told the canary from a real answer.
+            check.canary_passed = canary_outcome(canary_score, middle) == "below"
         if second is not None and second.status == "scored":
             again = {s.member_id: s.score for s in second.scores}
             ids = [s.member_id for s in first.scores]
