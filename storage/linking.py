@@ -21,9 +21,12 @@ trajectory on a tie).
 Retries do not fork. A call whose request equals the trajectory's last request is the same turn
 when the client says it is a retry (`x-stainless-retry-count` > 0) or when it started after that
 call finished and within `retry_window_s` of it. Requiring "started after it finished" keeps two
-identical requests that overlap in time (parallel rollouts of the same task) apart. A call that
-did not complete (error, client gone) and started before the trajectory's last call with the
-same request is an earlier attempt recorded late ("stale"): it goes to that turn, superseded.
+identical requests that overlap in time (parallel rollouts of the same task) apart; an attempt
+whose client disconnected counts as finished up to `DISCONNECT_GRACE_S` earlier than stamped,
+since the server only notices the closed connection after the client has gone (and resent).
+A call that did not complete (error, client gone) and started before the trajectory's last call
+with the same request is an earlier attempt recorded late ("stale"): it goes to that turn,
+superseded.
 
 Explicit ids win: a call with `explicit_trajectory_id` appends to that trajectory (reopening it
 if it was closed: the agent said where the call belongs) or creates it. Closed trajectories are
@@ -45,6 +48,11 @@ from typing import Any
 from storage.records import CallRecord, LinkDecision, LinkKeys, TrajectoryState
 
 _SEED = hashlib.sha256(b"rlproxy-link-v1").hexdigest()
+
+DISCONNECT_GRACE_S = 2.0
+"""How long before a disconnected attempt was stamped finished its resend may start and still be
+a retry: the server notices a closed connection (and cancels the generation) a moment after the
+client left, and a client that timed out resends at once."""
 _TEXT_PART_TYPES = {"text", "input_text", "output_text"}
 
 
@@ -211,7 +219,10 @@ class PrefixLinker:
             return None  # the client got its answer: asking again is a new run, not a retry
         if self.retry_window_s > 0 and t.last_call_finished_at is not None:
             gap = record.created_at - t.last_call_finished_at
-            if 0 <= gap <= self.retry_window_s:
+            # A client that gave up left before the server noticed and stamped the attempt
+            # finished; its resend may start in between.
+            earliest = -DISCONNECT_GRACE_S if t.last_call_status == "client_disconnected" else 0
+            if earliest <= gap <= self.retry_window_s:
                 return "retry"
         return None
 

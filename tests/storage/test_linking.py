@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from storage.linking import (
+    DISCONNECT_GRACE_S,
     PrefixLinker,
     assistant_prefix_hashes,
     canonical_message,
@@ -204,6 +205,29 @@ def test_retry_rules() -> None:
     late = replace(record, status="client_disconnected", created_at=930.0)
     assert linker.choose(late, keys, None, [last]).action == "stale"
     assert linker.choose(replace(late, status="completed"), keys, None, [last]).action == "new"
+
+
+def test_a_resend_racing_the_noticed_disconnect_is_a_retry() -> None:
+    """A client that times out closes its connection and resends at once; the server notices
+    the disconnect (and stamps the attempt finished) only a moment later, so the resend can
+    start before the attempt it repeats "finished". That is still a retry, not a new turn."""
+    linker = PrefixLinker(retry_window_s=10.0)
+    record = _call([{"role": "user", "content": "q"}], created_at=1000.0)
+    keys = linker.keys(record)
+    gone = _state(
+        "t",
+        last_request_hash=keys.request_hash,
+        last_call_created_at=999.0,
+        last_call_finished_at=1000.4,
+        last_call_status="client_disconnected",
+    )
+    d = linker.choose(record, keys, None, [gone])
+    assert (d.action, d.trajectory_id, d.same_turn_as) == ("retry", "t", "t-last")
+    # Beyond the grace it is an overlapping parallel run again, as for a failed attempt.
+    late_notice = replace(gone, last_call_finished_at=1000.0 + DISCONNECT_GRACE_S + 0.5)
+    assert linker.choose(record, keys, None, [late_notice]).action == "new"
+    errored = replace(gone, last_call_status="error")
+    assert linker.choose(record, keys, None, [errored]).action == "new"
 
 
 def test_explicit_id() -> None:
