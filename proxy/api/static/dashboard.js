@@ -259,11 +259,21 @@
 
   // The judge checks (GET /rl/judge): canaries, self-agreement, agreement with the environment,
   // the gate on training and the drift alarm.
+  // How the failed canary checks failed: tied with the members (a judge that cannot tell them
+  // apart) or scored above their median.
+  function canaryFailures(outcomes) {
+    const parts = [];
+    if (outcomes.tie) parts.push(`${outcomes.tie} tied`);
+    if (outcomes.above) parts.push(`${outcomes.above} above the median`);
+    return parts.length ? `; failed: ${parts.join(", ")}` : "";
+  }
+
   function judgePanel(report) {
     const row = (j) => h("tr", { data: { judge: j.judge_model, rubric: j.rubric_hash } }, [
       j.judge_model,
       j.rubric_hash,
-      `${j.canary.passed}/${j.canary.checks}` + (j.canary.checks ? ` (95% ${num(j.canary.low, 2)}–${num(j.canary.high, 2)})` : ""),
+      `${j.canary.passed}/${j.canary.checks}` + (j.canary.checks ? ` (95% ${num(j.canary.low, 2)}–${num(j.canary.high, 2)})` : "") +
+        canaryFailures(j.canary.outcomes || {}),
       j.self_agreement.mean_tau === null ? "–" : `τ ${num(j.self_agreement.mean_tau, 2)} over ${j.self_agreement.checks}`,
       j.environment.groups ? `ρ ${num(j.environment.spearman, 2)}, τ ${num(j.environment.kendall, 2)} (${j.environment.groups})` : "–",
       j.gate.decision === "held" ? `HELD: ${j.gate.reason}` : j.gate.reason || "trains",
