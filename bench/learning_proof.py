@@ -2,53 +2,71 @@
 
 Starts two servers on this machine:
 - the training server: `rlproxy serve` with its trainer process, background scoring and
-  publishing on. The agent (examples/arithmetic_agent.py, plain `openai` SDK) practises on it:
-  each round asks QUESTIONS practice questions RUNS times each and reports the environment's
-  reward for every answer. rlproxy groups the runs of each question (task signature), takes the
-  rewards as scores, makes one GRPO step per round and publishes the new adapter.
+  publishing on. The agent (examples/arithmetic_agent.py, plain `openai` SDK, run in this
+  process) practises on it: each round asks QUESTIONS practice questions RUNS times each and
+  reports the environment's reward for every answer. rlproxy groups the runs of each question
+  (task signature), takes the rewards as scores, makes one GRPO step per QUESTIONS usable groups
+  and publishes the new adapter.
 - an evaluation server with no trainer and its own database, reading the same checkpoint
   folder, so held-out evaluation traffic never becomes training data.
 
-Held-out reward (100 questions never practised, `--eval-samples` attempts each) is measured for
-the base model first, every `--eval-every` steps, and for the last version. After each
-evaluation the gain over the base is given in standard errors; the first version at +3 standard
-errors or more gives the minutes to +3 s.e. (training wall time since the first practice round,
-the time spent evaluating left out, and with it). Exact answers (the reply is the right number
-alone) are reported beside the reward at every evaluation. Writes
-`<out>/learning.json` and `<out>/learning.png` (training reward per step and held-out reward
-with standard errors) and prints the summary.
+Between steps nothing waits that need not: with `--ahead 1` (the default) the next practice
+round is generated while the trainer steps on the last one (so a round is sampled from the
+version one behind the newest; GRPO's clipped ratio is taken against the logprobs stored at
+sampling time, so this is ordinary one-step-off-policy training), the runner counts the usable
+groups it produced (runs with different rewards) and practises again at once when a step cannot
+come yet, and the servers poll every 0.25 s.
 
-    .venv/bin/python bench/learning_proof.py [--minutes 30] [--lr 1e-4] [--out bench/results]
+Held-out reward (100 questions never practised, `--eval-samples` attempts each) is measured for
+the base model first, every `--eval-every` steps, and for the last version; no practice round is
+in flight during an evaluation. After each evaluation the gain over the base is given in
+standard errors; the first version at +3 standard errors or more gives the minutes to +3 s.e.
+(training wall time since the first practice round with the time spent evaluating left out, and
+with it). Exact answers (the reply is the right number alone) are reported beside the reward at
+every evaluation. Every setting used is printed first. Writes `<out>/learning.json` and
+`<out>/learning.png` (training reward per step and held-out reward with standard errors) and
+prints the summary.
+
+    .venv/bin/python bench/learning_proof.py [--minutes 5] [--lr 3e-4] [--out bench/results]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
+from openai import AsyncOpenAI
 
 REPO = Path(__file__).resolve().parent.parent
-AGENT = REPO / "examples" / "arithmetic_agent.py"
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "examples"))
 
+import arithmetic_agent  # noqa: E402
 from servers import start_server  # noqa: E402
 
+POLL_S = 0.25
 
-def agent(url: str, *args: str) -> dict[str, Any]:
-    env = {**os.environ, "OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": "sk-agent"}
-    done = subprocess.run(
-        [sys.executable, str(AGENT), *args], env=env, capture_output=True, text=True, check=True
-    )
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+def practise(url: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One practice round of the agent against `url` (every answer rewarded)."""
+
+    async def run() -> dict[str, Any]:
+        async with AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-agent", timeout=600) as client:
+            return await arithmetic_agent.train(
+                client, "rlproxy", args.questions, args.runs, seed, args.max_tokens
+            )
+
+    return asyncio.run(run())
 
 
 def adapters(url: str) -> dict[int, dict[str, Any]]:
@@ -62,17 +80,26 @@ def wait_for_version(url: str, version: int, timeout_s: float) -> dict[str, Any]
         a = adapters(url).get(version)
         if a is not None and a.get("status") == "loaded":
             return a
-        time.sleep(1)
+        time.sleep(POLL_S)
     return None
 
 
-def evaluate(eval_url: str, version: int | None, samples: int) -> dict[str, Any]:
+def evaluate(eval_url: str, version: int | None, args: argparse.Namespace) -> dict[str, Any]:
     model = "rlproxy@base"
     if version is not None:
         r = httpx.post(f"{eval_url}/rl/adapters/{version}/load", timeout=120)
         r.raise_for_status()
         model = f"rlproxy@{version}"
-    result = agent(eval_url, "eval", "--model", model, "--samples", str(samples))
+
+    async def run() -> dict[str, Any]:
+        async with AsyncOpenAI(
+            base_url=f"{eval_url}/v1", api_key="sk-agent", timeout=600
+        ) as client:
+            return await arithmetic_agent.evaluate(
+                client, model, args.eval_samples, args.max_tokens
+            )
+
+    result = asyncio.run(run())
     result["version"] = version or 0
     print(
         f"  held-out {model}: {result['mean_reward']:.3f} ± {result['stderr']:.3f} "
@@ -121,14 +148,25 @@ def main() -> None:
     parser.add_argument(
         "--minutes",
         type=float,
-        default=30.0,
+        default=5.0,
         help="training wall-time budget (time spent evaluating not counted)",
     )
     parser.add_argument("--questions", type=int, default=4, help="groups per step")
     parser.add_argument("--runs", type=int, default=8, help="attempts per question (group size)")
-    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--lr", type=float, default=3e-4, help="the trainer's learning rate")
+    parser.add_argument("--max-tokens", type=int, default=12, help="the agent's reply limit")
+    parser.add_argument(
+        "--ahead", type=int, choices=(0, 1), default=1, help="practise while the trainer steps"
+    )
+    parser.add_argument("--max-batch", type=int, default=32, help="engine rows decoded together")
     parser.add_argument("--eval-samples", type=int, default=2)
     parser.add_argument("--eval-every", type=int, default=4)
+    parser.add_argument(
+        "--stop-at-exact",
+        type=float,
+        default=None,
+        help="end early at the first evaluation with at least this share of exact answers",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     parser.add_argument(
         "--model-dir",
@@ -143,29 +181,33 @@ def main() -> None:
     (train_dir / "checkpoints" / "rlproxy").mkdir(parents=True)
     eval_dir.mkdir()
     (eval_dir / "checkpoints").symlink_to(train_dir / "checkpoints")
-    print(f"working in {work}", flush=True)
     trainer_cfg = {"groups_per_step": args.questions, "learning_rate": args.lr}
-    train_proc, train_url = start_server(
-        train_dir,
-        args.model_dir,
-        {
-            "RLPROXY_TRAIN": "true",
-            "RLPROXY_SCORING": "true",
-            "RLPROXY_PUBLISH_ADAPTERS": "true",
-            "RLPROXY_SCORING_INTERVAL_S": "1",
-            "RLPROXY_TRAIN_POLL_S": "1",
-            "RLPROXY_ADAPTER_POLL_S": "1",
-            "RLPROXY_GROUP_MIN_SIZE": str(args.runs),
-            "RLPROXY_GROUP_MAX_SIZE": str(args.runs),
-            "RLPROXY_GROUP_WINDOW_S": "1e9",
-            "RLPROXY_TRAINER": json.dumps(trainer_cfg),
-        },
-    )
-    eval_proc, eval_url = start_server(
-        eval_dir,
-        args.model_dir,
-        {},  # serve only: no trainer, scorer or publisher
-    )
+    engine_env = {
+        "RLPROXY_MAX_BATCH_SIZE": str(args.max_batch),
+        # the evaluation sends its 100 x eval-samples requests at once: no per-caller limits
+        "RLPROXY_CALLER_CONCURRENCY": "0",
+        "RLPROXY_CALLER_REQUESTS_PER_MINUTE": "0",
+        "RLPROXY_MAX_QUEUED_ROWS": "0",
+    }
+    train_env = {
+        **engine_env,
+        "RLPROXY_TRAIN": "true",
+        "RLPROXY_SCORING": "true",
+        "RLPROXY_PUBLISH_ADAPTERS": "true",
+        "RLPROXY_SCORING_INTERVAL_S": str(POLL_S),
+        "RLPROXY_TRAIN_POLL_S": str(POLL_S),
+        "RLPROXY_ADAPTER_POLL_S": str(POLL_S),
+        "RLPROXY_GROUP_MIN_SIZE": str(args.runs),
+        "RLPROXY_GROUP_MAX_SIZE": str(args.runs),
+        "RLPROXY_GROUP_WINDOW_S": "1e9",
+        "RLPROXY_TRAINER": json.dumps(trainer_cfg),
+    }
+    settings = {k: str(v) for k, v in vars(args).items()} | {"server_env": train_env}
+    print(f"working in {work}", flush=True)
+    print(f"settings: {json.dumps(settings)}", flush=True)
+    print(f"load average at start: {os.getloadavg()}", flush=True)
+    train_proc, train_url = start_server(train_dir, args.model_dir, train_env)
+    eval_proc, eval_url = start_server(eval_dir, args.model_dir, engine_env)  # serve only
     steps: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
     eval_s = 0.0  # wall time spent evaluating since training started
@@ -175,7 +217,7 @@ def main() -> None:
         nonlocal eval_s, to_3se
         began = time.monotonic()
         train_minutes, wall_minutes = (began - started - eval_s) / 60, (began - started) / 60
-        result = evaluate(eval_url, version, args.eval_samples)
+        result = evaluate(eval_url, version, args)
         eval_s += time.monotonic() - began
         base = evals[0]
         se = math.hypot(base["stderr"], result["stderr"])
@@ -183,11 +225,12 @@ def main() -> None:
             (result["mean_reward"] - base["mean_reward"]) / se if se else None
         )
         result["train_minutes"], result["wall_minutes"] = train_minutes, wall_minutes
+        result["load_average"] = os.getloadavg()[0]
         evals.append(result)
         print(
             f"  gain {result['gain_in_standard_errors'] or 0:+.1f} s.e. after "
             f"{result['train_minutes']:.1f} min of training ({result['wall_minutes']:.1f} min "
-            "with evaluations)",
+            f"with evaluations), load {result['load_average']:.1f}",
             flush=True,
         )
         if to_3se is None and (result["gain_in_standard_errors"] or 0) >= 3:
@@ -197,56 +240,61 @@ def main() -> None:
                 "wall_minutes": result["wall_minutes"],
             }
 
+    pool = ThreadPoolExecutor(1)
     try:
-        evals.append(evaluate(eval_url, None, args.eval_samples))
+        evals.append(evaluate(eval_url, None, args))
         started = time.monotonic()
-        version, rounds = 0, 0
+        version, rounds, usable = 0, 0, 0
+        pending: Future[dict[str, Any]] | None = None
         while time.monotonic() - started - eval_s < args.minutes * 60:  # evaluations aside
-            # Practise until the trainer has enough usable groups for its next step (a group
-            # whose runs all got the same reward has no signal and is skipped).
-            published = None
-            for _ in range(5):
-                practice = agent(
-                    train_url,
-                    "train",
-                    "--questions",
-                    str(args.questions),
-                    "--runs",
-                    str(args.runs),
-                    "--seed",
-                    str(rounds),
-                )
+            if pending is None:
+                pending = pool.submit(practise, train_url, rounds, args)
                 rounds += 1
-                published = wait_for_version(train_url, version + 1, timeout_s=90)
-                if published is not None:
-                    break
-            if published is None:
-                print("  no new version after 5 practice rounds; stopping", flush=True)
+            practice = pending.result()
+            pending = None
+            # The trainer steps once per `questions` usable groups (a group whose runs all got
+            # the same reward has no signal and is skipped): count them instead of waiting.
+            usable += practice["questions_with_varied_rewards"]
+            target = usable // args.questions
+            evaluation_due = any(v % args.eval_every == 0 for v in range(version + 1, target + 1))
+            if args.ahead and not evaluation_due:
+                pending = pool.submit(practise, train_url, rounds, args)
+                rounds += 1
+            while version < target:
+                published = wait_for_version(train_url, version + 1, timeout_s=600)
+                if published is None:
+                    raise RuntimeError(f"version {version + 1} never appeared; see {train_dir}")
+                version += 1
+                metrics = published.get("metrics") or {}
+                steps.append(
+                    {
+                        "version": version,
+                        "elapsed_s": time.monotonic() - started,
+                        "agent_reward": practice["mean_reward"],
+                        "agent_exact": practice["exact"],
+                        "train_reward": metrics.get("mean_reward", practice["mean_reward"]),
+                        "loss": metrics.get("loss"),
+                        "step_seconds": metrics.get("step_seconds"),
+                        "skipped_groups": metrics.get("skipped_groups"),
+                    }
+                )
+                print(
+                    f"step {version:3d}  {steps[-1]['elapsed_s']:6.0f} s  practice reward "
+                    f"{practice['mean_reward']:.3f} (exact {practice['exact']:.0%})  step "
+                    f"{metrics.get('step_seconds', 0):.1f} s  load {os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
+                if version % args.eval_every == 0:
+                    held_out(version)
+            if args.stop_at_exact is not None and evals[-1]["exact"] >= args.stop_at_exact:
                 break
-            version += 1
-            metrics = published.get("metrics") or {}
-            steps.append(
-                {
-                    "version": version,
-                    "elapsed_s": time.monotonic() - started,
-                    "agent_reward": practice["mean_reward"],
-                    "train_reward": metrics.get("mean_reward", practice["mean_reward"]),
-                    "loss": metrics.get("loss"),
-                    "step_seconds": metrics.get("step_seconds"),
-                    "skipped_groups": metrics.get("skipped_groups"),
-                }
-            )
-            print(
-                f"step {version:3d}  {steps[-1]['elapsed_s']:6.0f} s  practice reward "
-                f"{practice['mean_reward']:.3f}  step {metrics.get('step_seconds', 0):.1f} s",
-                flush=True,
-            )
-            if version % args.eval_every == 0:
-                held_out(version)
+        if pending is not None:
+            pending.result()
         wall = time.monotonic() - started
         if version and evals[-1]["version"] != version:
             held_out(version)
     finally:
+        pool.shutdown(wait=False, cancel_futures=True)
         for proc in (train_proc, eval_proc):
             proc.terminate()
             proc.wait(timeout=60)
@@ -263,21 +311,38 @@ def main() -> None:
         "gain_in_standard_errors": gain / se if se else None,
         "minutes_to_3_standard_errors": to_3se,
         "evaluation_seconds": eval_s,
-        "settings": vars(args) | {"out": str(args.out), "model_dir": str(args.model_dir)},
+        "settings": settings,
+        "load_average_at_end": os.getloadavg(),
         "steps_detail": steps,
         "evals": evals,
     }
-    (args.out / "learning.json").write_text(json.dumps(summary, indent=2))
-    plot(args.out / "learning.png", steps, evals)
     print(
         f"\n{version} steps in {wall / 60:.1f} min. held-out reward: base "
         f"{base['mean_reward']:.3f} ± {base['stderr']:.3f} -> version {last['version']} "
         f"{last['mean_reward']:.3f} ± {last['stderr']:.3f}; gain {gain:+.3f} = "
         f"{summary['gain_in_standard_errors']:.1f} standard errors"
     )
+    print("\n| version | training min | with evaluations | held-out reward ± s.e. | exact | gain |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for e in evals:
+        print(
+            f"| {e['version']} | {e.get('train_minutes', 0):.1f} | {e.get('wall_minutes', 0):.1f} "
+            f"| {e['mean_reward']:.3f} ± {e['stderr']:.3f} | {e['exact']:.0%} "
+            f"| {e.get('gain_in_standard_errors') or 0:+.1f} s.e. |"
+        )
     print(
         f"exact answers: base {base['exact']:.0%} -> version {last['version']} {last['exact']:.0%}"
     )
+    exact_30 = next((e for e in evals[1:] if e["exact"] >= 0.3), None)
+    summary["exact_30_percent"] = exact_30 and {
+        k: exact_30[k] for k in ("version", "train_minutes", "wall_minutes", "exact")
+    }
+    if exact_30 is not None:
+        print(
+            f"exact answers >= 30 % first at version {exact_30['version']}: "
+            f"{exact_30['train_minutes']:.1f} min of training "
+            f"({exact_30['wall_minutes']:.1f} min with evaluations)"
+        )
     if to_3se is None:
         print("never reached +3 standard errors over the base in this run")
     else:
@@ -286,6 +351,8 @@ def main() -> None:
             f"{to_3se['train_minutes']:.1f} min of training "
             f"({to_3se['wall_minutes']:.1f} min with evaluations)"
         )
+    (args.out / "learning.json").write_text(json.dumps(summary, indent=2))
+    plot(args.out / "learning.png", steps, evals)
     print(f"wrote {args.out / 'learning.json'} and {args.out / 'learning.png'}")
 
 

@@ -1,11 +1,17 @@
 """An arithmetic agent that knows nothing about rlproxy: plain `openai` SDK, OPENAI_BASE_URL set.
 
-The task: answer "What is A + B?" with the number alone. The environment's reward for a reply:
+The task: answer "What is A + B? Answer with just the number." with the number alone. The
+environment's reward for a reply (`reward`) makes that answer clearly best:
 
-    1.0   the reply is exactly the right number
-    0.3   the reply is a number alone, but the wrong one
-    else  0.6 if the right number appears somewhere in the reply, plus up to 0.4 for brevity
-          (0.4 * (1 - characters / 40), never below 0)
+    1.0    the reply is the right number alone (a trailing period allowed)
+    0.25   the reply is a number alone, but the wrong one
+    0.2 .. 0.4   the right number inside other text ("11 + 14 = 25"): 0.2 + 0.2 * brevity
+    0 .. 0.1     anything else: 0.1 * brevity
+
+where brevity = max(0, 1 - characters / 40). A sentence holding the right number earns at most
+0.4, so it never nears the exact answer; the brevity terms still pay shorter replies a little
+more, which is the gradient from rambling towards the bare number. A wrong number alone sits
+beside a sentence with the right one: each does half of what was asked.
 
 The agent reports each reward for the response it got, by that response's completion id, to
 `POST <server>/rl/trajectories/<completion id>/reward`: the one rlproxy endpoint an agent calls
@@ -42,11 +48,14 @@ def question_text(a: int, b: int) -> str:
 
 
 def reward(reply: str, answer: int) -> float:
+    """The environment's reward for `reply` to a question whose answer is `answer` (see above)."""
     text = reply.strip()
     if re.fullmatch(r"-?\d+\.?", text):
-        return 1.0 if int(text.rstrip(".")) == answer else 0.3
-    found = str(answer) in re.findall(r"-?\d+", text)
-    return (0.6 if found else 0.0) + 0.4 * max(0.0, 1.0 - len(text) / 40)
+        return 1.0 if int(text.rstrip(".")) == answer else 0.25
+    brevity = max(0.0, 1.0 - len(text) / 40)
+    if str(answer) in re.findall(r"-?\d+", text):
+        return 0.2 + 0.2 * brevity
+    return 0.1 * brevity
 
 
 def all_pairs() -> list[tuple[int, int]]:
@@ -64,12 +73,12 @@ def practice_pairs() -> list[tuple[int, int]]:
 
 
 async def episode(
-    client: AsyncOpenAI, model: str, a: int, b: int, report: bool
+    client: AsyncOpenAI, model: str, a: int, b: int, report: bool, max_tokens: int = 16
 ) -> tuple[str, float]:
     completion = await client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": question_text(a, b)}],
-        max_tokens=16,
+        max_tokens=max_tokens,
         temperature=1.0,
     )
     reply = completion.choices[0].message.content or ""
@@ -85,16 +94,31 @@ async def episode(
     return reply, r
 
 
-async def train(client: AsyncOpenAI, model: str, questions: int, runs: int, seed: int) -> dict:
+async def train(
+    client: AsyncOpenAI, model: str, questions: int, runs: int, seed: int, max_tokens: int = 16
+) -> dict:
     pairs = random.Random(seed).sample(practice_pairs(), questions)
-    jobs = [episode(client, model, a, b, report=True) for a, b in pairs for _ in range(runs)]
-    rewards = [r for _, r in await asyncio.gather(*jobs)]
-    return {"episodes": len(rewards), "mean_reward": statistics.fmean(rewards)}
-
-
-async def evaluate(client: AsyncOpenAI, model: str, samples: int) -> dict:
     jobs = [
-        episode(client, model, a, b, report=False) for a, b in held_out() for _ in range(samples)
+        episode(client, model, a, b, report=True, max_tokens=max_tokens)
+        for a, b in pairs
+        for _ in range(runs)
+    ]
+    rewards = [r for _, r in await asyncio.gather(*jobs)]
+    per_question = [rewards[i : i + runs] for i in range(0, len(rewards), runs)]
+    return {
+        "episodes": len(rewards),
+        "mean_reward": statistics.fmean(rewards),
+        "exact": sum(r == 1.0 for r in rewards) / len(rewards),
+        # a question whose runs all got the same reward teaches a group-relative learner nothing
+        "questions_with_varied_rewards": sum(len(set(q)) > 1 for q in per_question),
+    }
+
+
+async def evaluate(client: AsyncOpenAI, model: str, samples: int, max_tokens: int = 16) -> dict:
+    jobs = [
+        episode(client, model, a, b, report=False, max_tokens=max_tokens)
+        for a, b in held_out()
+        for _ in range(samples)
     ]
     results = await asyncio.gather(*jobs)
     rewards = [r for _, r in results]
@@ -116,9 +140,11 @@ async def main_async(args: argparse.Namespace) -> None:
         timeout=600,
     ) as client:
         if args.command == "train":
-            out = await train(client, args.model, args.questions, args.runs, args.seed)
+            out = await train(
+                client, args.model, args.questions, args.runs, args.seed, args.max_tokens
+            )
         else:
-            out = await evaluate(client, args.model, args.samples)
+            out = await evaluate(client, args.model, args.samples, args.max_tokens)
     print(json.dumps(out))
 
 
@@ -133,6 +159,8 @@ def main() -> None:
     e = sub.add_parser("eval", help="held-out questions, nothing reported")
     e.add_argument("--samples", type=int, default=2, help="attempts per held-out question")
     e.add_argument("--model", default="rlproxy")
+    for command in (t, e):
+        command.add_argument("--max-tokens", type=int, default=16, help="reply length limit")
     asyncio.run(main_async(parser.parse_args()))
 
 
