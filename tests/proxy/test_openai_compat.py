@@ -28,6 +28,17 @@ def _chunk(content: str) -> dict:
     }
 
 
+async def _read_request(reader: asyncio.StreamReader) -> None:
+    """Read one request (head and its content-length body) off the connection."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length")
+    )
+    await reader.readexactly(length)
+
+
 @asynccontextmanager
 async def _server(
     status: str, headers: str, body: bytes, piece: int = 0, delay: float = 0.0
@@ -36,13 +47,7 @@ async def _server(
     many bytes, draining after each."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next(
-            int(line.split(b":")[1])
-            for line in head.split(b"\r\n")
-            if line.lower().startswith(b"content-length")
-        )
-        await reader.readexactly(length)
+        await _read_request(reader)
         await asyncio.sleep(delay)
         writer.write(f"HTTP/1.1 {status}\r\n{headers}connection: close\r\n\r\n".encode())
         step = piece or len(body) or 1
@@ -202,13 +207,7 @@ async def _keep_alive_server(
         opened.append(1)
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length")
-                )
-                await reader.readexactly(length)
+                await _read_request(reader)
                 writer.write(
                     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                     b"transfer-encoding: chunked\r\n\r\n"
