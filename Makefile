@@ -78,7 +78,7 @@ bench-overhead: setup
 bench-ruler: setup
 	$(BIN)/python bench/bench_ruler_local.py
 
-# The proof: an unchanged agent gets better through rlproxy (5 training minutes plus evaluations).
+# The proof: an unchanged agent gets better through rlproxy (at most 15 training minutes plus evaluations).
 bench-learning: setup
 	$(BIN)/pip install -q -e ".[dev,learn]"
 	$(BIN)/python bench/learning_proof.py
