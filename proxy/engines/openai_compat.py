@@ -20,18 +20,16 @@ error event inside a stream (`data: {"error": ...}`) ends the stream with that e
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 
+from proxy.engines.http_streams import drain
 from proxy.engines.upstream import UpstreamError, status_error
 
 DONE = "[DONE]"
-_DRAIN_S = 1.0
-_DRAIN_BYTES = 64 * 1024
 
 # Connections kept open to the providers: enough for a burst of concurrent calls to reuse them
 # instead of opening new ones (httpx's default keeps 20).
@@ -103,7 +101,7 @@ class OpenAICompatClient:
                 text = "\n".join(data)
                 data = []
                 if text == DONE:
-                    await _drain(lines)
+                    await drain(lines)  # the connection goes back to the pool
                     return
                 yield self._event(text)
             if data and "\n".join(data) != DONE:  # a last event without its empty line
@@ -163,22 +161,6 @@ class OpenAICompatClient:
             "server_error",
             code="upstream_error",
         )
-
-
-async def _drain(lines: AsyncIterator[str]) -> None:
-    """Read what follows `[DONE]` (normally nothing but the end of the body), so that the
-    connection goes back to the pool: closing a response before its end closes the connection,
-    and the next call would open a new one. A server that sends more, or is slow to end the
-    body, loses its connection instead (the response is closed after at most `_DRAIN_S`)."""
-    seen = 0
-    try:
-        async with asyncio.timeout(_DRAIN_S):
-            async for line in lines:
-                seen += len(line) + 1
-                if seen > _DRAIN_BYTES:
-                    return
-    except TimeoutError:
-        return
 
 
 def _dumps(payload: dict[str, Any]) -> bytes:

@@ -94,6 +94,7 @@ from proxy.engines.base import (
     RequestInputError,
     TokenEvent,
 )
+from proxy.engines.http_streams import drain
 from proxy.engines.vllm_replicas import Replica, ReplicaPool, error_message
 
 logger = logging.getLogger(__name__)
@@ -414,17 +415,14 @@ class VLLMEngine:
                     await response.aread()
                     self._refused(replica, response)
                 choices = [_Choice() for _ in range(request.n)]
-                ended = False
-                # Read on past `[DONE]` to the end of the body: a response read to its end gives
-                # its connection back to the pool, one left unread is closed (the next request
-                # would pay a new connection before its first token).
-                async for line in response.aiter_lines():
-                    if ended or not line.startswith("data:"):
+                lines = response.aiter_lines()
+                async for line in lines:
+                    if not line.startswith("data:"):
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
-                        ended = True
-                        continue
+                        await drain(lines)  # read to the end: the connection is pooled again
+                        break
                     for event in self._events(json.loads(data), choices, request):
                         if isinstance(event, TokenEvent):
                             replica.outstanding -= 1
