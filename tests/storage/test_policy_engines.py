@@ -11,13 +11,9 @@ import pytest
 
 from storage import Store
 from storage.grouping import SignatureGrouper
-from storage.records import POLICY_ENGINES, JudgeOutcome, ScoreRecord
+from storage.records import JudgeOutcome, ScoreRecord
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
-
-
-def test_both_token_level_engines_serve_the_policy() -> None:
-    assert set(POLICY_ENGINES) == {"local", "vllm"}
 
 
 async def test_rewards_of_calls_served_by_vllm_count_for_their_version(
