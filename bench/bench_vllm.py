@@ -10,17 +10,27 @@ with `--vllm-url` (a real vLLM on a GPU machine) only rlproxy is started, pointe
 Same prompts both ways: each prompt is sent through rlproxy once first (warm-up), and the
 prompt token ids rlproxy stored for it are what the direct client sends as `/v1/completions`
 `prompt`, so both paths ask the server for the same work. Every request is streamed at
-temperature 0 with the same budget. Per concurrency level (1 and 16 clients by default), rounds
-alternate direct and rlproxy; printed per path: completion tokens/s (all tokens / wall time),
-time to the first token p50/p95 (direct: the first chunk carrying token ids; rlproxy: the first
-chunk carrying content, not the role chunk it sends before generating), and the ratio and added
-TTFT. Targets: rlproxy >= 0.97 of direct's tokens/s and <= 5 ms added TTFT p50; the last lines
+temperature 0; each prompt has its own token budget on both paths (`--max-tokens` for the
+first, down to about half of it: see `budgets`). Per concurrency level (1 and 16 clients by
+default), rounds alternate direct and rlproxy; printed per path: completion tokens/s (all tokens
+/ wall time), time to the first token p50/p95 (direct: the first chunk carrying token ids;
+rlproxy: the first chunk carrying content, not the role chunk it sends before generating), and
+the ratio and added TTFT. With the stand-in, TTFT is also split in three (means): send to the
+stand-in's arrival, the stand-in's own queue and prefill, and its first token to the client; the
+first and last are where rlproxy adds time, the middle is where in the stand-in's batch a
+request landed.
+Targets: rlproxy >= 0.97 of direct's tokens/s and <= 5 ms added TTFT p50; the last lines
 say which hold. This is a benchmark, not a test: it prints figures and asserts nothing.
 
+The stand-in generates on the CPU, a GPU server does not. So that the stand-in's speed does not
+depend on what else the machine runs, it gets a CPU core of its own (Linux affinity, inherited
+from this process when it starts): core 0 for the stand-in, the other cores for rlproxy and this
+client, as a vLLM server keeps its generation on its GPU. Measured on a 2-core machine without
+that split (`--no-pin`), the stand-in spent 5-9 % more CPU per token whenever rlproxy ran beside
+it (its thread shared a core with rlproxy's and the client's wake-ups on every token), and that,
+not rlproxy's own work, was the whole throughput gap at one client. `--no-pin` shows it.
 CPU time is printed beside the wall-clock figures (from /proc, Linux): rlproxy's own CPU
 milliseconds per request, and the stand-in's CPU milliseconds per generated token on each path.
-On a small shared machine rlproxy's CPU work competes with the stand-in's generation, which a
-GPU server would not feel; the CPU figures separate rlproxy's cost from that competition.
 `--profile out.txt` records rlproxy with py-spy (collapsed stacks; `.svg`: a flame graph) during
 the rlproxy rounds of the first concurrency level (py-spy's sampling inflates rlproxy's CPU
 figure of that level several times over: read the CPU figures from a run without it).
@@ -69,8 +79,13 @@ class Run:
     wall_s: float = 0.0
     ttft_s: list[float] = field(default_factory=list)
     errors: int = 0
+    sent_at: list[float] = field(default_factory=list)
+    """Wall-clock (time.time) send and first-token moments, for `timeline`."""
+    first_at: list[float] = field(default_factory=list)
 
     def add(self, other: Run) -> None:
+        self.sent_at += other.sent_at
+        self.first_at += other.first_at
         self.tokens += other.tokens
         self.wall_s += other.wall_s
         self.ttft_s += other.ttft_s
@@ -88,7 +103,17 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
 
 
-async def via_rlproxy(url: str, max_tokens: int, client: httpx.AsyncClient, prompt: str) -> Run:
+def budgets(max_tokens: int) -> list[int]:
+    """Each prompt's token budget: `max_tokens` for the first, down to about half of it for the
+    last. Equal budgets at temperature 0 make every request of a level end in the same step, so
+    all clients send their next request at once and TTFT measures where in that wave a request
+    landed in the server's queue; unequal ones spread the arrivals, as agents' calls are."""
+    step = max_tokens / (2 * len(PROMPTS))
+    return [max(1, max_tokens - round(i * step)) for i in range(len(PROMPTS))]
+
+
+async def via_rlproxy(url: str, client: httpx.AsyncClient, job: tuple[str, int]) -> Run:
+    prompt, max_tokens = job
     body = {
         "model": "rlproxy",
         "messages": [{"role": "user", "content": prompt}],
@@ -97,7 +122,7 @@ async def via_rlproxy(url: str, max_tokens: int, client: httpx.AsyncClient, prom
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    run, start = Run(), time.perf_counter()
+    run, start = Run(sent_at=[time.time()]), time.perf_counter()
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
         async for line in r.aiter_lines():
             data = line.removeprefix("data: ").strip()
@@ -109,14 +134,16 @@ async def via_rlproxy(url: str, max_tokens: int, client: httpx.AsyncClient, prom
             for choice in chunk.get("choices") or []:
                 if choice.get("delta", {}).get("content") and not run.ttft_s:
                     run.ttft_s.append(time.perf_counter() - start)
+                    run.first_at.append(time.time())
             if chunk.get("usage"):
                 run.tokens = int(chunk["usage"]["completion_tokens"])
     return run
 
 
 async def direct(
-    url: str, model: str, max_tokens: int, client: httpx.AsyncClient, ids: list[int]
+    url: str, model: str, client: httpx.AsyncClient, job: tuple[list[int], int]
 ) -> Run:
+    ids, max_tokens = job
     body = {
         "model": model,
         "prompt": ids,
@@ -127,7 +154,7 @@ async def direct(
         "return_token_ids": True,
         "return_tokens_as_token_ids": True,
     }
-    run, start = Run(), time.perf_counter()
+    run, start = Run(sent_at=[time.time()]), time.perf_counter()
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         async for line in r.aiter_lines():
             data = line.removeprefix("data: ").strip()
@@ -140,6 +167,7 @@ async def direct(
                 got = len(choice.get("token_ids") or [])
                 if got and not run.ttft_s:
                     run.ttft_s.append(time.perf_counter() - start)
+                    run.first_at.append(time.time())
                 run.tokens += got
     return run
 
@@ -163,11 +191,28 @@ async def level(clients: int, requests: int, call: Call, jobs: list[Any], timeou
                 total.tokens += one.tokens
                 total.ttft_s += one.ttft_s
                 total.errors += one.errors
+                total.sent_at += one.sent_at
+                total.first_at += one.first_at
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(clients)))
         total.wall_s = time.perf_counter() - start
     return total
+
+
+def timeline(run: Run, records: list[dict[str, Any]]) -> tuple[float, float, float] | None:
+    """Mean ms from the client's send to the stand-in's arrival, from arrival to the stand-in's
+    first token, and from there to the client's first token, over one path's requests. The
+    stand-in records its side of each request (`received_at`, `first_token_at`); means of
+    differences are differences of means, so no request has to be matched to its record."""
+    got = [r for r in records if r.get("first_token_at") is not None]
+    if not got or len(got) != len(run.sent_at) or len(run.first_at) != len(got):
+        return None
+    arrived = sum(r["received_at"] for r in got) / len(got)
+    first = sum(r["first_token_at"] for r in got) / len(got)
+    sent = sum(run.sent_at) / len(got)
+    client_first = sum(run.first_at) / len(got)
+    return (arrived - sent) * 1000, (first - arrived) * 1000, (client_first - first) * 1000
 
 
 def cpu_s(pid: int | None) -> float:
@@ -208,7 +253,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model-dir", type=Path, default=REPO / "rlproxy-data")
     p.add_argument("--timeout-s", type=float, default=600)
     p.add_argument("--profile", type=Path, default=None, help="py-spy output (see above)")
+    p.add_argument(
+        "--no-pin", action="store_true", help="no core of its own for the stand-in (see above)"
+    )
     return p.parse_args()
+
+
+def split_cores(pin: bool) -> tuple[set[int], set[int]] | None:
+    """(the stand-in's core, everyone else's) when pinning is asked for and possible."""
+    if not pin or not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None
+    return {cores[0]}, set(cores[1:])
 
 
 def main() -> int:
@@ -218,9 +276,14 @@ def main() -> int:
 
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         data_dir = Path(tmp)
-        vllm_url, fake_pid = args.vllm_url, None
+        vllm_url, fake_pid, fake = args.vllm_url, None, None
+        split = split_cores(not args.no_pin and vllm_url is None)
         if vllm_url is None:
+            if split is not None:  # children inherit the affinity they are started with
+                os.sched_setaffinity(0, split[0])
             (fake,) = start_replicas(data_dir / "replicas", args.model_dir, 1)
+            if split is not None:
+                os.sched_setaffinity(0, split[1])
             stack.callback(fake.stop)
             fake.wait()
             vllm_url = fake.url
@@ -237,49 +300,68 @@ def main() -> int:
         model = httpx.get(f"{vllm_url}/v1/models", timeout=30).json()["data"][0]["id"]
 
         # Warm-up through rlproxy: every prompt once; its stored ids feed the direct path.
+        budget = budgets(args.max_tokens)
+        prompt_jobs = list(zip(PROMPTS, budget, strict=True))
         asyncio.run(
             level(
                 4,
                 len(PROMPTS),
-                partial(via_rlproxy, url, args.max_tokens),
-                list(PROMPTS),
+                partial(via_rlproxy, url),
+                prompt_jobs,
                 args.timeout_s,
             )
         )
         ids = stored_prompts(data_dir / "rlproxy.db")
-        jobs = [ids[p] for p in PROMPTS]
-        print(f"server: {vllm_url} ({model}); {args.max_tokens} tokens per request, temperature 0")
+        id_jobs = [(ids[p], b) for p, b in zip(PROMPTS, budget, strict=True)]
+        print(
+            f"server: {vllm_url} ({model}); {min(budget)}-{max(budget)} tokens per request "
+            "(by prompt), temperature 0"
+        )
+        if split is not None:
+            mine, theirs = sorted(split[0]), sorted(split[1])
+            print(f"stand-in on core(s) {mine}; rlproxy and this client on {theirs}")
+        elif fake_pid is not None:
+            print("stand-in not pinned: it shares every core with rlproxy and this client")
         verdicts = []
         for level_no, clients in enumerate(args.concurrency):
             d_all, r_all = Run(), Run()
+            d_records: list[dict[str, Any]] = []
+            r_records: list[dict[str, Any]] = []
             cpu = {"rlproxy": 0.0, "fake direct": 0.0, "fake rlproxy": 0.0}
             spy = None
             if args.profile is not None and level_no == 0:
                 spy = profile(args.profile, proc.pid)
             for _ in range(args.rounds):
+                seen = len(fake.completions()) if fake_pid else 0
                 fake0 = cpu_s(fake_pid)
                 d = asyncio.run(
                     level(
                         clients,
                         args.requests,
-                        partial(direct, vllm_url, model, args.max_tokens),
-                        list(jobs),
+                        partial(direct, vllm_url, model),
+                        id_jobs,
                         args.timeout_s,
                     )
                 )
                 fake1, rl1 = cpu_s(fake_pid), cpu_s(proc.pid)
+                if fake_pid:
+                    done = fake.completions()
+                    d_records += done[seen:]
+                    seen = len(done)
                 r = asyncio.run(
                     level(
                         clients,
                         args.requests,
-                        partial(via_rlproxy, url, args.max_tokens),
-                        list(PROMPTS),
+                        partial(via_rlproxy, url),
+                        prompt_jobs,
                         args.timeout_s,
                     )
                 )
                 cpu["fake direct"] += fake1 - fake0
                 cpu["fake rlproxy"] += cpu_s(fake_pid) - fake1
                 cpu["rlproxy"] += cpu_s(proc.pid) - rl1
+                if fake_pid:
+                    r_records += fake.completions()[seen:]
                 d_all.add(d)
                 r_all.add(r)
             if spy is not None:
@@ -300,6 +382,15 @@ def main() -> int:
                 f"  rlproxy/direct tokens/s {ratio:.3f}; added TTFT p50 {added50:+.1f} ms, "
                 f"p95 {added95:+.1f} ms"
             )
+            times = [timeline(d_all, d_records), timeline(r_all, r_records)]
+            if times[0] is not None and times[1] is not None:
+                (df, dq, dr), (rf, rq, rr) = times
+                print(
+                    f"  TTFT's parts (means, ms): send -> stand-in {df:.1f} direct,"
+                    f" {rf:.1f} via rlproxy; in the stand-in (queue, prefill, first token) {dq:.1f}"
+                    f" / {rq:.1f}; stand-in -> client {dr:.1f} / {rr:.1f}: rlproxy's own part "
+                    f"{(rf - df) + (rr - dr):+.1f} ms, the stand-in's {rq - dq:+.1f} ms"
+                )
             n_requests = args.rounds * args.requests
             per_token = [
                 cpu[f"fake {k}"] * 1000 / run.tokens if run.tokens else float("nan")

@@ -103,8 +103,22 @@ async def require_writable_store(runtime: RuntimeDep) -> None:
         raise StorageUnavailableError(health.describe())
 
 
+async def _generating(runtime: RuntimeDep) -> Runtime:
+    """The runtime of a route that generates, after `require_writable_store`'s check.
+
+    One dependency for the chat-completions route, which runs on every call: FastAPI resolves
+    each dependency per request (its cache key, its signature's parameters), and resolving the
+    six separate ones this route had took a sixth of its CPU in a profile."""
+    await require_writable_store(runtime)
+    if runtime.served is None:
+        raise RuntimeError("the runtime was opened without serving")
+    return runtime
+
+
 SettingsDep = Annotated[Settings, Depends(_settings)]
 StoreDep = Annotated[Store, Depends(_store)]
+Generating = Annotated[Runtime, Depends(_generating)]
+"""The runtime, for a route that generates: 503 first if the store takes no writes."""
 Chat = Annotated[ChatService, Depends(_chat)]
 Upstream = Annotated[UpstreamChat | None, Depends(_upstream)]
 Registry = Annotated[ServedModels, Depends(_registry)]

@@ -1,9 +1,10 @@
-"""Ending a streamed HTTP response so that its connection can be used again.
+"""Reading a streamed HTTP body line by line, and ending it so its connection can be reused.
 
-httpx gives a connection back to its pool only when the response was read to its end; closing
-one before (say, right after an SSE stream's `data: [DONE]`) closes the connection, and the next
-request pays a new one before its first byte. Both engines that read SSE streams from another
-server (`proxy.engines.openai_compat`, `proxy.engines.vllm`) read on past `[DONE]` with this.
+httpx and aiohttp give a connection back to their pool only when the response was read to its
+end; closing one before (say, right after an SSE stream's `data: [DONE]`) closes the connection,
+and the next request pays a new one before its first byte. Both engines that read SSE streams
+from another server (`proxy.engines.openai_compat`, `proxy.engines.vllm`) read on past `[DONE]`
+with `drain`. `lines_of` splits raw body pieces into lines as SSE defines them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,23 @@ from collections.abc import AsyncIterator
 
 DRAIN_S = 1.0
 DRAIN_BYTES = 64 * 1024
+
+
+async def lines_of(pieces: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The lines of a body that arrives in `pieces` of any size, without their ends (CRLF, LF
+    or a lone CR: https://html.spec.whatwg.org/multipage/server-sent-events.html), as UTF-8
+    text; a last line without an end is a line too. No length limit per line (an event may be
+    one large JSON object)."""
+    rest = b""
+    async for piece in pieces:
+        rest += piece
+        parts = rest.splitlines(keepends=True)  # bytes split on CR, LF and CRLF only
+        # A last part that ends in LF is whole; in a lone CR it may be the first half of CRLF.
+        rest = parts.pop() if parts and not parts[-1].endswith(b"\n") else b""
+        for part in parts:
+            yield part.rstrip(b"\r\n").decode("utf-8", "replace")
+    if rest:
+        yield rest.rstrip(b"\r\n").decode("utf-8", "replace")
 
 
 async def drain(lines: AsyncIterator[str]) -> None:

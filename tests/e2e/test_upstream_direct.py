@@ -127,7 +127,7 @@ def test_streamed_chunks_are_passed_through_and_stored(
 
 def test_direct_and_litellm_paths_answer_alike(client: OpenAI, fake: FakeOpenAI) -> None:
     client.chat.completions.create(model="direct", messages=_ask("which client"))
-    assert fake.seen[-1].headers["user-agent"].startswith("python-httpx/")  # not litellm's SDK
+    assert fake.seen[-1].headers["user-agent"] == "rlproxy"  # the direct path, not litellm's SDK
     client.chat.completions.create(model="via-litellm", messages=_ask("which client"))
     assert fake.seen[-1].headers["user-agent"].startswith("AsyncOpenAI/")
     tools: Any = [

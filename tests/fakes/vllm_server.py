@@ -355,6 +355,8 @@ class _Answer:
         self.prompt = prompt
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.received_at = time.time()
+        self.first_token_at: float | None = None
         self.ids: dict[int, list[int]] = {i: [] for i in range(req.n)}
         self.lps: dict[int, list[float]] = {i: [] for i in range(req.n)}
         self.text: dict[int, str] = {i: "" for i in range(req.n)}
@@ -373,6 +375,8 @@ class _Answer:
 
         i = event.index
         if isinstance(event, TokenEvent):
+            if self.first_token_at is None:
+                self.first_token_at = time.time()
             self.ids[i].append(event.token_id)
             self.lps[i].append(event.logprob)
             self.text[i] += event.text
@@ -507,6 +511,8 @@ class _Answer:
             "id": self.id,
             "model": self.model,
             "prompt_token_ids": self.prompt,
+            "received_at": self.received_at,
+            "first_token_at": self.first_token_at,
             "choices": [
                 {"token_ids": self.ids[i], "token_logprobs": self.lps[i]} for i in range(self.req.n)
             ],

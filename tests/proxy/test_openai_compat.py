@@ -248,3 +248,24 @@ async def test_a_body_that_does_not_end_after_done_still_ends_the_stream() -> No
         events = await _collect(url, client)  # not the read timeout's 504
     await client.aclose()
     assert [e["choices"][0]["delta"]["content"] for e in events] == ["hi"]
+
+
+async def test_lone_cr_line_ends_and_crlf_split_across_pieces() -> None:
+    # SSE allows CR alone as a line end; a CRLF may arrive as CR in one piece, LF in the next.
+    one, two = json.dumps(_chunk("a")), json.dumps(_chunk("b"))
+    body = f"data: {one}\r\rdata: {two}\r\n\r\ndata: [DONE]\r\r".encode()
+    client = _client()
+    async with _server("200 OK", "content-type: text/event-stream\r\n", body, piece=1) as url:
+        events = await _collect(url, client)
+    await client.aclose()
+    assert [e["choices"][0]["delta"]["content"] for e in events] == ["a", "b"]
+
+
+async def test_an_event_larger_than_a_read_buffer_is_one_event() -> None:
+    big = "x" * 300_000  # one line well past any client's default line limit
+    body = f"data: {json.dumps(_chunk(big))}\n\ndata: [DONE]\n\n".encode()
+    client = _client()
+    async with _server("200 OK", "content-type: text/event-stream\r\n", body, piece=65536) as url:
+        events = await _collect(url, client)
+    await client.aclose()
+    assert [e["choices"][0]["delta"]["content"] for e in events] == [big]

@@ -12,12 +12,12 @@ import contextlib
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from proxy.api.auth import Caller, PermissionDeniedError, Principal
 from proxy.api.body import TextJSONRoute
-from proxy.api.deps import Adapters, Chat, StoreDep, Upstream, request_id, require_writable_store
+from proxy.api.deps import Generating, request_id
 from proxy.api.http_metrics import label_model
 from proxy.api.protocol import ChatCompletionRequest
 from proxy.chat.record import CallInfo
@@ -29,16 +29,13 @@ router = APIRouter(route_class=TextJSONRoute)
 T = TypeVar("T")
 
 
-@router.post("/v1/chat/completions", dependencies=[Depends(require_writable_store)])
+@router.post("/v1/chat/completions")
 async def create_chat_completion(
-    body: ChatCompletionRequest,
-    request: Request,
-    chat: Chat,
-    upstream: Upstream,
-    adapters: Adapters,
-    caller: Caller,
-    store: StoreDep,
+    body: ChatCompletionRequest, request: Request, runtime: Generating, caller: Caller
 ):
+    served = runtime.served
+    assert served is not None  # `Generating` refuses a runtime without serving
+    chat, upstream, adapters, store = served.chat, served.upstream, served.adapters, runtime.store
     label_model(request.scope, body.model)
     call = CallInfo(
         body,
