@@ -7,7 +7,7 @@
 Each served name maps to a target (`provider/model`, an optional `api_base`, and the name of the
 server's environment variable holding the provider key: the key never comes from the request).
 An `openai/` target (OpenAI itself or any OpenAI-compatible server) is called directly
-(`proxy.engines.openai_compat`: one pooled httpx client, the request body as OpenAI's, chunks
+(`proxy.engines.openai_compat`: one pooled aiohttp session, the request body as OpenAI's, chunks
 as the server sends them); every other provider, or a target with `via: litellm`, goes through
 litellm, which exists to translate those protocols. Both paths hand back plain OpenAI dicts.
 
