@@ -41,7 +41,8 @@ Where it differs from vLLM, knowingly: the local engine stops on its own stop id
 local engine's, taken before a grammar's mask (vLLM's `raw_logprobs` are taken after it); one
 prompt per request. With `--record PATH` every finished completion is appended to PATH as a JSON
 line (`id`, `model`, `prompt_token_ids`, per choice `token_ids` and `token_logprobs`), so tests can
-compare what rlproxy stored with what this replica generated.
+compare what rlproxy stored with what this replica generated; `received_at` and `first_token_at`
+(Unix seconds) let `bench/bench_vllm.py` split a request's time to first token.
 """
 
 from __future__ import annotations
