@@ -187,12 +187,7 @@ async def level(clients: int, requests: int, call: Call, jobs: list[Any], timeou
         async def worker() -> None:
             while not queue.empty():
                 job = queue.get_nowait()
-                one = await call(client, job)
-                total.tokens += one.tokens
-                total.ttft_s += one.ttft_s
-                total.errors += one.errors
-                total.sent_at += one.sent_at
-                total.first_at += one.first_at
+                total.add(await call(client, job))  # wall_s is set below, for the level
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(clients)))

@@ -55,9 +55,7 @@ class OpenAICompatClient:
         Connections kept open: enough for a burst of concurrent calls to reuse them."""
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(limit=1000, limit_per_host=0, keepalive_timeout=30)
-            self._session = aiohttp.ClientSession(
-                connector=connector, timeout=self._timeout, auto_decompress=True
-            )
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
         return self._session
 
     async def aclose(self) -> None:
