@@ -23,7 +23,8 @@ in flight during an evaluation. After each evaluation the gain over the base is 
 standard errors; the first version at +3 standard errors or more gives the minutes to +3 s.e.
 (training wall time since the first practice round with the time spent evaluating left out, and
 with it). Exact answers (the reply is the right number alone) are reported beside the reward at
-every evaluation. Every setting used is printed first. Writes `<out>/learning.json` and
+every evaluation, sampled at temperature 1 as in practice (what `--stop-at-exact` reads) and
+greedy (temperature 0, one answer per question: the policy's most likely answer). Every setting used is printed first. Writes `<out>/learning.json` and
 `<out>/learning.png` (training reward per step and held-out reward with standard errors) and
 prints the summary.
 
@@ -96,19 +97,25 @@ def evaluate(eval_url: str, version: int | None, args: argparse.Namespace) -> di
         r.raise_for_status()
         model = f"rlproxy@{version}"
 
-    async def run() -> dict[str, Any]:
+    async def run() -> tuple[dict[str, Any], dict[str, Any]]:
         async with AsyncOpenAI(
             base_url=f"{eval_url}/v1", api_key="sk-agent", timeout=600
         ) as client:
-            return await arithmetic_agent.evaluate(
+            sampled = await arithmetic_agent.evaluate(
                 client, model, args.eval_samples, args.max_tokens
             )
+            greedy = await arithmetic_agent.evaluate(
+                client, model, 1, args.max_tokens, temperature=0.0
+            )
+            return sampled, greedy
 
-    result = asyncio.run(run())
+    result, greedy = asyncio.run(run())
     result["version"] = version or 0
+    result["greedy"] = {k: greedy[k] for k in ("mean_reward", "stderr", "exact", "episodes")}
     print(
         f"  held-out {model}: {result['mean_reward']:.3f} ± {result['stderr']:.3f} "
-        f"(exact answers {result['exact']:.0%}, n={result['episodes']})",
+        f"(exact answers {result['exact']:.0%}, n={result['episodes']}); greedy: "
+        f"{greedy['mean_reward']:.3f}, exact {greedy['exact']:.0%} (n={greedy['episodes']})",
         flush=True,
     )
     return result
@@ -310,8 +317,10 @@ def main() -> None:
     summary = {
         "steps": version,
         "wall_s": wall,
-        "base": {k: base[k] for k in ("mean_reward", "stderr", "exact", "episodes")},
-        "trained": {k: last[k] for k in ("version", "mean_reward", "stderr", "exact", "episodes")},
+        "base": {k: base[k] for k in ("mean_reward", "stderr", "exact", "episodes", "greedy")},
+        "trained": {
+            k: last[k] for k in ("version", "mean_reward", "stderr", "exact", "episodes", "greedy")
+        },
         "gain": gain,
         "gain_in_standard_errors": gain / se if se else None,
         "minutes_to_3_standard_errors": to_3se,
@@ -327,16 +336,21 @@ def main() -> None:
         f"{last['mean_reward']:.3f} ± {last['stderr']:.3f}; gain {gain:+.3f} = "
         f"{summary['gain_in_standard_errors']:.1f} standard errors"
     )
-    print("\n| version | training min | with evaluations | held-out reward ± s.e. | exact | gain |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(
+        "\n| version | training min | with evaluations | held-out reward ± s.e. | exact "
+        "| greedy exact | gain |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for e in evals:
         print(
             f"| {e['version']} | {e.get('train_minutes', 0):.1f} | {e.get('wall_minutes', 0):.1f} "
             f"| {e['mean_reward']:.3f} ± {e['stderr']:.3f} | {e['exact']:.0%} "
-            f"| {e.get('gain_in_standard_errors') or 0:+.1f} s.e. |"
+            f"| {e['greedy']['exact']:.0%} | {e.get('gain_in_standard_errors') or 0:+.1f} s.e. |"
         )
     print(
-        f"exact answers: base {base['exact']:.0%} -> version {last['version']} {last['exact']:.0%}"
+        f"exact answers: base {base['exact']:.0%} -> version {last['version']} {last['exact']:.0%} "
+        f"sampled at temperature 1; greedy {base['greedy']['exact']:.0%} -> "
+        f"{last['greedy']['exact']:.0%}"
     )
     exact_30 = next((e for e in evals[1:] if e["exact"] >= 0.3), None)
     summary["exact_30_percent"] = exact_30 and {

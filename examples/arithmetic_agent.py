@@ -4,14 +4,18 @@ The task: answer "What is A + B? Answer with just the number." with the number a
 environment's reward for a reply (`reward`) makes that answer clearly best:
 
     1.0    the reply is the right number alone (a trailing period allowed)
-    0.25   the reply is a number alone, but the wrong one
+    0 .. 0.25    a number alone, but the wrong one: 0.25 * max(0, 1 - |error| / 10)
     0.2 .. 0.4   the right number inside other text ("11 + 14 = 25"): 0.2 + 0.2 * brevity
     0 .. 0.1     anything else: 0.1 * brevity
 
 where brevity = max(0, 1 - characters / 40). A sentence holding the right number earns at most
 0.4, so it never nears the exact answer; the brevity terms still pay shorter replies a little
-more, which is the gradient from rambling towards the bare number. A wrong number alone sits
-beside a sentence with the right one: each does half of what was asked.
+more, which is the gradient from rambling towards the bare number. A wrong number alone earns
+less than a sentence with the right one, and less the further it is off: a flat reward for any
+bare number let a policy answer every question with the same few numbers ("15", "16", "19")
+and learn nothing about sums outside them (seen in `bench/learning_proof.py` runs: right on
+26 of 32 held-out sums from 11 to 20, 1 of 50 above 20); with the error in the reward, a group
+whose answers are all wrong still says which of them was nearer.
 
 The agent reports each reward for the response it got, by that response's completion id, to
 `POST <server>/rl/trajectories/<completion id>/reward`: the one rlproxy endpoint an agent calls
@@ -51,7 +55,8 @@ def reward(reply: str, answer: int) -> float:
     """The environment's reward for `reply` to a question whose answer is `answer` (see above)."""
     text = reply.strip()
     if re.fullmatch(r"-?\d+\.?", text):
-        return 1.0 if int(text.rstrip(".")) == answer else 0.25
+        error = abs(int(text.rstrip(".")) - answer)
+        return 1.0 if error == 0 else 0.25 * max(0.0, 1.0 - error / 10)
     brevity = max(0.0, 1.0 - len(text) / 40)
     if str(answer) in re.findall(r"-?\d+", text):
         return 0.2 + 0.2 * brevity
@@ -73,13 +78,19 @@ def practice_pairs() -> list[tuple[int, int]]:
 
 
 async def episode(
-    client: AsyncOpenAI, model: str, a: int, b: int, report: bool, max_tokens: int = 16
+    client: AsyncOpenAI,
+    model: str,
+    a: int,
+    b: int,
+    report: bool,
+    max_tokens: int = 16,
+    temperature: float = 1.0,
 ) -> tuple[str, float]:
     completion = await client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": question_text(a, b)}],
         max_tokens=max_tokens,
-        temperature=1.0,
+        temperature=temperature,
     )
     reply = completion.choices[0].message.content or ""
     r = reward(reply, a + b)
@@ -114,9 +125,13 @@ async def train(
     }
 
 
-async def evaluate(client: AsyncOpenAI, model: str, samples: int, max_tokens: int = 16) -> dict:
+async def evaluate(
+    client: AsyncOpenAI, model: str, samples: int, max_tokens: int = 16, temperature: float = 1.0
+) -> dict:
+    """Held-out questions, `samples` attempts each at `temperature` (0: the greedy answer, and
+    then one attempt is enough), nothing reported."""
     jobs = [
-        episode(client, model, a, b, report=False, max_tokens=max_tokens)
+        episode(client, model, a, b, report=False, max_tokens=max_tokens, temperature=temperature)
         for a, b in held_out()
         for _ in range(samples)
     ]
@@ -144,7 +159,9 @@ async def main_async(args: argparse.Namespace) -> None:
                 client, args.model, args.questions, args.runs, args.seed, args.max_tokens
             )
         else:
-            out = await evaluate(client, args.model, args.samples, args.max_tokens)
+            out = await evaluate(
+                client, args.model, args.samples, args.max_tokens, args.temperature
+            )
     print(json.dumps(out))
 
 
@@ -159,6 +176,7 @@ def main() -> None:
     e = sub.add_parser("eval", help="held-out questions, nothing reported")
     e.add_argument("--samples", type=int, default=2, help="attempts per held-out question")
     e.add_argument("--model", default="rlproxy")
+    e.add_argument("--temperature", type=float, default=1.0, help="0: greedy answers")
     for command in (t, e):
         command.add_argument("--max-tokens", type=int, default=16, help="reply length limit")
     asyncio.run(main_async(parser.parse_args()))

@@ -4,13 +4,16 @@ httpx and aiohttp give a connection back to their pool only when the response wa
 end; closing one before (say, right after an SSE stream's `data: [DONE]`) closes the connection,
 and the next request pays a new one before its first byte. Both engines that read SSE streams
 from another server (`proxy.engines.openai_compat`, `proxy.engines.vllm`) read on past `[DONE]`
-with `drain`. `lines_of` splits raw body pieces into lines as SSE defines them.
+with `drain`. `lines_of` splits raw body pieces into lines as SSE defines them; `json_bytes` is
+the request body both send.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 DRAIN_S = 1.0
 DRAIN_BYTES = 64 * 1024
@@ -46,3 +49,8 @@ async def drain(lines: AsyncIterator[str]) -> None:
                     return
     except TimeoutError:
         return
+
+
+def json_bytes(payload: Any) -> bytes:
+    """A request body: compact JSON, UTF-8 (non-ASCII text as itself, not as escapes)."""
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()

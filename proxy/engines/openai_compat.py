@@ -32,7 +32,7 @@ from typing import Any
 
 import aiohttp
 
-from proxy.engines.http_streams import drain, lines_of
+from proxy.engines.http_streams import drain, json_bytes, lines_of
 from proxy.engines.upstream import UpstreamError, status_error
 
 DONE = "[DONE]"
@@ -66,7 +66,7 @@ class OpenAICompatClient:
         """POST `payload`; the JSON body of a 2xx answer, else the provider's error raised."""
         try:
             async with self._http().post(
-                url, data=_dumps(payload), headers=_headers(key)
+                url, data=json_bytes(payload), headers=_headers(key)
             ) as response:
                 status, content = response.status, await response.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -90,7 +90,7 @@ class OpenAICompatClient:
         refusal is raised here, before any chunk)."""
         try:
             response = await self._http().post(
-                url, data=_dumps(payload), headers=_headers(key, sse=True)
+                url, data=json_bytes(payload), headers=_headers(key, sse=True)
             )
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._transport_error(exc) from exc
@@ -180,10 +180,6 @@ class OpenAICompatClient:
             "server_error",
             code="upstream_error",
         )
-
-
-def _dumps(payload: dict[str, Any]) -> bytes:
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def _headers(key: str | None, *, sse: bool = False) -> dict[str, str]:

@@ -82,7 +82,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
 from proxy.engines.base import (
     ChoiceFinished,
@@ -94,8 +94,8 @@ from proxy.engines.base import (
     RequestInputError,
     TokenEvent,
 )
-from proxy.engines.http_streams import drain
-from proxy.engines.vllm_replicas import Replica, ReplicaPool, error_message
+from proxy.engines.http_streams import drain, json_bytes, lines_of
+from proxy.engines.vllm_replicas import TRANSPORT_ERRORS, Replica, ReplicaPool, error_message
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,6 @@ class VLLMEngine:
         timeout_s: float = 600.0,
         health_interval_s: float = 2.0,
         stop_ids: list[int] | None = None,
-        client: httpx.AsyncClient | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.policy = policy
@@ -169,11 +168,11 @@ class VLLMEngine:
         self.health_interval_s = health_interval_s
         self.max_context = int(min(getattr(tokenizer, "model_max_length", 2048) or 2048, 10**7))
         self.stop_ids = stop_ids if stop_ids is not None else stop_token_ids(tokenizer)
-        self.client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
-        )
-        self.pool = ReplicaPool(urls, self.client, on_rejoin=self._rejoin)
+        # `timeout_s` for each read (a first token may wait in vLLM's queue), 5 s to connect, no
+        # bound on a whole answer.
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self.pool = ReplicaPool(urls, self._http, on_rejoin=self._rejoin)
         self._adapters: dict[str, str] = {}  # rlproxy name -> path, loaded on every healthy one
         self._retiring: set[str] = set()  # unload asked: no new request may start on it
         self._retired: set[str] = set()  # vLLM names this engine unloaded (cleaned on rejoin)
@@ -186,6 +185,16 @@ class VLLMEngine:
         self._queued = 0  # rows sent (or about to be) whose first token has not come yet
 
     # ----------------------------------------------------------------- lifecycle
+
+    def _http(self) -> aiohttp.ClientSession:
+        """The pooled session to every replica, made on first use (it belongs to the running
+        event loop). aiohttp rather than httpx for the same reason as the direct `openai/` path
+        (`proxy.engines.openai_compat`: a third of httpx's CPU per call), which here is time
+        added before every first token."""
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=1024, limit_per_host=0, keepalive_timeout=30)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+        return self._session
 
     async def start(self) -> None:
         await self.pool.check_all()
@@ -204,7 +213,8 @@ class VLLMEngine:
             self._watch.cancel()
             await asyncio.gather(self._watch, return_exceptions=True)
             self._watch = None
-        await self.client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     async def _learn_model(self, replica: Replica) -> None:
         """The served base model's name and context length, from `GET /v1/models`."""
@@ -276,7 +286,7 @@ class VLLMEngine:
             )
             refused = []
             for replica, result in zip(replicas, results, strict=True):
-                if isinstance(result, httpx.HTTPError):  # gone: it reloads everything on rejoin
+                if isinstance(result, TRANSPORT_ERRORS):  # gone: it reloads everything on rejoin
                     self.pool.mark_down(replica, f"loading {lora} failed: {result!r}")
                 elif isinstance(result, BaseException):
                     refused.append(result)
@@ -408,20 +418,22 @@ class VLLMEngine:
         replica.served += 1
         self.requests += 1
         try:
-            async with self.client.stream(
-                "POST", f"{replica.url}/v1/completions", json=body
+            async with self._http().post(
+                f"{replica.url}/v1/completions",
+                data=json_bytes(body),
+                headers={"content-type": "application/json", "accept": "text/event-stream"},
             ) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    self._refused(replica, response)
+                if response.status != 200:
+                    self._refused(replica, response.status, await response.read())
                 choices = [_Choice() for _ in range(request.n)]
-                lines = response.aiter_lines()
+                # Read to its end (past `[DONE]`): only then is the connection pooled again.
+                lines = lines_of(response.content.iter_any())
                 async for line in lines:
                     if not line.startswith("data:"):
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
-                        await drain(lines)  # read to the end: the connection is pooled again
+                        await drain(lines)
                         break
                     for event in self._events(json.loads(data), choices, request):
                         if isinstance(event, TokenEvent):
@@ -432,7 +444,7 @@ class VLLMEngine:
                 missing = [i for i, c in enumerate(choices) if not c.done]
                 if missing:
                     raise _Retry(f"vLLM replica {replica.url} ended the stream early")
-        except httpx.TransportError as exc:
+        except TRANSPORT_ERRORS as exc:
             why = f"vLLM replica {replica.url} failed: {type(exc).__name__}: {exc}"
             self.pool.mark_down(replica, why)
             raise _Retry(why) from exc
@@ -447,10 +459,9 @@ class VLLMEngine:
             replica.outstanding -= owed
             replica.in_flight -= 1
 
-    def _refused(self, replica: Replica, response: httpx.Response) -> None:
+    def _refused(self, replica: Replica, status: int, content: bytes) -> None:
         """A non-200 answer to a completion: the request's own fault (400), or the replica's."""
-        message, _ = error_message(response)
-        status = response.status_code
+        message, _ = error_message(status, content)
         if status == 400:
             raise RequestInputError(f"vLLM refused the request: {message}")
         if status == 404 or status >= 500:  # lost its adapters (restarted) or broken: another

@@ -28,18 +28,22 @@ The vLLM side, read from its source (vllm-project/vllm):
 - `GET /v1/models`: the base model's card (with `max_model_len`) and one card per LoRA, whose
   `parent` names the base.
 
-This module speaks HTTP to vLLM and keeps replica state; it knows nothing of prompts or tokens.
+This module speaks HTTP to vLLM (the engine's pooled `aiohttp` session, `proxy.engines.vllm`) and
+keeps replica state; it knows nothing of prompts or tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
+
+from proxy.engines.http_streams import json_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -76,23 +80,27 @@ class ReplicaRefused(Exception):
         self.type = type_
 
 
-def error_message(response: httpx.Response) -> tuple[str, str | None]:
+TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError)
+"""A replica that could not be reached, or broke the connection or a read timed out."""
+
+
+def error_message(status: int, content: bytes) -> tuple[str, str | None]:
     """vLLM's error body `{"error": {"message", "type", ...}}` as (message, type); the raw
     text when the body is something else."""
     try:
-        info = response.json().get("error")
+        info = json.loads(content).get("error")
     except (ValueError, AttributeError):
         info = None
     if isinstance(info, dict) and isinstance(info.get("message"), str):
         return info["message"], info.get("type")
-    return response.text[:500] or response.reason_phrase, None
+    return content.decode("utf-8", "replace")[:500] or f"HTTP {status}", None
 
 
 class ReplicaPool:
     def __init__(
         self,
         urls: list[str],
-        client: httpx.AsyncClient,
+        http: Callable[[], aiohttp.ClientSession],
         *,
         on_rejoin: Callable[[Replica], Awaitable[None]] | None = None,
         probe_timeout_s: float = 2.0,
@@ -100,7 +108,7 @@ class ReplicaPool:
         if not urls:
             raise ValueError("the vllm engine needs at least one server URL (RLPROXY_VLLM_URLS)")
         self.replicas = [Replica(url.rstrip("/")) for url in urls]
-        self.client = client
+        self.http = http  # the engine's pooled session (made on first use, in the running loop)
         self.on_rejoin = on_rejoin
         self.probe_timeout_s = probe_timeout_s
         self._turn = 0  # breaks ties between equally loaded replicas, in turn
@@ -130,13 +138,13 @@ class ReplicaPool:
 
     async def probe(self, replica: Replica) -> bool:
         try:
-            r = await self.client.get(f"{replica.url}/health", timeout=self.probe_timeout_s)
-        except httpx.HTTPError as exc:
+            status, _ = await self._call("GET", replica, "/health", self.probe_timeout_s)
+        except TRANSPORT_ERRORS as exc:
             replica.last_error = f"health probe failed: {type(exc).__name__}: {exc}"
             return False
-        if r.status_code != 200:
-            replica.last_error = f"health probe answered {r.status_code}"
-        return r.status_code == 200
+        if status != 200:
+            replica.last_error = f"health probe answered {status}"
+        return status == 200
 
     async def check(self, replica: Replica) -> None:
         """Probe one replica; take it out if it fails, let it back in (adapters reloaded
@@ -175,28 +183,46 @@ class ReplicaPool:
     async def load_lora(self, replica: Replica, name: str, path: str) -> None:
         """Load `name` from `path` on `replica`. A 400 saying the name is already loaded counts
         as loaded: names are versions (`POLICY@N`), and a version's folder never changes."""
-        r = await self.client.post(
-            f"{replica.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}
-        )
-        if r.status_code != 200:
-            message, type_ = error_message(r)
-            if not (r.status_code == 400 and "already been loaded" in message):
-                raise ReplicaRefused(replica.url, r.status_code, message, type_)
+        body = {"lora_name": name, "lora_path": path}
+        status, content = await self._call("POST", replica, "/v1/load_lora_adapter", body=body)
+        if status != 200:
+            message, type_ = error_message(status, content)
+            if not (status == 400 and "already been loaded" in message):
+                raise ReplicaRefused(replica.url, status, message, type_)
         replica.loras.add(name)
 
     async def unload_lora(self, replica: Replica, name: str) -> None:
         """Unload `name` from `replica`; a 404 (not loaded there) counts as done."""
-        r = await self.client.post(
-            f"{replica.url}/v1/unload_lora_adapter", json={"lora_name": name}
-        )
-        if r.status_code not in (200, 404):
-            message, type_ = error_message(r)
-            raise ReplicaRefused(replica.url, r.status_code, message, type_)
+        body = {"lora_name": name}
+        status, content = await self._call("POST", replica, "/v1/unload_lora_adapter", body=body)
+        if status not in (200, 404):
+            message, type_ = error_message(status, content)
+            raise ReplicaRefused(replica.url, status, message, type_)
         replica.loras.discard(name)
 
     async def models(self, replica: Replica) -> list[dict[str, Any]]:
         """The cards of `GET /v1/models` (the base model and the LoRAs loaded there)."""
-        r = await self.client.get(f"{replica.url}/v1/models", timeout=self.probe_timeout_s * 5)
-        r.raise_for_status()
-        data = r.json().get("data")
+        status, content = await self._call("GET", replica, "/v1/models", self.probe_timeout_s * 5)
+        if status != 200:
+            message, type_ = error_message(status, content)
+            raise ReplicaRefused(replica.url, status, message, type_)
+        data = json.loads(content).get("data")
         return [card for card in data if isinstance(card, dict)] if isinstance(data, list) else []
+
+    async def _call(
+        self,
+        method: str,
+        replica: Replica,
+        path: str,
+        timeout_s: float | None = None,
+        body: dict[str, Any] | None = None,
+    ) -> tuple[int, bytes]:
+        """One admin or probe request to `replica`: its status and whole body. Raises one of
+        `TRANSPORT_ERRORS` when the replica cannot be reached or breaks off."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+        headers = {"content-type": "application/json"} if body is not None else None
+        data = json_bytes(body) if body is not None else None
+        async with self.http().request(
+            method, f"{replica.url}{path}", data=data, headers=headers, timeout=timeout
+        ) as response:
+            return response.status, await response.read()

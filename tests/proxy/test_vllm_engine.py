@@ -1,5 +1,9 @@
-"""The `vllm` engine against vLLM-shaped HTTP handlers (httpx.MockTransport): what it sends, how
-it reads streams, routing, replicas that fail, versioned adapters.
+"""The `vllm` engine against vLLM-shaped HTTP handlers served on loopback (one real aiohttp server
+per replica, so the engine's own HTTP client, pool and stream reading are what run): what it
+sends, how it reads streams, routing, replicas that fail, versioned adapters. A handler answers
+with an `httpx.Response` (its body may be an async generator: a stream) or raises `HangUp`, and
+the server then drops the connection without a word (before the status: a replica that went
+away; in the middle of a body: one that died mid-answer).
 
 The end-to-end tests with real processes are tests/e2e/test_vllm_*.py; these pin the rules that
 are hard to provoke there (a replica refusing one adapter, a death between two tokens).
@@ -9,12 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import llguidance
 import pytest
+import pytest_asyncio
+from aiohttp import web
 
 from proxy.api.errors import BadGatewayError, EngineUnreachableError
 from proxy.chat.grammar import ToolChoice, constraint_for_json_schema, constraint_for_tools
@@ -84,27 +92,92 @@ def answer(ids: list[int], lps: list[float], texts: list[str], finish: str = "le
     return sse(*chunks)
 
 
-Handler = Callable[[httpx.Request], Any]
+@dataclass
+class Req:
+    """What a handler sees of one request."""
+
+    replica: str  # the name the test gives the replica (A or B)
+    path: str
+    content: bytes
+    peer: Any  # the client's address: one per connection
 
 
-def health_ok(request: httpx.Request) -> httpx.Response | None:
-    if request.url.path == "/health":
+class HangUp(Exception):
+    """Raised by a handler or inside a streamed body: the server drops the connection."""
+
+
+Handler = Callable[[Req], Any]
+Replicas = Callable[..., Awaitable[VLLMEngine]]
+
+
+def health_ok(request: Req) -> httpx.Response | None:
+    if request.path == "/health":
         return httpx.Response(200)
-    if request.url.path == "/v1/models":
+    if request.path == "/v1/models":
         card = {"id": "base", "object": "model", "parent": None, "max_model_len": 2048}
         return httpx.Response(200, json={"object": "list", "data": [card]})
     return None
 
 
-def engine_with(handler: Handler, urls: tuple[str, ...] = (A, B)) -> VLLMEngine:
-    async def route(request: httpx.Request) -> httpx.Response:
-        result = handler(request)
-        if asyncio.iscoroutine(result):
-            result = await result
-        return result if result is not None else httpx.Response(404, json={"error": {}})
+async def serve(name: str, handler: Handler) -> tuple[web.AppRunner, str]:
+    """One replica on a loopback port: every request goes to `handler`."""
 
-    client = httpx.AsyncClient(transport=httpx.MockTransport(route))
-    return VLLMEngine(list(urls), FakeTokenizer(), policy="rlproxy", client=client)
+    async def route(request: web.Request) -> web.StreamResponse:
+        try:
+            peer = request.transport.get_extra_info("peername") if request.transport else None
+            result = handler(Req(name, request.path, await request.read(), peer))
+            if asyncio.iscoroutine(result):
+                result = await result
+        except HangUp:
+            request.transport.close()  # type: ignore[union-attr]
+            raise web.HTTPInternalServerError() from None  # never reaches the client
+        if result is None:
+            result = httpx.Response(404, json={"error": {}})
+        response = web.StreamResponse(status=result.status_code)
+        if "content-type" in result.headers:
+            response.content_type = result.headers["content-type"].split(";")[0]
+        await response.prepare(request)
+        try:
+            async for piece in result.aiter_bytes():
+                await response.write(piece)
+        except HangUp:
+            request.transport.close()  # type: ignore[union-attr]
+            return response
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", route)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    await web.SockSite(runner, sock).start()
+    return runner, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def replicas() -> AsyncIterator[Replicas]:
+    """`await replicas(handler, (A, B))`: an engine over one loopback server per name, in order;
+    servers and engine are closed after the test."""
+    runners: list[web.AppRunner] = []
+    engines: list[VLLMEngine] = []
+
+    async def make(handler: Handler, names: tuple[str, ...] = (A, B)) -> VLLMEngine:
+        urls = []
+        for name in names:
+            runner, url = await serve(name, handler)
+            runners.append(runner)
+            urls.append(url)
+        engine = VLLMEngine(urls, FakeTokenizer(), policy="rlproxy")
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        await engine.stop()
+    for runner in runners:
+        await runner.cleanup()
 
 
 def request(**params: Any) -> GenerationRequest:
@@ -124,17 +197,19 @@ async def started(engine: VLLMEngine) -> VLLMEngine:
 # ----------------------------------------------------------------------------- the wire
 
 
-async def test_sends_token_ids_and_reads_exact_ids_logprobs_and_top_logprobs() -> None:
+async def test_sends_token_ids_and_reads_exact_ids_logprobs_and_top_logprobs(
+    replicas: Replicas,
+) -> None:
     sent: list[dict[str, Any]] = []
 
-    def handler(req: httpx.Request) -> httpx.Response | None:
-        if req.url.path == "/v1/completions":
+    def handler(req: Req) -> httpx.Response | None:
+        if req.path == "/v1/completions":
             sent.append(json.loads(req.content))
             body = answer([11, 12, 13], [-0.5, -1.25, -2.0], ["He", "llo", "!"])
             return httpx.Response(200, content=body)
         return health_ok(req)
 
-    engine = await started(engine_with(handler, (A,)))
+    engine = await started(await replicas(handler, (A,)))
     events = await collect(engine, request(logprobs=True, top_logprobs=1, seed=7))
 
     body = sent[0]
@@ -155,62 +230,68 @@ async def test_sends_token_ids_and_reads_exact_ids_logprobs_and_top_logprobs() -
     assert (fin.finish_reason, fin.text) == ("length", "Hello!")
 
 
-async def test_logprobs_are_asked_for_even_when_the_client_did_not() -> None:
+async def test_logprobs_are_asked_for_even_when_the_client_did_not(replicas: Replicas) -> None:
     sent: list[dict[str, Any]] = []
 
-    def handler(req: httpx.Request) -> httpx.Response | None:
-        if req.url.path == "/v1/completions":
+    def handler(req: Req) -> httpx.Response | None:
+        if req.path == "/v1/completions":
             sent.append(json.loads(req.content))
             return httpx.Response(200, content=answer([5], [-0.3], ["x"], "stop"))
         return health_ok(req)
 
-    engine = await started(engine_with(handler, (A,)))
+    engine = await started(await replicas(handler, (A,)))
     events = await collect(engine, request())
     assert sent[0]["logprobs"] == 0
     assert events[-1].completion_logprobs == [-0.3]
     assert events[0].top_logprobs == ()
 
 
-async def test_a_prompt_other_than_the_one_sent_fails_the_call() -> None:
-    def handler(req: httpx.Request) -> httpx.Response | None:
-        if req.url.path == "/v1/completions":
+async def test_a_prompt_other_than_the_one_sent_fails_the_call(replicas: Replicas) -> None:
+    def handler(req: Req) -> httpx.Response | None:
+        if req.path == "/v1/completions":
             body = sse(chunk(0, [5], [-0.3], "x", "stop", prompt_token_ids=[9, 9]))
             return httpx.Response(200, content=body)
         return health_ok(req)
 
-    engine = await started(engine_with(handler, (A,)))
+    engine = await started(await replicas(handler, (A,)))
     with pytest.raises(EngineError, match="different prompt"):
         await collect(engine, request())
 
 
-async def test_an_answer_outside_the_protocol_is_an_engine_error() -> None:
-    def handler(req: httpx.Request) -> httpx.Response | None:
-        if req.url.path == "/v1/completions":  # a choice index the request never asked for
+async def test_an_answer_outside_the_protocol_is_an_engine_error(replicas: Replicas) -> None:
+    def handler(req: Req) -> httpx.Response | None:
+        if req.path == "/v1/completions":  # a choice index the request never asked for
             return httpx.Response(200, content=sse(chunk(5, [5], [-0.3], "x", "stop")))
         return health_ok(req)
 
-    engine = await started(engine_with(handler, (A,)))
+    engine = await started(await replicas(handler, (A,)))
     with pytest.raises(EngineError, match="cannot read"):
         await collect(engine, request())
 
 
-async def test_each_stream_is_read_to_its_end_so_its_connection_is_reused() -> None:
-    """Past `[DONE]` to the end of the body: httpx returns a connection to the pool only when its
-    response was read to the end, and a new connection per request delays every first token."""
-    ended: list[bool] = []
+async def test_each_stream_is_read_to_its_end_so_its_connection_is_reused(
+    replicas: Replicas,
+) -> None:
+    """Past `[DONE]` to the end of the body: a pooled HTTP client hands a connection back only
+    once its response was read to the end, and a new connection per request delays every first
+    token."""
+    peers: list[Any] = []
 
     async def body() -> AsyncIterator[bytes]:
         yield answer([5], [-0.3], ["x"], "stop")  # its last event is `data: [DONE]`
-        ended.append(True)
+        await asyncio.sleep(0.05)  # the body's end comes a little later, as over a network
 
-    def handler(req: httpx.Request) -> httpx.Response | None:
-        if req.url.path == "/v1/completions":
+    def handler(req: Req) -> httpx.Response | None:
+        if req.path == "/v1/completions":
+            peers.append(req.peer)
             return httpx.Response(200, content=body())
         return health_ok(req)
 
-    engine = await started(engine_with(handler, (A,)))
-    events = await collect(engine, request())
-    assert events[-1].completion_token_ids == [5] and ended == [True]
+    engine = await started(await replicas(handler, (A,)))
+    for _ in range(3):
+        events = await collect(engine, request())
+        assert events[-1].completion_token_ids == [5]
+    assert len(peers) == 3 and len(set(peers)) == 1  # three streams, one connection
 
 
 def test_grammars_travel_as_lark_that_llguidance_reads() -> None:
@@ -229,19 +310,21 @@ def test_grammars_travel_as_lark_that_llguidance_reads() -> None:
 # ----------------------------------------------------------------------------- replicas
 
 
-async def test_least_outstanding_work_and_a_refused_connection_goes_elsewhere() -> None:
+async def test_least_outstanding_work_and_a_refused_connection_goes_elsewhere(
+    replicas: Replicas,
+) -> None:
     served: list[str] = []
 
-    def handler(req: httpx.Request) -> httpx.Response | None:
-        if req.url.path == "/v1/completions":
-            host = f"http://{req.url.host}:8000"
+    def handler(req: Req) -> httpx.Response | None:
+        if req.path == "/v1/completions":
+            host = req.replica
             if host == A:
-                raise httpx.ConnectError("refused", request=req)
+                raise HangUp  # before any answer: the connection dropped
             served.append(host)
             return httpx.Response(200, content=answer([5], [-0.3], ["x"], "stop"))
         return health_ok(req)
 
-    engine = await started(engine_with(handler))
+    engine = await started(await replicas(handler))
     engine.pool.replicas[1].outstanding = 10  # B is busier: A is picked first
     events = await collect(engine, request())
     assert served == [B] and isinstance(events[-1], ChoiceFinished)
@@ -249,17 +332,17 @@ async def test_least_outstanding_work_and_a_refused_connection_goes_elsewhere() 
     assert engine.pool.replicas[1].outstanding == 10  # what the request owed was given back
 
 
-async def test_a_replica_dying_mid_answer_is_a_502_and_none_left_a_503() -> None:
+async def test_a_replica_dying_mid_answer_is_a_502_and_none_left_a_503(replicas: Replicas) -> None:
     async def dying() -> AsyncIterator[bytes]:
         yield sse(chunk(0, [5], [-0.3], "x", prompt_token_ids=PROMPT), done=False)
-        raise httpx.RemoteProtocolError("peer closed connection")
+        raise HangUp
 
-    def handler(req: httpx.Request) -> httpx.Response | None:
-        if req.url.path == "/v1/completions":
+    def handler(req: Req) -> httpx.Response | None:
+        if req.path == "/v1/completions":
             return httpx.Response(200, content=dying())
         return health_ok(req)
 
-    engine = await started(engine_with(handler, (A,)))
+    engine = await started(await replicas(handler, (A,)))
     events: list[Any] = []
     with pytest.raises(EngineUnavailableError) as died:
         async for event in engine.generate(request()):
@@ -279,11 +362,11 @@ async def test_a_replica_dying_mid_answer_is_a_502_and_none_left_a_503() -> None
 
 def lora_handler(
     loaded: dict[str, set[str]], refuse: str | None = None
-) -> Callable[[httpx.Request], httpx.Response | None]:
-    def handler(req: httpx.Request) -> httpx.Response | None:
-        host = f"http://{req.url.host}:8000"
+) -> Callable[[Req], httpx.Response | None]:
+    def handler(req: Req) -> httpx.Response | None:
+        host = req.replica
         names = loaded.setdefault(host, set())
-        if req.url.path == "/v1/load_lora_adapter":
+        if req.path == "/v1/load_lora_adapter":
             name = json.loads(req.content)["lora_name"]
             if host == refuse:
                 info = {"message": "LoRA rank 64 is greater than max_lora_rank 16.", "code": 500}
@@ -293,26 +376,26 @@ def lora_handler(
                 return httpx.Response(400, json={"error": {"message": msg, "code": 400}})
             names.add(name)
             return httpx.Response(200, text="Success")
-        if req.url.path == "/v1/unload_lora_adapter":
+        if req.path == "/v1/unload_lora_adapter":
             name = json.loads(req.content)["lora_name"]
             if name not in names:
                 return httpx.Response(404, json={"error": {"message": "cannot be found"}})
             names.discard(name)
             return httpx.Response(200, text="Success")
-        if req.url.path == "/v1/models":
+        if req.path == "/v1/models":
             base = {"id": "base", "parent": None, "max_model_len": 2048}
             cards = [{"id": n, "parent": "base"} for n in sorted(names)]
             return httpx.Response(200, json={"data": [base, *cards]})
-        if req.url.path == "/health":
+        if req.path == "/health":
             return httpx.Response(200)
         return None
 
     return handler
 
 
-async def test_each_version_loads_on_every_replica_under_its_own_name() -> None:
+async def test_each_version_loads_on_every_replica_under_its_own_name(replicas: Replicas) -> None:
     loaded: dict[str, set[str]] = {}
-    engine = await started(engine_with(lora_handler(loaded)))
+    engine = await started(await replicas(lora_handler(loaded)))
     await engine.load_adapter("v3", "/data/checkpoints/rlproxy/0003")
     assert loaded == {A: {"rlproxy@3"}, B: {"rlproxy@3"}}
     await engine.load_adapter("v3", "/data/checkpoints/rlproxy/0003")  # again: nothing new
@@ -320,9 +403,9 @@ async def test_each_version_loads_on_every_replica_under_its_own_name() -> None:
     assert loaded == {A: set(), B: set()}
 
 
-async def test_one_refusal_fails_the_load_and_undoes_it_elsewhere() -> None:
+async def test_one_refusal_fails_the_load_and_undoes_it_elsewhere(replicas: Replicas) -> None:
     loaded: dict[str, set[str]] = {}
-    engine = await started(engine_with(lora_handler(loaded, refuse=B)))
+    engine = await started(await replicas(lora_handler(loaded, refuse=B)))
     with pytest.raises(EngineError, match="max_lora_rank"):
         await engine.load_adapter("v4", "/data/checkpoints/rlproxy/0004")
     assert loaded.get(A, set()) == set()
@@ -330,7 +413,7 @@ async def test_one_refusal_fails_the_load_and_undoes_it_elsewhere() -> None:
         await collect(engine, GenerationRequest(PROMPT, SamplingParams(max_tokens=1), adapter="v4"))
 
 
-async def test_unload_waits_for_the_requests_in_flight_on_that_version() -> None:
+async def test_unload_waits_for_the_requests_in_flight_on_that_version(replicas: Replicas) -> None:
     loaded: dict[str, set[str]] = {}
     release = asyncio.Event()
     models: list[str] = []
@@ -341,13 +424,13 @@ async def test_unload_waits_for_the_requests_in_flight_on_that_version() -> None
         await release.wait()
         yield sse(chunk(0, [6], [-0.2], "y", "length"))
 
-    def handler(req: httpx.Request) -> httpx.Response | None:
-        if req.url.path == "/v1/completions":
+    def handler(req: Req) -> httpx.Response | None:
+        if req.path == "/v1/completions":
             models.append(json.loads(req.content)["model"])
             return httpx.Response(200, content=slow())
         return base(req)
 
-    engine = await started(engine_with(handler, (A,)))
+    engine = await started(await replicas(handler, (A,)))
     await engine.load_adapter("v1", "/x/0001")
     req = GenerationRequest(PROMPT, SamplingParams(max_tokens=2), adapter="v1")
     stream = engine.generate(req)
@@ -364,18 +447,20 @@ async def test_unload_waits_for_the_requests_in_flight_on_that_version() -> None
     assert models == ["rlproxy@1"] and loaded[A] == set()
 
 
-async def test_a_replica_rejoins_only_after_its_adapters_are_loaded_again() -> None:
+async def test_a_replica_rejoins_only_after_its_adapters_are_loaded_again(
+    replicas: Replicas,
+) -> None:
     loaded: dict[str, set[str]] = {}
     up = {A: True, B: True}
     base = lora_handler(loaded)
 
-    def handler(req: httpx.Request) -> httpx.Response | None:
-        host = f"http://{req.url.host}:8000"
+    def handler(req: Req) -> httpx.Response | None:
+        host = req.replica
         if not up[host]:
-            raise httpx.ConnectError("down", request=req)
+            raise HangUp
         return base(req)
 
-    engine = await started(engine_with(handler))
+    engine = await started(await replicas(handler))
     await engine.load_adapter("v1", "/x/0001")
     up[B] = False
     await engine.pool.check_all()
@@ -442,8 +527,8 @@ def echo_handler(gate: asyncio.Event | None = None) -> Handler:
             yield sse(chunk(i, [5], [-0.3], "x", prompt_token_ids=prompt), done=False)
         yield sse(*(chunk(i, [6], [-0.2], "y", "length") for i in range(n)))
 
-    def handler(req: httpx.Request) -> httpx.Response | None:
-        if req.url.path == "/v1/completions":
+    def handler(req: Req) -> httpx.Response | None:
+        if req.path == "/v1/completions":
             sent = json.loads(req.content)
             return httpx.Response(200, content=body(sent["prompt"], sent["n"]))
         return health_ok(req)
@@ -459,7 +544,9 @@ def chat_request(**extra: Any) -> Any:
     return CallInfo(ChatCompletionRequest.model_validate({**body, **extra}), "req")
 
 
-async def test_calls_it_served_are_stored_as_the_vllm_engines(chat_tokenizer: Any) -> None:
+async def test_calls_it_served_are_stored_as_the_vllm_engines(
+    replicas: Replicas, chat_tokenizer: Any
+) -> None:
     from proxy.adapters.registry import ServedModels
     from proxy.chat.service import ChatService
 
@@ -468,7 +555,7 @@ async def test_calls_it_served_are_stored_as_the_vllm_engines(chat_tokenizer: An
     async def record(call: Any) -> None:
         records.append(call)
 
-    engine = await started(engine_with(echo_handler(), (A,)))
+    engine = await started(await replicas(echo_handler(), (A,)))
     chat = ChatService(engine, ServedModels("rlproxy"), chat_tokenizer, record=record)
     await chat.complete(await chat.prepare(chat_request()))
     async for _ in chat.stream(await chat.prepare(chat_request(stream=True))):
@@ -477,7 +564,9 @@ async def test_calls_it_served_are_stored_as_the_vllm_engines(chat_tokenizer: An
     assert records[0].choices[0].completion_token_ids == [5, 6]
 
 
-async def test_admission_counts_rows_vllm_has_not_started(chat_tokenizer: Any) -> None:
+async def test_admission_counts_rows_vllm_has_not_started(
+    replicas: Replicas, chat_tokenizer: Any
+) -> None:
     """RLPROXY_MAX_QUEUED_ROWS bounds the rows sent to vLLM that have no token yet (waiting in
     its queue), as it bounds the local engine's queue; rows generating do not count."""
     from proxy.adapters.registry import ServedModels
@@ -485,7 +574,7 @@ async def test_admission_counts_rows_vllm_has_not_started(chat_tokenizer: Any) -
     from proxy.chat.service import ChatService
 
     gate = asyncio.Event()
-    engine = await started(engine_with(echo_handler(gate)))
+    engine = await started(await replicas(echo_handler(gate)))
     chat = ChatService(engine, ServedModels("rlproxy"), chat_tokenizer, max_queued_rows=3)
     first = asyncio.create_task(chat.complete(await chat.prepare(chat_request(n=2))))
     second = asyncio.create_task(chat.complete(await chat.prepare(chat_request())))
