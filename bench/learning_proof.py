@@ -24,9 +24,9 @@ standard errors; the first version at +3 standard errors or more gives the minut
 (training wall time since the first practice round with the time spent evaluating left out, and
 with it). Exact answers (the reply is the right number alone) are reported beside the reward at
 every evaluation, sampled at temperature 1 as in practice (what `--stop-at-exact` reads) and
-greedy (temperature 0, one answer per question: the policy's most likely answer). Every setting used is printed first. Writes `<out>/learning.json` and
-`<out>/learning.png` (training reward per step and held-out reward with standard errors) and
-prints the summary.
+greedy (temperature 0, one answer per question: the policy's most likely answer). Every setting
+used is printed first. Writes `<out>/learning.json` and `<out>/learning.png` (training reward
+per step and held-out reward with standard errors) and prints the summary.
 
     .venv/bin/python bench/learning_proof.py [--minutes 15] [--lr 6e-4] [--stop-at-exact 0.3]
                                              [--out bench/results]

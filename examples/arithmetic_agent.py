@@ -4,18 +4,22 @@ The task: answer "What is A + B? Answer with just the number." with the number a
 environment's reward for a reply (`reward`) makes that answer clearly best:
 
     1.0    the reply is the right number alone (a trailing period allowed)
-    0 .. 0.25    a number alone, but the wrong one: 0.25 * max(0, 1 - |error| / 10)
+    0.25   the reply is a number alone, but the wrong one
     0.2 .. 0.4   the right number inside other text ("11 + 14 = 25"): 0.2 + 0.2 * brevity
     0 .. 0.1     anything else: 0.1 * brevity
 
 where brevity = max(0, 1 - characters / 40). A sentence holding the right number earns at most
 0.4, so it never nears the exact answer; the brevity terms still pay shorter replies a little
-more, which is the gradient from rambling towards the bare number. A wrong number alone earns
-less than a sentence with the right one, and less the further it is off: a flat reward for any
-bare number let a policy answer every question with the same few numbers ("15", "16", "19")
-and learn nothing about sums outside them (seen in `bench/learning_proof.py` runs: right on
-26 of 32 held-out sums from 11 to 20, 1 of 50 above 20); with the error in the reward, a group
-whose answers are all wrong still says which of them was nearer.
+more, which is the gradient from rambling towards the bare number. A wrong number alone sits
+beside a sentence with the right one: each does half of what was asked.
+
+Two other shapes for a wrong bare number were tried in `bench/learning_proof.py` on 2026-12-03
+(a flat 0.25 lets a policy answer every question with the same few numbers, "15", "16", "19":
+right on 26 of 32 held-out sums from 11 to 20, on 1 of 50 above 20, at 30 % exact): paying less
+the further off it is, 0.25 * (1 - |error| / 10), put it below the right sentence, and the
+policy settled on "11 + 14 = 25" (0 % exact after 10 training minutes); a closeness bonus above
+0.25, 0.25 + 0.1 * (1 - |error| / 10), learnt no faster than the flat reward (22 % exact after
+10.8 minutes against 28-42 % in the flat reward's run the same day). So the flat 0.25 stays.
 
 The agent reports each reward for the response it got, by that response's completion id, to
 `POST <server>/rl/trajectories/<completion id>/reward`: the one rlproxy endpoint an agent calls
@@ -55,8 +59,7 @@ def reward(reply: str, answer: int) -> float:
     """The environment's reward for `reply` to a question whose answer is `answer` (see above)."""
     text = reply.strip()
     if re.fullmatch(r"-?\d+\.?", text):
-        error = abs(int(text.rstrip(".")) - answer)
-        return 1.0 if error == 0 else 0.25 * max(0.0, 1.0 - error / 10)
+        return 1.0 if int(text.rstrip(".")) == answer else 0.25
     brevity = max(0.0, 1.0 - len(text) / 40)
     if str(answer) in re.findall(r"-?\d+", text):
         return 0.2 + 0.2 * brevity

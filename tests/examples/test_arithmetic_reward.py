@@ -35,12 +35,11 @@ def test_ordering_exact_then_half_right_then_wrong_text() -> None:
     assert exact > wrong_alone > wrong_text
 
 
-def test_a_wrong_number_alone_earns_more_the_closer_it_is() -> None:
-    """So a policy that answers every question with the same few numbers (a mode the proof
-    fell into: "15", "16", "19" whatever the sum) is still told which way the sum lies."""
-    assert reward("24", 25) > reward("20", 25) > reward("16", 25) > reward("15", 25) == 0.0
-    assert reward("26", 25) == reward("24", 25)
-    assert reward("24", 25) < reward("11 + 14 = 25", 25)  # still below half of the task
+def test_no_wrong_number_alone_earns_less_than_a_quarter() -> None:
+    """Below the right number in a sentence (0.25 * closeness was tried), the policy keeps
+    "11 + 14 = 25" and never tries the bare number (measured: 0 % exact after 10 training
+    minutes)."""
+    assert min(reward(str(n), 25) for n in range(-50, 200) if n != 25) == 0.25
 
 
 def test_a_long_ramble_without_the_answer_earns_nothing() -> None:
