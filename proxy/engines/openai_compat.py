@@ -17,11 +17,9 @@ Errors are `proxy.engines.upstream.UpstreamError`s in OpenAI's shape, scrubbed o
 5xx or broken body is a 502 (503 stays 503), an unreachable server a 502, a timeout a 504. An
 error event inside a stream (`data: {"error": ...}`) ends the stream with that error.
 
-aiohttp, not httpx: on the per-call path its client costs a third of httpx's CPU (measured on
-loopback against `bench/bench_overhead.py`'s instant server, 2,000 sequential calls: 0.29-0.35 ms
-per call vs 1.01-1.14; streamed 0.42 vs 1.75), and a proxy pays its client on every call. Its
-pool hands a connection back only once a response was read to its end, as httpx's does, so
-streams are read on past `[DONE]` (`proxy.engines.http_streams.drain`).
+One pooled aiohttp session (`proxy.engines.http_streams.PooledSession`, where the choice of
+aiohttp is measured). Its pool hands a connection back only once a response was read to its end,
+so streams are read on past `[DONE]` (`proxy.engines.http_streams.drain`).
 """
 
 from __future__ import annotations
@@ -32,7 +30,13 @@ from typing import Any
 
 import aiohttp
 
-from proxy.engines.http_streams import drain, json_bytes, lines_of
+from proxy.engines.http_streams import (
+    TRANSPORT_ERRORS,
+    PooledSession,
+    drain,
+    json_bytes,
+    lines_of,
+)
 from proxy.engines.upstream import UpstreamError, status_error
 
 DONE = "[DONE]"
@@ -45,22 +49,13 @@ class OpenAICompatClient:
         self.redact = redact
         # As httpx's timeout did: `timeout_s` for connecting (at most 10 s) and for each read,
         # no bound on a whole answer (a long stream that keeps sending is fine).
-        self._timeout = aiohttp.ClientTimeout(
+        timeout = aiohttp.ClientTimeout(
             total=None, connect=min(timeout_s, 10.0), sock_read=timeout_s
         )
-        self._session: aiohttp.ClientSession | None = None
-
-    def _http(self) -> aiohttp.ClientSession:
-        """The pooled session, made on first use (it belongs to the running event loop).
-        Connections kept open: enough for a burst of concurrent calls to reuse them."""
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=1000, limit_per_host=0, keepalive_timeout=30)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
-        return self._session
+        self._http = PooledSession(timeout, limit=1000)
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        await self._http.close()
 
     async def complete(self, url: str, key: str | None, payload: dict[str, Any]) -> dict[str, Any]:
         """POST `payload`; the JSON body of a 2xx answer, else the provider's error raised."""
@@ -69,7 +64,7 @@ class OpenAICompatClient:
                 url, data=json_bytes(payload), headers=_headers(key)
             ) as response:
                 status, content = response.status, await response.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except TRANSPORT_ERRORS as exc:
             raise self._transport_error(exc) from exc
         if status >= 400:
             raise self._status_error(status, content)
@@ -92,12 +87,12 @@ class OpenAICompatClient:
             response = await self._http().post(
                 url, data=json_bytes(payload), headers=_headers(key, sse=True)
             )
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except TRANSPORT_ERRORS as exc:
             raise self._transport_error(exc) from exc
         if response.status >= 400:
             try:
                 content = await response.read()
-            except (aiohttp.ClientError, TimeoutError):
+            except TRANSPORT_ERRORS:
                 content = b""
             finally:
                 response.release()
@@ -124,7 +119,7 @@ class OpenAICompatClient:
                 yield self._event(text)
             if data and "\n".join(data) != DONE:  # a last event without its empty line
                 yield self._event("\n".join(data))
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except TRANSPORT_ERRORS as exc:
             raise self._transport_error(exc) from exc
         finally:
             # Read to its end: pooled again; cut short (an error, a client gone): closed.

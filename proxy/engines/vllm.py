@@ -94,12 +94,19 @@ from proxy.engines.base import (
     RequestInputError,
     TokenEvent,
 )
-from proxy.engines.http_streams import drain, json_bytes, lines_of
-from proxy.engines.vllm_replicas import TRANSPORT_ERRORS, Replica, ReplicaPool, error_message
+from proxy.engines.http_streams import (
+    TRANSPORT_ERRORS,
+    PooledSession,
+    drain,
+    json_bytes,
+    lines_of,
+)
+from proxy.engines.vllm_replicas import Replica, ReplicaPool, error_message
 
 logger = logging.getLogger(__name__)
 
 TOKEN_ID_PREFIX = "token_id:"  # how `return_tokens_as_token_ids` spells a token
+_SSE_REQUEST = {"content-type": "application/json", "accept": "text/event-stream"}
 
 
 def lark_text(grammar: Any) -> str:
@@ -169,9 +176,9 @@ class VLLMEngine:
         self.max_context = int(min(getattr(tokenizer, "model_max_length", 2048) or 2048, 10**7))
         self.stop_ids = stop_ids if stop_ids is not None else stop_token_ids(tokenizer)
         # `timeout_s` for each read (a first token may wait in vLLM's queue), 5 s to connect, no
-        # bound on a whole answer.
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=timeout_s)
-        self._session: aiohttp.ClientSession | None = None
+        # bound on a whole answer. The same session carries the replicas' admin calls.
+        timeout = aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=timeout_s)
+        self._http = PooledSession(timeout, limit=1024)
         self.pool = ReplicaPool(urls, self._http, on_rejoin=self._rejoin)
         self._adapters: dict[str, str] = {}  # rlproxy name -> path, loaded on every healthy one
         self._retiring: set[str] = set()  # unload asked: no new request may start on it
@@ -185,16 +192,6 @@ class VLLMEngine:
         self._queued = 0  # rows sent (or about to be) whose first token has not come yet
 
     # ----------------------------------------------------------------- lifecycle
-
-    def _http(self) -> aiohttp.ClientSession:
-        """The pooled session to every replica, made on first use (it belongs to the running
-        event loop). aiohttp rather than httpx for the same reason as the direct `openai/` path
-        (`proxy.engines.openai_compat`: a third of httpx's CPU per call), which here is time
-        added before every first token."""
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=1024, limit_per_host=0, keepalive_timeout=30)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
-        return self._session
 
     async def start(self) -> None:
         await self.pool.check_all()
@@ -213,8 +210,7 @@ class VLLMEngine:
             self._watch.cancel()
             await asyncio.gather(self._watch, return_exceptions=True)
             self._watch = None
-        if self._session is not None:
-            await self._session.close()
+        await self._http.close()
 
     async def _learn_model(self, replica: Replica) -> None:
         """The served base model's name and context length, from `GET /v1/models`."""
@@ -421,7 +417,7 @@ class VLLMEngine:
             async with self._http().post(
                 f"{replica.url}/v1/completions",
                 data=json_bytes(body),
-                headers={"content-type": "application/json", "accept": "text/event-stream"},
+                headers=_SSE_REQUEST,
             ) as response:
                 if response.status != 200:
                     self._refused(replica, response.status, await response.read())

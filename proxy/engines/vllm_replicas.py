@@ -43,7 +43,7 @@ from typing import Any
 
 import aiohttp
 
-from proxy.engines.http_streams import json_bytes
+from proxy.engines.http_streams import TRANSPORT_ERRORS, PooledSession, json_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -79,9 +79,11 @@ class ReplicaRefused(Exception):
         self.message = message
         self.type = type_
 
-
-TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError)
-"""A replica that could not be reached, or broke the connection or a read timed out."""
+    @classmethod
+    def of(cls, url: str, status: int, content: bytes) -> ReplicaRefused:
+        """From an error answer's status and body."""
+        message, type_ = error_message(status, content)
+        return cls(url, status, message, type_)
 
 
 def error_message(status: int, content: bytes) -> tuple[str, str | None]:
@@ -100,7 +102,7 @@ class ReplicaPool:
     def __init__(
         self,
         urls: list[str],
-        http: Callable[[], aiohttp.ClientSession],
+        http: PooledSession,
         *,
         on_rejoin: Callable[[Replica], Awaitable[None]] | None = None,
         probe_timeout_s: float = 2.0,
@@ -186,9 +188,9 @@ class ReplicaPool:
         body = {"lora_name": name, "lora_path": path}
         status, content = await self._call("POST", replica, "/v1/load_lora_adapter", body=body)
         if status != 200:
-            message, type_ = error_message(status, content)
-            if not (status == 400 and "already been loaded" in message):
-                raise ReplicaRefused(replica.url, status, message, type_)
+            refused = ReplicaRefused.of(replica.url, status, content)
+            if not (status == 400 and "already been loaded" in refused.message):
+                raise refused
         replica.loras.add(name)
 
     async def unload_lora(self, replica: Replica, name: str) -> None:
@@ -196,16 +198,14 @@ class ReplicaPool:
         body = {"lora_name": name}
         status, content = await self._call("POST", replica, "/v1/unload_lora_adapter", body=body)
         if status not in (200, 404):
-            message, type_ = error_message(status, content)
-            raise ReplicaRefused(replica.url, status, message, type_)
+            raise ReplicaRefused.of(replica.url, status, content)
         replica.loras.discard(name)
 
     async def models(self, replica: Replica) -> list[dict[str, Any]]:
         """The cards of `GET /v1/models` (the base model and the LoRAs loaded there)."""
         status, content = await self._call("GET", replica, "/v1/models", self.probe_timeout_s * 5)
         if status != 200:
-            message, type_ = error_message(status, content)
-            raise ReplicaRefused(replica.url, status, message, type_)
+            raise ReplicaRefused.of(replica.url, status, content)
         data = json.loads(content).get("data")
         return [card for card in data if isinstance(card, dict)] if isinstance(data, list) else []
 

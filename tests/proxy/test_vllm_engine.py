@@ -1,9 +1,7 @@
 """The `vllm` engine against vLLM-shaped HTTP handlers served on loopback (one real aiohttp server
-per replica, so the engine's own HTTP client, pool and stream reading are what run): what it
-sends, how it reads streams, routing, replicas that fail, versioned adapters. A handler answers
-with an `httpx.Response` (its body may be an async generator: a stream) or raises `HangUp`, and
-the server then drops the connection without a word (before the status: a replica that went
-away; in the middle of a body: one that died mid-answer).
+per replica, `tests/fakes/loopback_http.py`, so the engine's own HTTP client, pool and stream
+reading are what run): what it sends, how it reads streams, routing, replicas that fail (a
+handler raises `HangUp`: the connection drops), versioned adapters.
 
 The end-to-end tests with real processes are tests/e2e/test_vllm_*.py; these pin the rules that
 are hard to provoke there (a replica refusing one adapter, a death between two tokens).
@@ -13,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -36,6 +32,7 @@ from proxy.engines.base import (
     TokenEvent,
 )
 from proxy.engines.vllm import VLLMEngine, lark_text
+from tests.fakes.loopback_http import Handler, HangUp, Req, serve
 
 A, B = "http://a:8000", "http://b:8000"
 PROMPT = [1, 2, 3]
@@ -92,21 +89,6 @@ def answer(ids: list[int], lps: list[float], texts: list[str], finish: str = "le
     return sse(*chunks)
 
 
-@dataclass
-class Req:
-    """What a handler sees of one request."""
-
-    replica: str  # the name the test gives the replica (A or B)
-    path: str
-    content: bytes
-    peer: Any  # the client's address: one per connection
-
-
-class HangUp(Exception):
-    """Raised by a handler or inside a streamed body: the server drops the connection."""
-
-
-Handler = Callable[[Req], Any]
 Replicas = Callable[..., Awaitable[VLLMEngine]]
 
 
@@ -117,43 +99,6 @@ def health_ok(request: Req) -> httpx.Response | None:
         card = {"id": "base", "object": "model", "parent": None, "max_model_len": 2048}
         return httpx.Response(200, json={"object": "list", "data": [card]})
     return None
-
-
-async def serve(name: str, handler: Handler) -> tuple[web.AppRunner, str]:
-    """One replica on a loopback port: every request goes to `handler`."""
-
-    async def route(request: web.Request) -> web.StreamResponse:
-        try:
-            peer = request.transport.get_extra_info("peername") if request.transport else None
-            result = handler(Req(name, request.path, await request.read(), peer))
-            if asyncio.iscoroutine(result):
-                result = await result
-        except HangUp:
-            request.transport.close()  # type: ignore[union-attr]
-            raise web.HTTPInternalServerError() from None  # never reaches the client
-        if result is None:
-            result = httpx.Response(404, json={"error": {}})
-        response = web.StreamResponse(status=result.status_code)
-        if "content-type" in result.headers:
-            response.content_type = result.headers["content-type"].split(";")[0]
-        await response.prepare(request)
-        try:
-            async for piece in result.aiter_bytes():
-                await response.write(piece)
-        except HangUp:
-            request.transport.close()  # type: ignore[union-attr]
-            return response
-        await response.write_eof()
-        return response
-
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", route)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    await web.SockSite(runner, sock).start()
-    return runner, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 @pytest_asyncio.fixture(loop_scope="function")
