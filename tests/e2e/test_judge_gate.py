@@ -166,7 +166,11 @@ def test_a_judge_preferring_canaries_is_held_and_an_honest_one_passes(
     assert sum(honest["canary"]["by_kind"][k]["checks"] for k in honest["canary"]["by_kind"]) == 4
     # Each check's outcome against the real members' median: only "below" passes.
     assert honest["canary"]["outcomes"] == {"below": GROUPS_PER_AGENT, "tie": 0, "above": 0}
-    assert fooled["canary"]["outcomes"] == {"below": 0, "tie": 0, "above": GROUPS_PER_AGENT}
+    # The fooled judge never puts a canary below the real members. Mostly it puts it above; a
+    # tie happens when two of the three sampled answers look "bad" to the rule as well (a short
+    # reply like "The total is" seen under another task too): seen once in a CI run.
+    outcomes = fooled["canary"]["outcomes"]
+    assert outcomes["below"] == 0 and outcomes["tie"] + outcomes["above"] == GROUPS_PER_AGENT
     # The gate decides with the group it is scoring: the fourth canary failure holds the 4th group.
     assert fooled["held_groups"] == 1 and honest["held_groups"] == 0
 
