@@ -39,6 +39,7 @@ from proxy.telemetry.metrics import Metrics, Sources
 from proxy.telemetry.telemetry import Telemetry, open_telemetry
 from storage.grouping import SignatureGrouper
 from storage.store import Store
+from trainer.rewards.grouping import Grouping
 from trainer.rewards.judge_checks import JudgeChecksConfig
 from trainer.rewards.litellm_judge import LiteLLMJudge
 from trainer.rewards.local_judge import ChatComplete, LocalJudge
@@ -67,6 +68,8 @@ class Runtime:
     settings: Settings
     store: Store
     scorer: Scorer | None = None
+    grouping: Grouping | None = None
+    """Forms groups and scores the rewarded ones, with no judge (serving, scoring on or off)."""
     served: Served | None = None
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     """Background loops (idle closing, scoring, publishing), cancelled on close."""
@@ -112,6 +115,10 @@ async def open_runtime(
                 )
                 judge_complete = judge_chat.complete_json
             rt.scorer = build_scorer(settings, store, judge_complete)
+        if serving:
+            # Left to the judge only when one runs and is asked to judge rewarded groups too.
+            settle = not (settings.scoring and settings.judge_explicit_groups)
+            rt.grouping = Grouping(store, signature_grouper(settings), settle_explicit=settle)
         if rt.telemetry is not None and rt.served is not None:
             _observe(settings, rt, rt.telemetry, rt.served)
         if serving:
@@ -228,12 +235,6 @@ def build_scorer(
             "loop out, not a useful judge: set RLPROXY_JUDGE_MODEL for real scores",
             judge.model,
         )
-    grouper = SignatureGrouper(
-        min_size=settings.group_min_size,
-        max_size=settings.group_max_size,
-        window_s=settings.group_window_s,
-        cohort=settings.group_cohort,
-    )
     config = ScoringConfig(
         rubric=settings.judge_rubric or DEFAULT_RUBRIC,
         rubrics=dict(settings.judge_rubrics),
@@ -242,7 +243,17 @@ def build_scorer(
         lease_s=settings.scoring_lease_s,
         checks=judge_checks_config(settings),
     )
-    return Scorer(store, judge, grouper, config)
+    return Scorer(store, judge, signature_grouper(settings), config)
+
+
+def signature_grouper(settings: Settings) -> SignatureGrouper:
+    """Which group a closed trajectory joins and when a group is ready (RLPROXY_GROUP_*)."""
+    return SignatureGrouper(
+        min_size=settings.group_min_size,
+        max_size=settings.group_max_size,
+        window_s=settings.group_window_s,
+        cohort=settings.group_cohort,
+    )
 
 
 def judge_checks_config(settings: Settings) -> JudgeChecksConfig | None:
@@ -330,6 +341,8 @@ def _observe(settings: Settings, rt: Runtime, telemetry: Telemetry, served: Serv
 
 def _start_background(settings: Settings, rt: Runtime) -> None:
     rt.tasks.append(asyncio.create_task(close_idle_trajectories(rt.store, settings)))
+    if rt.grouping is not None:  # whether scoring is on or not: grouping needs no judge
+        rt.tasks.append(asyncio.create_task(rt.grouping.run(settings.scoring_interval_s)))
     if settings.scoring and rt.scorer is not None:
         rt.tasks.append(asyncio.create_task(rt.scorer.run(settings.scoring_interval_s)))
     if settings.publish_adapters and rt.served is not None:

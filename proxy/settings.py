@@ -199,10 +199,16 @@ class Settings(BaseSettings):
         "a cohort of the same agent (same system prompt and tools).",
     )
     scoring: bool = Field(
-        True, description="Score ready groups with RULER in the background while serving."
+        True,
+        description="Score ready groups with RULER in the background while serving. Off, groups "
+        "still form, and those whose every member has an explicit reward are scored from the "
+        "rewards and trained on (no judge).",
     )
     scoring_interval_s: float = Field(
-        5.0, gt=0, description="How often the background scorer looks for ready groups."
+        5.0,
+        gt=0,
+        description="How often groups are formed (scoring on or off) and the background scorer "
+        "looks for ready groups.",
     )
     scoring_lease_s: float = Field(
         60.0,

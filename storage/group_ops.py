@@ -20,6 +20,7 @@ from storage.grouping import SignatureGrouper
 from storage.models import calls_table as C
 from storage.models import group_members_table as GM
 from storage.models import groups_table as G
+from storage.models import rewards_table as R
 from storage.models import scores_table as S
 from storage.models import trajectories_table as T
 from storage.records import (
@@ -267,6 +268,45 @@ async def form_groups(conn: AsyncConnection, grouper: SignatureGrouper, now: flo
                 await forming.add(gk, c.trajectory_id)
                 result.moved += 1
     return result
+
+
+async def settle_explicit_groups(conn: AsyncConnection, limit: int, now: float) -> list[str]:
+    """Ready groups whose every member is a trajectory the environment rewarded: "scored" from
+    those rewards with no judge call, as the scorer stores them (`judge_model` "explicit", no
+    scores of its own; `Store.get_group` picks the explicit rewards). Oldest first, at most
+    `limit`; their ids. Shadow members (one answer at a turn) carry no reward of their own, so a
+    group that holds one is never settled here."""
+    rewarded = exists().where(R.c.trajectory_id == GM.c.trajectory_id)
+    needs_judge = exists().where(GM.c.group_id == G.c.id, or_(GM.c.call_id.is_not(None), ~rewarded))
+    ids = [
+        r.id
+        for r in await conn.execute(
+            select(G.c.id)
+            .where(G.c.status == "ready", G.c.member_count >= 2, ~needs_judge)
+            .order_by(G.c.ready_at, G.c.id)
+            .limit(limit)
+        )
+    ]
+    if ids:
+        await conn.execute(
+            update(G)
+            .where(G.c.id.in_(ids), G.c.status == "ready")
+            .values(
+                status="scored",
+                scored_at=now,
+                updated_at=now,
+                judge_model="explicit",
+                rubric_hash=None,
+                judge_latency_s=None,
+                judge_attempts=None,
+                judge_prompt_tokens=None,
+                judge_completion_tokens=None,
+                judge_cost_usd=None,
+                failure=None,
+                hold_reason=None,
+            )
+        )
+    return ids
 
 
 def _lease_expired(now: float) -> Any:

@@ -295,6 +295,18 @@ class Store:
         )
         return done
 
+    async def settle_explicit_groups(
+        self, *, limit: int = 100, now: float | None = None
+    ) -> list[str]:
+        """Mark "scored", with no judge, the ready groups whose every member the environment
+        rewarded (judge model "explicit"); their ids. Grouping runs this with scoring on or off:
+        rewarded groups train even where no judge is configured."""
+        t = time.time() if now is None else now
+        settled: list[str] = await self._writer.submit(
+            self._run_ops, lambda conn: group_ops.settle_explicit_groups(conn, limit, t)
+        )
+        return settled
+
     async def requeue_held(
         self, judge_model: str, rubric_hash: str, *, limit: int = 50, now: float | None = None
     ) -> list[str]:

@@ -191,6 +191,37 @@ async def test_claim_score_and_rewards(store: Store, make_call: Any) -> None:
     assert (await store.list_groups(untrained=True)).items == []
 
 
+async def test_only_groups_rewarded_throughout_are_scored_without_a_judge(
+    store: Store, make_call: Any
+) -> None:
+    grouper = SignatureGrouper(min_size=2)
+    rewarded = [await _run(store, make_call, _task("rewarded task")) for _ in range(2)]
+    half = [await _run(store, make_call, _task("half rewarded")) for _ in range(2)]
+    for tid, reward in zip(rewarded + half[:1], (0.0, 1.0, 0.5), strict=True):
+        await store.add_reward(tid, reward, "env")
+    shadow = make_call(_task("shadow task"))
+    shadow.shadow_samples = [
+        ChoiceRecord(1, {"role": "assistant", "content": "alt"}, "stop", [5], [-0.1])
+    ]
+    await store.add_reward(await store.record_call(shadow), 1.0, "env")
+    ready = set((await store.form_groups(grouper)).ready)
+    assert len(ready) == 2
+
+    (settled,) = await store.settle_explicit_groups()
+    group = await store.get_group(settled)
+    assert group is not None and {m.trajectory_id for m in group.members} == set(rewarded)
+    assert (group.summary.status, group.summary.judge_model) == ("scored", "explicit")
+    assert [m.reward for m in group.members] == [0.0, 1.0]
+    # The half-rewarded group and the shadow group (its samples carry no reward) wait for a
+    # judge; a second pass finds nothing new, and the trainer's read sees the settled group.
+    assert await store.settle_explicit_groups() == []
+    waiting = {g.id for g in (await store.list_groups(status="ready")).items}
+    assert ready - {settled} <= waiting
+    assert [g.id for g in (await store.list_groups(status="scored", untrained=True)).items] == [
+        settled
+    ]
+
+
 async def test_release_scoring_after_a_crash(store: Store, make_call: Any) -> None:
     await _run(store, make_call, _task("crash"))
     await _run(store, make_call, _task("crash"))

@@ -3,7 +3,9 @@
     scorer = Scorer(store, judge, grouper, ScoringConfig())
     await scorer.form()              # closed trajectories -> groups; ready ones marked
     await scorer.score_next()        # the oldest ready group, scored or marked failed
-    await scorer.run(interval_s=5)   # both, forever (the background task of `rlproxy serve`)
+    await scorer.run(interval_s=5)   # score what is ready, forever (a background task of
+                                     #   `rlproxy serve`; its grouping task forms the groups,
+                                     #   scoring on or off: `trainer.rewards.grouping`)
 
 A group whose members all carry explicit rewards from the environment is marked scored without a
 judge call unless `judge_explicit_groups` is set; RULER's scores and explicit rewards are stored
@@ -90,13 +92,13 @@ class Scorer:
         return None if claimed is None else await self._score_claimed(claimed)
 
     async def run(self, interval_s: float) -> None:
-        """Form groups and score every ready one, then sleep; forever, surviving any error.
+        """Score every ready group, then sleep; forever, surviving any error. Groups are formed
+        by the grouping task (`trainer.rewards.grouping`), which runs with or without a judge.
 
         Groups left "scoring" by a scorer that died are taken back once their lease expires
         (`claim_group` takes them); a live replica's group is never taken."""
         while True:
             try:
-                await self.form()
                 await self.release_recovered()
                 while await self.score_next() is not None:
                     pass
