@@ -339,6 +339,13 @@ def _m007_adapter_rollout(conn: Connection) -> None:
     conn.execute(text("ALTER TABLE adapters ADD COLUMN rollout TEXT"))
 
 
+def _m008_call_protocols(conn: Connection) -> None:
+    """Which wire protocol a call came in by (NULL: chat completions, every call before this),
+    and whether a Responses API call may be read back by its id (`store`, `DELETE`)."""
+    conn.execute(text("ALTER TABLE calls ADD COLUMN protocol VARCHAR"))
+    conn.execute(text("ALTER TABLE calls ADD COLUMN retrievable BOOLEAN"))
+
+
 MIGRATIONS: list[Migration] = [
     Migration(1, "m001_initial", _m001_initial),
     Migration(2, "m002_groups_and_adapters", _m002_groups_and_adapters),
@@ -347,6 +354,7 @@ MIGRATIONS: list[Migration] = [
     Migration(5, "m005_untrained_groups", _m005_untrained_groups),
     Migration(6, "m006_judge_checks", _m006_judge_checks),
     Migration(7, "m007_adapter_rollout", _m007_adapter_rollout),
+    Migration(8, "m008_call_protocols", _m008_call_protocols),
 ]
 
 

@@ -125,6 +125,8 @@ class Call(Base):
     retry_of: Mapped[str | None] = mapped_column(String)
     superseded_by: Mapped[str | None] = mapped_column(String)
     completion_id: Mapped[str | None] = mapped_column(String)
+    protocol: Mapped[str | None] = mapped_column(String)
+    retrievable: Mapped[bool | None] = mapped_column(Boolean)
 
     __table_args__ = (
         Index("ix_calls_trajectory_id_turn_index", "trajectory_id", "turn_index"),

@@ -157,6 +157,8 @@ def _call(row: Row[Any], choices: list[ChoiceRecord]) -> StoredCall:
         explicit_group_key=row.explicit_group_key,
         retry_count=row.retry_count,
         completion_id=row.completion_id,
+        protocol=row.protocol or "chat",
+        retrievable=row.retrievable,
     )
     return StoredCall(
         record=record,
@@ -296,6 +298,21 @@ async def trajectory_of_completion(conn: AsyncConnection, completion_id: str) ->
         )
     ).first()
     return None if row is None else str(row.trajectory_id)
+
+
+async def call_by_completion_id(conn: AsyncConnection, completion_id: str) -> StoredCall | None:
+    """The call that returned this id (the newest, should a retry have recorded it twice)."""
+    row = (
+        await conn.execute(
+            select(C)
+            .where(C.c.completion_id == completion_id)
+            .order_by(C.c.recorded_at.desc())
+            .limit(1)
+        )
+    ).first()
+    if row is None:
+        return None
+    return _call(row, (await _choices_for(conn, [row.id]))[row.id])
 
 
 async def trajectory_owner(conn: AsyncConnection, trajectory_id: str) -> tuple[bool, str | None]:

@@ -85,7 +85,15 @@ class CallRecord:
     retry_count: int = 0
     """From the x-stainless-retry-count header; 0 when absent."""
     completion_id: str | None = None
-    """The `chatcmpl-...` id the client received (a reward can name the trajectory by it)."""
+    """The id the client received: `chatcmpl-...`, `resp_...` or `msg_...` by protocol (a reward
+    can name the trajectory by it)."""
+    protocol: str = "chat"
+    """The wire protocol the call came in by: "chat" (Chat Completions), "responses" (OpenAI's
+    Responses API) or "messages" (Anthropic's Messages API). Stored in one shape whatever it is:
+    messages, tools and choices are Chat Completions' (the edge translates)."""
+    retrievable: bool | None = None
+    """A Responses API call: whether `GET /v1/responses/{id}` may read it back (its `store`
+    flag, cleared by `DELETE`). None for the other protocols."""
     shadow_samples: list[ChoiceRecord] = field(default_factory=list)
     """Alternatives sampled beside the returned choice and never shown to the client (shadow
     sampling). Stored in their own table; together with choice 0 they form a "shadow" group."""

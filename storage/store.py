@@ -444,6 +444,19 @@ class Store:
         async with self._engines.read.connect() as conn:
             return await read_ops.trajectory_of_completion(conn, completion_id)
 
+    async def call_by_completion_id(self, completion_id: str) -> StoredCall | None:
+        """The call that returned this `chatcmpl-...`, `resp_...` or `msg_...` id, if any."""
+        async with self._engines.read.connect() as conn:
+            return await read_ops.call_by_completion_id(conn, completion_id)
+
+    async def forget_response(self, completion_id: str) -> bool:
+        """Make a Responses API call unreadable by id (`DELETE /v1/responses/{id}`); the call
+        itself stays for training. False when no retrievable response has that id."""
+        done: bool = await self._writer.submit(
+            self._run_ops, lambda conn: write_ops.forget_response(conn, completion_id)
+        )
+        return done
+
     async def trajectory_owner(self, trajectory_id: str) -> tuple[bool, str | None]:
         """(whether the trajectory exists, the API key that owns it)."""
         async with self._engines.read.connect() as conn:

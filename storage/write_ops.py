@@ -246,6 +246,17 @@ async def _write(
         await conn.execute(stmt, supersede)
 
 
+async def forget_response(conn: AsyncConnection, completion_id: str) -> bool:
+    """`DELETE /v1/responses/{id}`: the response can no longer be read back or continued; its
+    call stays (a trajectory keeps its turns). False when no retrievable response has the id."""
+    result = await conn.execute(
+        update(C)
+        .where(C.c.completion_id == completion_id, C.c.retrievable.is_(True))
+        .values(retrievable=False)
+    )
+    return bool(result.rowcount)
+
+
 async def close_trajectory(
     conn: AsyncConnection, trajectory_id: str, reason: str, now: float
 ) -> bool | None:

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proxy.api.auth import AuthMiddleware, KeyRing
 from proxy.api.deps import RUNTIME_KEY
+from proxy.api.error_shapes import AnthropicErrorsMiddleware
 from proxy.api.errors import APIError, StorageUnavailableError, error_body
 from proxy.api.http_metrics import HttpMetricsMiddleware
 from proxy.api.limits import CallerLimitsMiddleware
@@ -30,8 +31,10 @@ from proxy.api.routes import completions as completion_routes
 from proxy.api.routes import dashboard as dashboard_routes
 from proxy.api.routes import groups as group_routes
 from proxy.api.routes import judge as judge_routes
+from proxy.api.routes import messages as message_routes
 from proxy.api.routes import metrics as metrics_routes
 from proxy.api.routes import models as model_routes
+from proxy.api.routes import responses as response_routes
 from proxy.api.routes import stats as stats_routes
 from proxy.api.routes import trajectories as trajectory_routes
 from proxy.runtime import open_runtime
@@ -72,6 +75,8 @@ def create_app(settings: Settings) -> FastAPI:
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.include_router(completion_routes.router)
+    app.include_router(response_routes.router)
+    app.include_router(message_routes.router)
     app.include_router(model_routes.router)
     app.include_router(adapter_routes.router)
     app.include_router(trajectory_routes.router)
@@ -91,6 +96,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(AuthMiddleware, keys=keys, metrics=settings.metrics_auth)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
+    app.add_middleware(AnthropicErrorsMiddleware)  # sees every error, knows the request id
     app.add_middleware(RequestIdMiddleware)
     return app
 

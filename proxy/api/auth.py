@@ -158,8 +158,9 @@ class KeyRing:
             return Principal(key_id=None, scope="admin", name="open", client_ref=ref)
         if token is None:
             raise AuthenticationError(
-                "You didn't provide an API key. Send it as `Authorization: Bearer <key>` "
-                "(the OpenAI SDKs do this with api_key=...); `rlproxy keys create` makes one."
+                "You didn't provide an API key. Send it as `Authorization: Bearer <key>` or "
+                "`x-api-key: <key>` (the OpenAI and Anthropic SDKs do this with api_key=...); "
+                "`rlproxy keys create` makes one."
             )
         parts = split_key(token)
         if parts is None:
@@ -175,6 +176,17 @@ class KeyRing:
         return Principal(
             key_id=record.id, scope=record.scope, name=record.name, client_ref=record.id
         )
+
+
+def _authorization(scope: Scope) -> str | None:
+    """The `Authorization` header, or a key sent as `x-api-key` (Anthropic's SDKs) as if it
+    came as `Bearer`: one key works for every protocol."""
+    headers = dict(scope.get("headers") or ())
+    raw = headers.get(b"authorization")
+    if raw is not None:
+        return str(raw.decode("latin-1"))
+    key = headers.get(b"x-api-key")
+    return None if key is None else "Bearer " + key.decode("latin-1").strip()
 
 
 def _bearer(authorization: str | None) -> str | None:
@@ -203,11 +215,8 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         need = required_scope(scope["method"], scope["path"], self.metrics)
-        raw = next((v for k, v in scope.get("headers") or () if k == b"authorization"), None)
         try:
-            principal = await self.keys.authenticate(
-                raw.decode("latin-1") if raw is not None else None
-            )
+            principal = await self.keys.authenticate(_authorization(scope))
             if need == "admin" and not principal.is_admin:
                 raise PermissionDeniedError(
                     f"This key has the `{principal.scope}` scope; {scope['method']} "

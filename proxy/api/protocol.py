@@ -118,6 +118,8 @@ class ChatCompletionRequest(OpenAIModel):
     tools: list[Tool] | None = None
     top_logprobs: StrictInt | None = Field(None, ge=0)
     top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    # rlproxy extension (as vLLM's): sample from the k most likely tokens only
+    top_k: StrictInt | None = Field(None, ge=1)
     user: str | None = None
     # rlproxy extension: {"trajectory_id": ..., "group_id": ...}
     rlproxy: dict[str, Any] | None = None
@@ -133,8 +135,16 @@ class ChatCompletionRequest(OpenAIModel):
 # ----------------------------------------------------------------------------- responses
 
 
-def completion_id(request_id: str) -> str:
-    return f"chatcmpl-{request_id}"
+ID_PREFIXES = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}
+"""What each protocol's ids start with (OpenAI's `chatcmpl-` and `resp_`, Anthropic's `msg_`)."""
+
+
+def completion_id(request_id: str, protocol: str = "chat") -> str:
+    """The id a response carries: `chatcmpl-req_<hex>` (the request id, as ever) for chat;
+    `resp_<hex>` and `msg_<hex>`, the request id's hex, for the other two."""
+    if protocol == "chat":
+        return f"chatcmpl-{request_id}"
+    return ID_PREFIXES[protocol] + request_id.removeprefix("req_")
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

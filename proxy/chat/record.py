@@ -44,6 +44,20 @@ class CallInfo:
     """Who called: the key id, or a salted hash of an unregistered bearer token."""
     first_token: float | None = None
     """When the first token was generated, on the monotonic clock (None: none yet)."""
+    protocol: str = "chat"
+    """The wire protocol the request came in by ("chat", "responses", "messages"); `request`
+    is its translation into the one shape every engine serves (`proxy.protocols`)."""
+    chained_trajectory_id: str | None = None
+    """The trajectory an explicit link names (a Responses `previous_response_id`): the call
+    joins it unless the client names another one itself."""
+    wire: dict[str, Any] | None = None
+    """What the protocol's edge keeps of the request beside the translation (stored under
+    `params[protocol]`, read back by that edge only)."""
+    retrievable: bool | None = None
+    """A Responses API call that `GET /v1/responses/{id}` may read back (its `store` flag)."""
+    stopped_by: dict[int, str] = field(default_factory=dict)
+    """Choice index -> the stop string that ended it, filled in by the chat service as choices
+    finish (Anthropic's `stop_sequence`; the chat wire has no field for it)."""
 
     def __post_init__(self) -> None:
         self.headers = {k.lower(): v for k, v in self.headers.items()}
@@ -56,11 +70,13 @@ class CallInfo:
     @property
     def explicit_trajectory_id(self) -> str | None:
         req = self.request
-        return explicit_id(self.headers, req.metadata, req.rlproxy, "trajectory")
+        named = explicit_id(self.headers, req.metadata, req.rlproxy, "trajectory")
+        return named or self.chained_trajectory_id
 
     @property
     def completion_id(self) -> str:
-        return completion_id(self.request_id)
+        """The id the client sees: `chatcmpl-...`, `resp_...` or `msg_...` by protocol."""
+        return completion_id(self.request_id, self.protocol)
 
     @property
     def created(self) -> int:
@@ -94,6 +110,9 @@ def call_record(
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
     if tools is None and req.tools:
         tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    params = request_params(req)
+    if call.wire is not None:
+        params[call.protocol] = call.wire
     return CallRecord(
         id=uuid.uuid4().hex,
         request_id=call.request_id,
@@ -105,7 +124,7 @@ def call_record(
         engine=engine,
         request_messages=messages,
         tools=tools,
-        params=request_params(req),
+        params=params,
         response=response,
         choices=list(choices),
         shadow_samples=list(shadow_samples),
@@ -122,6 +141,8 @@ def call_record(
         explicit_group_key=explicit_id(headers, req.metadata, req.rlproxy, "group"),
         retry_count=retry_count(headers.get(RETRY_HEADER)),
         time_to_first_token_s=None if call.first_token is None else call.first_token - call.started,
+        protocol=call.protocol,
+        retrievable=call.retrievable,
     )
 
 

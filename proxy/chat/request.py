@@ -166,6 +166,7 @@ def prepare_chat(
         max_tokens=budget,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
         seed=req.seed,
         stop=req.stop_list,
         logprobs=bool(req.logprobs),

@@ -153,7 +153,21 @@ class ChatService:
 
         Validation runs in a worker thread: tokenizing a long prompt and compiling a grammar
         never hold up the event loop (other requests, their streams, /health)."""
-        prep = await asyncio.to_thread(
+        prep = await self._validate(call)
+        self._admit(prep)
+        if self.registry.canary is not None:  # a canary rollout: this call's version
+            key = conversation_key(prep.messages, prep.call.explicit_trajectory_id)
+            prep.resolved = self.registry.route(prep.resolved, key)
+        return prep
+
+    async def count_prompt_tokens(self, call: CallInfo) -> int:
+        """The prompt's length in tokens, validated as `prepare` does, never admitted to the
+        engine (Anthropic's `count_tokens`)."""
+        prep = await self._validate(call)
+        return len(prep.prompt_ids)
+
+    async def _validate(self, call: CallInfo) -> PreparedChat:
+        return await asyncio.to_thread(
             prepare_chat,
             call,
             registry=self.registry,
@@ -165,11 +179,6 @@ class ChatService:
             limits=self.limits,
             template=self.template,
         )
-        self._admit(prep)
-        if self.registry.canary is not None:  # a canary rollout: this call's version
-            key = conversation_key(prep.messages, prep.call.explicit_trajectory_id)
-            prep.resolved = self.registry.route(prep.resolved, key)
-        return prep
 
     def _admit(self, prep: PreparedChat) -> None:
         """Refuse `prep` (429) if its rows would queue more than `max_queued_rows` behind the
@@ -270,6 +279,8 @@ class ChatService:
                         logprobs[event.index].append(self._logprob_entry(event))
                 else:
                     finished[event.index] = event
+                    if event.stop is not None and event.index in plan.visible:
+                        prep.call.stopped_by[plan.visible.index(event.index)] = event.stop
         except EngineError as exc:
             await self._record(prep, "error", [], None, error=str(exc))
             raise _api_error(exc) from exc
@@ -341,6 +352,8 @@ class ChatService:
                     lp = [self._logprob_entry(event)] if prep.params.logprobs else None
                 else:
                     finished[i] = event
+                    if event.stop is not None:
+                        prep.call.stopped_by[i] = event.stop
                     deltas = text_deltas(parsers[i], "", final=True)
                     lp = None
                 for delta in deltas:

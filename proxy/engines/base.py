@@ -21,6 +21,7 @@ class SamplingParams:
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: bool = False
@@ -58,6 +59,8 @@ class ChoiceFinished:
     completion_logprobs: list[float]
     text: str = ""
     adapter: str | None = None
+    stop: str | None = None
+    """The stop string that ended the choice, when one did (`finish_reason` is then "stop")."""
 
 
 EngineEvent = TokenEvent | ChoiceFinished

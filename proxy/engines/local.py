@@ -76,6 +76,7 @@ class _Row:
     decoded: int = 0  # completion ids whose text is already in `text`
     emitted: int = 0  # characters of `text` already sent
     finish_reason: str | None = None
+    stop_hit: str | None = None  # the stop string that ended the row, if one did
 
     @property
     def adapter(self) -> str | None:
@@ -497,6 +498,7 @@ class LocalEngine:
             if at != -1:
                 row.text = text[:at]
                 row.finish_reason = "stop"
+                row.stop_hit = stop
         visible = len(row.text)
         if row.finish_reason is None:
             visible -= _held_back(row.text, params.stop)
@@ -515,6 +517,7 @@ class LocalEngine:
             completion_logprobs=list(row.logprobs),
             text=row.text,
             adapter=row.adapter,
+            stop=row.stop_hit,
         )
 
     def _retire(self, finished: list[int], rows: list[_Row]) -> None:

@@ -43,6 +43,9 @@ class RowSampler:
             )
         if p.temperature < GREEDY_BELOW:  # 0, or so small that logits / it overflow
             return int(torch.argmax(logits))
+        if 0 < p.top_k < logits.shape[-1]:  # keep the k most likely tokens (ties at the k-th too)
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits / p.temperature, dim=-1)
         if p.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)

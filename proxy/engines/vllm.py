@@ -360,6 +360,8 @@ class VLLMEngine:
         }
         if p.seed is not None:
             body["seed"] = p.seed
+        if p.top_k:
+            body["top_k"] = p.top_k
         if request.grammar is not None:
             body["structured_outputs"] = {"grammar": lark_text(request.grammar)}
         return body
@@ -510,6 +512,8 @@ class VLLMEngine:
                         completion_logprobs=list(state.logprobs),
                         text=state.text + state.pending,
                         adapter=request.adapter,
+                        # vLLM's `stop_reason`: the stop string matched (an int: a stop token)
+                        stop=stop if isinstance(stop := item.get("stop_reason"), str) else None,
                     )
                 )
         return events

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.api.routes.completions import _unless_disconnected
+from proxy.api.serving import unless_disconnected
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,7 +48,7 @@ async def test_a_request_cancelled_by_shutdown_finishes_storing_its_call() -> No
             raise
         return {}
 
-    request = asyncio.ensure_future(_unless_disconnected(_ListeningClient(), generation()))
+    request = asyncio.ensure_future(unless_disconnected(_ListeningClient(), generation()))
     await started.wait()
     request.cancel()  # uvicorn: "Task cancelled, timeout graceful shutdown exceeded"
     with pytest.raises(asyncio.CancelledError):

@@ -103,6 +103,8 @@ EXPECTED: dict[str, dict[str, Any]] = {
             "retry_of str null",
             "superseded_by str null",
             "completion_id str null",
+            "protocol str null",
+            "retrievable bool null",
         ],
         "pk": ["id"],
         "unique": [],

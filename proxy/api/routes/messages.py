@@ -1,0 +1,66 @@
+"""Anthropic's Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`.
+
+The request is translated into the core's chat request (`proxy.protocols.messages`), answered by
+`proxy.api.serving.serve` like any chat call, and the answer translated back: a `message`, or
+Anthropic's event stream. Keys may come as `x-api-key` (what Anthropic's SDKs send) or as
+`Authorization: Bearer`; errors on these paths are Anthropic's shape (`proxy.api.app`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from proxy.api.auth import Caller
+from proxy.api.body import TextJSONRoute
+from proxy.api.deps import Chat, Generating, request_id
+from proxy.api.serving import serve
+from proxy.chat.record import CallInfo
+from proxy.chat.streaming import SSE_HEADERS
+from proxy.protocols import messages
+from proxy.protocols.messages import CountTokensRequest, MessagesRequest
+
+router = APIRouter(route_class=TextJSONRoute)
+
+
+@router.post("/v1/messages")
+async def create_message(
+    body: MessagesRequest, request: Request, runtime: Generating, caller: Caller
+):
+    chat = messages.to_chat(body, stream=bool(body.stream))
+    call = CallInfo(
+        chat,
+        request_id(request),
+        dict(request.headers),
+        owner=caller.owner,
+        client_ref=caller.client_ref,
+        protocol="messages",
+    )
+    answer = await serve(request, runtime, caller, call)
+    if answer.chunks is not None:
+        events = messages.Events(
+            call.completion_id,
+            body.model,
+            answer.prompt_tokens or 0,
+            lambda: call.stopped_by.get(0),
+        )
+        return StreamingResponse(
+            messages.sse(events.run(answer.chunks)),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    if answer.body is None:  # nobody is listening any more; the call is stored as disconnected
+        return Response(status_code=499)
+    return JSONResponse(
+        messages.render(call.completion_id, body.model, answer.body, call.stopped_by.get(0))
+    )
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request, chat: Chat) -> dict[str, Any]:
+    """The prompt's length in the policy's tokens, rendered as it would be served (an upstream
+    model's own count may differ)."""
+    call = CallInfo(messages.to_chat(body), request_id(request), protocol="messages")
+    return {"input_tokens": await chat.count_prompt_tokens(call)}

@@ -1,0 +1,117 @@
+"""The one path every protocol's route takes to an answer: a translated call in, the chat core's
+body or chunk stream out.
+
+    call = CallInfo(chat_request, request_id(request), dict(request.headers), protocol="messages")
+    answer = await serve(request, runtime, caller, call)
+    answer.body        # non-streamed: the core's body (Chat Completions' shape), or
+    answer.chunks      # streamed: the core's chunks, for the protocol's edge to re-frame
+
+Whichever protocol a request came in by (`proxy/protocols/` translates it into a
+`ChatCompletionRequest`), it is served here the same way: an upstream model name goes to the
+upstream service, every other name to the policy's `ChatService` (the local or the vllm engine),
+the caller's ownership of a named trajectory is checked, and a client that leaves before a
+non-streamed answer cancels its generation. The protocol's route only translates in and out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from proxy.api.auth import PermissionDeniedError, Principal
+from proxy.api.http_metrics import label_model
+from proxy.chat.record import CallInfo
+from proxy.chat.streaming import prepend
+from proxy.runtime import Runtime
+from storage.store import Store
+
+T = TypeVar("T")
+
+
+@dataclass
+class Answer:
+    """What the core made of a call: exactly one of `body` and `chunks`, or neither when the
+    client left before a non-streamed answer (the call is stored as disconnected)."""
+
+    body: dict[str, Any] | None = None
+    chunks: AsyncIterator[dict[str, Any]] | None = None
+    prompt_tokens: int | None = None
+    """The prompt's length in tokens when known before generating (the policy's engines)."""
+
+    @property
+    def disconnected(self) -> bool:
+        return self.body is None and self.chunks is None
+
+
+async def serve(request: Request, runtime: Runtime, caller: Principal, call: CallInfo) -> Answer:
+    served = runtime.served
+    assert served is not None  # `Generating` refuses a runtime without serving
+    body = call.request
+    label_model(request.scope, body.model)
+    await check_trajectory_owner(call, caller, runtime.store)
+    upstream = served.upstream
+    if upstream is not None and upstream.serves(body.model):
+        if not body.stream:
+            return Answer(body=await upstream.complete(call))
+        chunks = upstream.stream(call)
+        # Wait for the provider's first chunk: a failure before it is still an HTTP error status.
+        first = await anext(chunks, None)
+        return Answer(chunks=prepend(first, chunks))
+    await served.adapters.ensure_servable(body.model)
+    prepared = await served.chat.prepare(call)
+    tokens = len(prepared.prompt_ids)
+    if body.stream:
+        return Answer(chunks=served.chat.stream(prepared), prompt_tokens=tokens)
+    return Answer(
+        body=await unless_disconnected(request, served.chat.complete(prepared)),
+        prompt_tokens=tokens,
+    )
+
+
+async def check_trajectory_owner(call: CallInfo, caller: Principal, store: Store) -> None:
+    """A key continues only its own trajectories: naming another key's is a 403 before any
+    token is generated (admins included: their calls would be stored under their own key)."""
+    tid = call.explicit_trajectory_id
+    if tid is None or caller.key_id is None:
+        return
+    exists, owner = await store.trajectory_owner(tid)
+    if exists and owner != caller.key_id:
+        raise PermissionDeniedError(
+            f"Trajectory '{tid}' belongs to another API key; this key cannot add turns to it.",
+            param="trajectory_id",
+        )
+
+
+async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """Run `work`; if the client goes away first, cancel it (its generation stops): None.
+
+    If this request is cancelled itself (uvicorn's graceful shutdown ran out of time), `work` is
+    cancelled and awaited before the cancellation goes on, so the call is stored as interrupted
+    while the store is still open, not left running past the server's shutdown."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
