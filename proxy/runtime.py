@@ -285,7 +285,11 @@ async def _serve(
     telemetry: Telemetry | None = None,
 ) -> Served:
     record = store.record_call if telemetry is None else telemetry.recorder(store.record_call)
-    registry = ServedModels(policy=settings.model_name, aliases=tuple(settings.aliases))
+    registry = ServedModels(
+        policy=settings.model_name,
+        aliases=tuple(settings.aliases),
+        base_model=settings.base_model_name,
+    )
     adapters = AdapterManager(
         engine, registry, settings.checkpoints_dir, keep_previous=settings.keep_adapters
     )

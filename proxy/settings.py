@@ -495,6 +495,11 @@ class Settings(BaseSettings):
         return not _is_loopback(self.host)
 
     @property
+    def base_model_name(self) -> str:
+        """How `/health` and `GET /v1/models` name the base model: RLPROXY_BASE_MODEL as given."""
+        return self.base_model or "SmolLM2-135M-Instruct (embedded)"
+
+    @property
     def checkpoints_dir(self) -> Path:
         return self.data_dir / "checkpoints" / self.model_name
 

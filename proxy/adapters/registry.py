@@ -127,6 +127,8 @@ class Canary:
 class ServedModels:
     policy: str
     aliases: tuple[str, ...] = ()
+    base_model: str | None = None
+    """The base model's name (RLPROXY_BASE_MODEL as given), each entry's `root` as in vLLM."""
     created: int = field(default_factory=lambda: int(time.time()))
     _loaded: dict[int, int] = field(default_factory=dict)  # version -> loaded-at time
     _active: int | None = None
@@ -238,4 +240,15 @@ class ServedModels:
         self.resolve(model_id)  # raises ModelNotFoundError for unknown ids
         version = parse_version(model_id.partition("@")[2])
         created = self.created if version is None else self._loaded.get(version, self.created)
-        return {"id": model_id, "object": "model", "created": created, "owned_by": "rlproxy"}
+        entry: dict[str, object] = {
+            "id": model_id,
+            "object": "model",
+            "created": created,
+            "owned_by": "rlproxy",
+        }
+        if (
+            self.base_model is not None
+        ):  # vLLM's ModelCard: the base in `root`, a LoRA's in `parent`
+            entry["root"] = self.base_model
+            entry["parent"] = f"{self.policy}@base" if version is not None else None
+        return entry

@@ -1,6 +1,9 @@
 """`GET /v1/models`, `GET /v1/models/{id}` and `GET /health`.
 
-The list holds the policy's names (the registry) and then the upstream names, if any.
+The list holds the policy's names (the registry) and then the upstream names, if any. As in
+vLLM's `/v1/models`, each policy entry names the base model in `root` (RLPROXY_BASE_MODEL as
+given, or the embedded model) and a version's `parent` is `NAME@base`; `/health` says
+`base_model` too, so an operator sees which model was loaded.
 
 `/health` answers 200 with `"status": "ok"` when the server can serve calls, and 503 with
 `"status": "degraded"` and a `reason` when it cannot: the engine stopped, or the database takes
@@ -53,7 +56,11 @@ async def health(
     body: dict[str, object] = {"status": "degraded" if problems else "ok"}
     if problems:
         body["reason"] = "; ".join(problems)
-    body |= {"model": registry.policy, "active_version": registry.active}
+    body |= {
+        "model": registry.policy,
+        "base_model": registry.base_model,
+        "active_version": registry.active,
+    }
     if caller.is_admin:
         body |= {
             "engine": state.detail,
