@@ -1,10 +1,11 @@
-# rlproxy: one target each for setup, serve, test, lint and bench. CI runs `make test`.
+# rlproxy: one target each for setup, serve, test, lint, docs and bench. CI runs `make docs-check`
+# and `make test`.
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup browser serve test test-slow test-all test-fuzz test-deploy lint bench bench-overhead bench-ruler bench-learning bench-grpo bench-history bench-telemetry soak clean
+.PHONY: setup browser serve docs docs-check test test-slow test-all test-fuzz test-deploy lint bench bench-overhead bench-ruler bench-learning bench-grpo bench-history bench-telemetry soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,6 +36,23 @@ browser:
 serve: setup
 	$(BIN)/rlproxy serve
 
+# The docs site (mkdocs.yml, docs/): MkDocs Material, pinned in the `docs` extra.
+DOCS_STAMP := $(VENV)/.docs-installed
+DOCS_ADDR ?= 127.0.0.1:8001
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+# Serves the site with live reload on DOCS_ADDR (beside rlproxy's own 8000).
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr $(DOCS_ADDR)
+
+# CI: the settings reference must match proxy/settings.py (docs/gen_settings.py rewrites it),
+# and the site must build with --strict (a broken link or a page missing from disk fails).
+docs-check: $(DOCS_STAMP)
+	$(BIN)/python docs/gen_settings.py --check
+	site=$$(mktemp -d) && trap 'rm -rf "$$site"' EXIT && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir "$$site"
+
 # Default suite: unit, store (SQLite + Postgres) and end-to-end tests with real clients.
 # Exit code 5 ("no tests collected") is not a failure.
 test: setup
@@ -61,8 +79,8 @@ test-all: setup
 	$(BIN)/python -m pytest -q -m "slow or not slow"; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 lint: setup
-	$(BIN)/ruff check proxy storage trainer tests bench examples
-	$(BIN)/ruff format --check proxy storage trainer tests bench examples
+	$(BIN)/ruff check proxy storage trainer tests bench examples docs
+	$(BIN)/ruff format --check proxy storage trainer tests bench examples docs
 	$(BIN)/mypy proxy storage trainer
 	# The import rules between the rooms (pyproject.toml [tool.importlinter], docs/ARCHITECTURE.md).
 	$(BIN)/lint-imports --no-cache
