@@ -71,7 +71,7 @@ test-fuzz: setup
 # container's life (completion through the published port, data on the volume, stop/start,
 # SIGTERM under load) and the compose stack (cpu profile) with Postgres; gpu and observability
 # through `docker-compose config`. Needs root on Debian: tests/deploy/host/ installs podman and
-# builds a local python:3.11-slim stand-in (no registry is needed). Prints image size and start times; see README "Deploy".
+# builds a local python:3.11-slim stand-in (no registry is needed). Prints image size and start times; see docs/deploy.md.
 test-deploy: setup
 	$(BIN)/python -m pytest -q -s -m deploy tests/deploy
 

@@ -15,8 +15,8 @@ A canary check passes only when the canary scores strictly below the real member
 figures count each outcome (below, tie, above). Progress is printed every minute once the calls
 are sent, the figures once every group is judged (or at --timeout-s). On the shared 2-core machine
 (load average 6-9, OMP_NUM_THREADS=1) a group took about a minute to judge:
-`--groups 16 --samples 3 --min-checks 8 --position-share 0.5` ran 23 minutes (README, "Keeping the
-judge honest").
+`--groups 16 --samples 3 --min-checks 8 --position-share 0.5` ran 23 minutes
+(docs/benchmarks/judge-and-rollout.md).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ and the wall time. Not a test: it prints, it asserts nothing.
 `--reuse` takes the trained versions of an earlier run's working folder and starts at 3. On a
 loaded machine one torch thread per process (OMP_NUM_THREADS=1, inherited by the servers and
 trainers) ran about ten times faster than the default. What it printed and how long it took on
-the shared 2-core machine: the README's Canary rollout section.
+the shared 2-core machine: docs/benchmarks/judge-and-rollout.md.
 """
 
 from __future__ import annotations
