@@ -240,6 +240,8 @@ def _turns(calls: list[StoredCall]) -> list[TurnView]:
                 created_at=rec.created_at,
                 retry_of=call.retry_of,
                 attempts=len(attempts),
+                protocol=rec.protocol,
+                completion_id=rec.completion_id,
             )
         )
     return turns

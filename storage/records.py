@@ -179,6 +179,10 @@ class TurnView:
     retry_of: str | None
     attempts: int
     """Calls stored for this turn (1 + number of retries)."""
+    protocol: str = "chat"
+    """The wire protocol of the standing call ("chat", "responses", "messages")."""
+    completion_id: str | None = None
+    """The id its client received (`chatcmpl-...`, `resp_...`, `msg_...`)."""
 
 
 @dataclass

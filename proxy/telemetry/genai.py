@@ -62,6 +62,7 @@ def call_attributes(
         "gen_ai.response.model": response_model,
         "gen_ai.conversation.id": trajectory_id,
         "rlproxy.engine": record.engine,
+        "rlproxy.protocol": record.protocol,
         "rlproxy.status": record.status,
         "rlproxy.call_id": record.id,
         "rlproxy.adapter_version": record.adapter_version or 0,

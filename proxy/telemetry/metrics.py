@@ -95,9 +95,10 @@ class Metrics:
         )
         self.calls = Counter(
             "rlproxy_chat_calls",
-            "Chat calls stored, by requested model, engine (local, upstream) and how they ended "
-            "(completed, error, client_disconnected).",
-            ["model", "engine", "status"],
+            "Chat calls stored, by requested model, engine (local, vllm, upstream), how they "
+            "ended (completed, error, client_disconnected) and the wire protocol they came in by "
+            "(chat, responses, messages).",
+            ["model", "engine", "status", "protocol"],
             registry=r,
         )
         self.call_duration = Histogram(
@@ -210,7 +211,7 @@ class Metrics:
 
     def observe_call(self, record: CallRecord) -> None:
         model, engine = self.model_label(record.model_requested), record.engine
-        self.calls.labels(model, engine, record.status).inc()
+        self.calls.labels(model, engine, record.status, record.protocol).inc()
         self.call_duration.labels(model, engine).observe(record.latency_s)
         if record.time_to_first_token_s is not None:
             self.ttft.labels(model, engine).observe(record.time_to_first_token_s)

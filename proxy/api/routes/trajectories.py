@@ -6,8 +6,9 @@
     POST /rl/trajectories/{id}/reward     {"reward": float, "source": str}; closes it
     POST /rl/trajectories/{id}/end        closes it
 
-Where a route takes a trajectory id it also takes the `chatcmpl-...` id of any completion in it,
-so an agent that knows nothing of rlproxy can reward the run behind a response it received.
+Where a route takes a trajectory id it also takes the id any of its calls returned
+(`chatcmpl-...`, `resp_...`, `msg_...`), so an agent that knows nothing of rlproxy can reward
+the run behind a response it received.
 
 Thin routes over `storage.Store`: the store owns the SQL and the linking,
 this module only parses, maps store errors to OpenAI-shaped ones, and shapes the JSON.
@@ -25,6 +26,7 @@ from proxy.api.auth import Caller, Principal
 from proxy.api.body import TextJSONRoute
 from proxy.api.deps import StoreDep, TelemetryDep
 from proxy.api.errors import InvalidRequestError, NotFoundError
+from proxy.api.protocol import ID_PREFIXES
 from storage.errors import TrajectoryNotFound
 from storage.records import MAX_ABS_REWARD, TrajectoryDetail, TrajectorySummary
 from storage.store import Store
@@ -85,11 +87,12 @@ async def get_trajectory(trajectory_id: str, store: StoreDep, caller: Caller) ->
 
 
 async def resolve(store: Store, caller: Principal, trajectory_id: str) -> str:
-    """A trajectory id as given, or the trajectory of a `chatcmpl-...` completion id.
+    """A trajectory id as given, or the trajectory of a call's id as its client received it
+    (`chatcmpl-...`, `resp_...`, `msg_...`: whichever protocol it came in by).
 
     Another key's trajectory is "not found" to a non-admin key (its existence is not told)."""
     given = trajectory_id
-    if trajectory_id.startswith("chatcmpl-"):
+    if trajectory_id.startswith(tuple(ID_PREFIXES.values())):
         found = await store.trajectory_of_completion(trajectory_id)
         if found is not None:
             trajectory_id = found

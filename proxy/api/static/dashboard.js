@@ -682,7 +682,8 @@
 
   function drawTurn(turn, i, fresh) {
     const tokens = `${turn.prompt_tokens ?? "–"} prompt + ${turn.completion_tokens ?? "–"} completion tokens`;
-    const meta = [versionName(turn.adapter_version), tokens, `${num(turn.latency_s, 2)} s`, turn.status];
+    const protocol = { chat: "chat completions", responses: "responses", messages: "anthropic messages" }[turn.protocol] ?? turn.protocol;
+    const meta = [versionName(turn.adapter_version), protocol, tokens, `${num(turn.latency_s, 2)} s`, turn.status];
     if (turn.attempts > 1) meta.push(`${turn.attempts} attempts`);
     return h(
       "article",

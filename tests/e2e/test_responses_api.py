@@ -1,0 +1,330 @@
+"""OpenAI's Responses API against a real rlproxy, with the openai SDK as its docs show it.
+
+`client.responses.create`, `.stream`, `.retrieve`, `.delete`, `.input_items.list`, a
+`previous_response_id` chain through a function call and its output, `store: false`, structured
+output, logprobs, and the errors. What is checked are protocol properties (shapes, event order,
+what is stored and linked), not answers: the model has 135M parameters.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+from openai import BadRequestError, NotFoundError, OpenAI
+
+from tests.e2e.conftest import Server
+from tests.e2e.helpers import get_trajectory
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+TIME = {
+    "type": "function",
+    "name": "get_time",
+    "description": "The time in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+
+
+def events(server: Server, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A streamed response's events as sent: (event line, data) pairs checked to agree."""
+    out = []
+    with httpx.stream(
+        "POST", f"{server.base_url}/responses", json={**body, "stream": True}, timeout=120
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        kind = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kind = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                data = json.loads(line.removeprefix("data: "))
+                assert data["type"] == kind
+                out.append(data)
+    return out
+
+
+@pytest.fixture(scope="module")
+def greedy(client: OpenAI):
+    return client.responses.create(
+        model="rlproxy", input="Say hello to Bob.", max_output_tokens=12, temperature=0
+    )
+
+
+def test_create_returns_a_response_object(greedy) -> None:
+    r = greedy
+    assert r.id.startswith("resp_")
+    assert r.object == "response"
+    assert r.status in ("completed", "incomplete")
+    assert r.model == "rlproxy"
+    [message] = r.output
+    assert message.type == "message" and message.role == "assistant"
+    assert message.content[0].type == "output_text"
+    assert r.output_text == message.content[0].text and r.output_text
+    assert r.usage is not None and r.usage.input_tokens > 0
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    if r.status == "incomplete":
+        assert r.usage.output_tokens == 12
+        assert r.incomplete_details is not None
+        assert r.incomplete_details.reason == "max_output_tokens"
+
+
+def test_retrieve_returns_what_create_returned(client: OpenAI, greedy) -> None:
+    again = client.responses.retrieve(greedy.id)
+    assert again.model_dump() == greedy.model_dump()
+
+
+def test_input_items_list_the_input(client: OpenAI, greedy) -> None:
+    items = client.responses.input_items.list(greedy.id, order="asc")
+    [item] = items.data
+    assert item.type == "message" and item.role == "user"
+    assert item.content[0].text == "Say hello to Bob."
+
+
+def test_stream_events_in_order_and_equal_to_create(server: Server, greedy) -> None:
+    evs = events(
+        server,
+        {
+            "model": "rlproxy",
+            "input": "Say hello to Bob.",
+            "max_output_tokens": 12,
+            "temperature": 0,
+        },
+    )
+    assert [e["sequence_number"] for e in evs] == list(range(len(evs)))
+    kinds = [e["type"] for e in evs]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    last = "response.completed" if greedy.status == "completed" else "response.incomplete"
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        last,
+    ]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    text = "".join(e["delta"] for e in evs if e["type"] == "response.output_text.delta")
+    assert text == greedy.output_text
+    final = evs[-1]["response"]
+    assert final["output"][0]["content"][0]["text"] == text
+    assert final["usage"]["output_tokens"] == greedy.usage.output_tokens
+    assert evs[0]["response"]["status"] == "in_progress"
+
+
+def test_sdk_stream_helper(client: OpenAI) -> None:
+    with client.responses.stream(
+        model="rlproxy", input="Say hi.", max_output_tokens=200, temperature=0
+    ) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.status == "completed"
+    assert final.output_text == "".join(deltas)
+
+
+def test_max_output_tokens_ends_incomplete(server: Server) -> None:
+    evs = events(
+        server, {"model": "rlproxy", "input": "Write a long story.", "max_output_tokens": 3}
+    )
+    assert evs[-1]["type"] == "response.incomplete"
+    assert evs[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_function_call_chain_is_one_trajectory(client: OpenAI, server: Server) -> None:
+    first = client.responses.create(
+        model="rlproxy",
+        instructions="You answer questions about the weather.",
+        input="What is the weather in Paris?",
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=64,
+    )
+    [call] = [o for o in first.output if o.type == "function_call"]
+    assert call.name == "get_weather" and call.id.startswith("fc_")
+    assert "city" in json.loads(call.arguments)
+    second = client.responses.create(
+        model="rlproxy",
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}],
+        tools=[WEATHER],
+        max_output_tokens=16,
+    )
+    assert second.previous_response_id == first.id
+    [own] = client.responses.input_items.list(second.id).data
+    assert own.type == "function_call_output" and own.call_id == call.call_id
+
+    trajectory = get_trajectory(server, second.id)  # a response id names its trajectory
+    assert trajectory["id"] == get_trajectory(server, first.id)["id"]
+    turns = trajectory["turns"]
+    assert [t["completion_id"] for t in turns] == [first.id, second.id]
+    assert {t["protocol"] for t in turns} == {"responses"}
+    # the second turn's request: the first's conversation, its call, then the call's output
+    roles = [m["role"] for m in turns[1]["request_messages"]]
+    assert roles == ["user", "assistant", "tool"]  # instructions are not carried over
+    assert turns[1]["request_messages"][1]["tool_calls"][0]["id"] == call.call_id
+
+
+def test_a_full_history_without_previous_id_links_by_prefix(client: OpenAI, server: Server) -> None:
+    """What the Agents SDK does: every turn resends the whole conversation as items."""
+    history: list[Any] = [{"role": "user", "content": "What time is it in Rome?"}]
+    first = client.responses.create(
+        model="rlproxy",
+        input=history,
+        tools=[TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=64,
+    )
+    [call] = [o for o in first.output if o.type == "function_call"]
+    history += [o.model_dump(exclude_none=True) for o in first.output]
+    history.append({"type": "function_call_output", "call_id": call.call_id, "output": "10:00"})
+    second = client.responses.create(
+        model="rlproxy", input=history, tools=[TIME], max_output_tokens=8
+    )
+    turns = get_trajectory(server, second.id)["turns"]
+    assert [t["completion_id"] for t in turns] == [first.id, second.id]
+
+
+def test_store_false_is_not_retrievable_but_recorded(client: OpenAI, server: Server) -> None:
+    r = client.responses.create(model="rlproxy", input="Hi", max_output_tokens=4, store=False)
+    assert r.store is False
+    with pytest.raises(NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(NotFoundError):
+        client.responses.create(
+            model="rlproxy", input="Again", previous_response_id=r.id, max_output_tokens=4
+        )
+    assert get_trajectory(server, r.id)["turns"][0]["completion_id"] == r.id
+
+
+def test_delete(client: OpenAI, server: Server) -> None:
+    r = client.responses.create(model="rlproxy", input="Hi", max_output_tokens=4)
+    client.responses.delete(r.id)
+    with pytest.raises(NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(NotFoundError):
+        client.responses.delete(r.id)
+    assert get_trajectory(server, r.id)["turns"][0]["completion_id"] == r.id  # still trains
+
+
+def test_structured_output(client: OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    r = client.responses.create(
+        model="rlproxy",
+        input="Invent a person.",
+        text={
+            "format": {"type": "json_schema", "name": "person", "schema": schema, "strict": True}
+        },
+        max_output_tokens=64,
+    )
+    value = json.loads(r.output_text)
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+    assert r.text.format.type == "json_schema"
+
+
+def test_logprobs_included(client: OpenAI) -> None:
+    r = client.responses.create(
+        model="rlproxy",
+        input="Say hi.",
+        max_output_tokens=5,
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+    )
+    logprobs = r.output[0].content[0].logprobs
+    assert logprobs is not None and len(logprobs) == r.usage.output_tokens
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in logprobs)
+
+
+def test_tool_choice_none_and_named(client: OpenAI) -> None:
+    none = client.responses.create(
+        model="rlproxy",
+        input="Weather in Oslo?",
+        tools=[WEATHER, TIME],
+        tool_choice="none",
+        max_output_tokens=8,
+    )
+    assert all(o.type == "message" for o in none.output)
+    named = client.responses.create(
+        model="rlproxy",
+        input="Weather in Oslo?",
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "name": "get_time"},
+        parallel_tool_calls=False,
+        max_output_tokens=64,
+    )
+    assert [o.name for o in named.output if o.type == "function_call"] == ["get_time"]
+
+
+def test_reward_by_response_id(client: OpenAI, server: Server) -> None:
+    r = client.responses.create(model="rlproxy", input="Hi", max_output_tokens=4)
+    reward = httpx.post(
+        f"{server.url}/rl/trajectories/{r.id}/reward", json={"reward": 1.0, "source": "env"}
+    )
+    assert reward.status_code == 200, reward.text
+    assert get_trajectory(server, r.id)["rewards"][0]["reward"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "rlproxy", "input": [{"type": "bogus"}]}, "input[0].type"),
+        ({"model": "rlproxy", "input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+        (
+            {"model": "rlproxy", "input": [{"type": "function_call", "name": "f"}]},
+            "input[0].call_id",
+        ),
+        (
+            {"model": "rlproxy", "input": "x", "tools": [{"type": "web_search"}]},
+            "tools[0].type",
+        ),
+        ({"model": "rlproxy", "input": "x", "conversation": "conv_1"}, "conversation"),
+        ({"model": "rlproxy", "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x"}, "model"),
+    ],
+)
+def test_bad_input_is_a_400_in_openai_shape(server: Server, body: dict, param: str) -> None:
+    r = httpx.post(f"{server.base_url}/responses", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert error["message"]
+
+
+def test_unknown_ids_are_404(client: OpenAI) -> None:
+    with pytest.raises(NotFoundError):
+        client.responses.retrieve("resp_does_not_exist")
+    with pytest.raises(NotFoundError):
+        client.responses.create(
+            model="rlproxy", input="x", previous_response_id="resp_nope", max_output_tokens=2
+        )
+    with pytest.raises(NotFoundError):
+        client.responses.input_items.list("chatcmpl-abc")
+
+
+def test_cancel_is_refused_in_the_foreground(client: OpenAI, greedy) -> None:
+    with pytest.raises(BadRequestError):
+        client.responses.cancel(greedy.id)
