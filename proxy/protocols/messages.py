@@ -10,7 +10,9 @@ tool call (its `input` object as JSON arguments), `tool_result` to a tool messag
 results of a user turn come first, in order, then its text). Tools are `{name, description,
 input_schema}`; `tool_choice` `auto`/`any`/`tool`/`none` is the core's `auto`/`required`/named/
 `none`, and `disable_parallel_tool_use` its `parallel_tool_calls: false`. `stop_sequences`,
-`max_tokens`, `temperature`, `top_p` and `top_k` are the core's sampling parameters.
+`max_tokens`, `temperature`, `top_p` and `top_k` are the core's sampling parameters (the
+anthropic SDK 2.x sends the last three only through `extra_body`); `output_config.format` (a
+JSON schema) is the core's structured output.
 
 Stop reasons: `tool_use` when the answer calls a tool, `max_tokens` when the budget cut it,
 `stop_sequence` (with the one matched) when a stop sequence ended it, else `end_turn`.
@@ -52,6 +54,16 @@ class ToolChoice(OpenAIModel):
     disable_parallel_tool_use: bool | None = None
 
 
+class OutputFormat(OpenAIModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(OpenAIModel):
+    format: OutputFormat | None = None
+    effort: str | None = None  # accepted and ignored: this server's models do not think aloud
+
+
 class MessagesRequest(OpenAIModel):
     """`POST /v1/messages`, as https://docs.anthropic.com/en/api/messages lists it."""
 
@@ -68,6 +80,7 @@ class MessagesRequest(OpenAIModel):
     tool_choice: ToolChoice | None = None
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
     service_tier: str | None = None
     # rlproxy extension: {"trajectory_id": ..., "group_id": ...}
     rlproxy: dict[str, Any] | None = None
@@ -120,6 +133,7 @@ def to_chat(
             top_p=req.top_p,
             top_k=req.top_k,
             user=(req.metadata or {}).get("user_id"),
+            response_format=_response_format(req.output_config),
             metadata=req.metadata,
             rlproxy=req.rlproxy,
         )
@@ -133,6 +147,15 @@ def to_chat(
         raise InvalidRequestError(
             f"Invalid request: {first.get('msg', 'invalid')} (at {where}).", param="messages"
         ) from exc
+
+
+def _response_format(config: OutputConfig | None) -> dict[str, Any] | None:
+    if config is None or config.format is None:
+        return None
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": config.format.schema_},
+    }
 
 
 def _system_text(system: str | list[dict[str, Any]]) -> str:

@@ -1,0 +1,289 @@
+"""Anthropic's Messages API against a real rlproxy, with the anthropic SDK as its docs show it.
+
+`messages.create`, `messages.stream`, a `tool_use`/`tool_result` round trip, the four stop
+reasons, `count_tokens`, and Anthropic's error shape. The raw event stream is read with httpx
+where the SDK hides events (`ping`). A conversation that moves between protocols stays one
+trajectory.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anthropic
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.e2e.conftest import Server
+from tests.e2e.helpers import get_trajectory
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+HELLO = [{"role": "user", "content": "Say hello to Bob."}]
+
+
+@pytest.fixture(scope="module")
+def claude(server: Server):
+    with anthropic.Anthropic(base_url=server.url, api_key="sk-test", max_retries=0) as c:
+        yield c
+
+
+def raw_events(server: Server, body: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/messages",
+        json={**body, "stream": True},
+        headers={"x-api-key": "sk-test", "anthropic-version": "2023-06-01"},
+        timeout=120,
+    ) as r:
+        assert r.status_code == 200
+        kind = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kind = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                data = json.loads(line.removeprefix("data: "))
+                assert data["type"] == kind
+                out.append(data)
+    return out
+
+
+@pytest.fixture(scope="module")
+def greedy(claude: anthropic.Anthropic):
+    # anthropic 2.x has no `temperature` argument; the wire field is still Anthropic's.
+    return claude.messages.create(
+        model="rlproxy", max_tokens=12, messages=HELLO, extra_body={"temperature": 0}
+    )
+
+
+def test_create_returns_a_message(greedy) -> None:
+    m = greedy
+    assert m.id.startswith("msg_") and m.type == "message" and m.role == "assistant"
+    assert m.model == "rlproxy"
+    [block] = m.content
+    assert block.type == "text" and block.text
+    assert m.stop_reason in ("end_turn", "max_tokens")
+    assert m.usage.input_tokens > 0 and 0 < m.usage.output_tokens <= 12
+
+
+def test_stream_equals_create(claude: anthropic.Anthropic, greedy) -> None:
+    with claude.messages.stream(
+        model="rlproxy", max_tokens=12, messages=HELLO, extra_body={"temperature": 0}
+    ) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == greedy.content[0].text
+    assert final.stop_reason == greedy.stop_reason
+    assert final.usage.output_tokens == greedy.usage.output_tokens
+
+
+def test_raw_event_sequence(server: Server, greedy) -> None:
+    evs = raw_events(
+        server, {"model": "rlproxy", "max_tokens": 12, "messages": HELLO, "temperature": 0}
+    )
+    kinds = [e["type"] for e in evs]
+    assert kinds[:3] == ["message_start", "ping", "content_block_start"]
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(kinds[3:-3]) == {"content_block_delta"}
+    start = evs[0]["message"]
+    assert start["id"].startswith("msg_") and start["content"] == []
+    assert start["usage"]["input_tokens"] == greedy.usage.input_tokens
+    assert evs[-2]["delta"]["stop_reason"] == greedy.stop_reason
+    assert evs[-2]["usage"]["output_tokens"] == greedy.usage.output_tokens
+
+
+def test_stop_reasons(claude: anthropic.Anthropic) -> None:
+    cut = claude.messages.create(
+        model="rlproxy", max_tokens=2, messages=[{"role": "user", "content": "Write a story."}]
+    )
+    assert cut.stop_reason == "max_tokens" and cut.stop_sequence is None
+    stopped = claude.messages.create(
+        model="rlproxy",
+        max_tokens=64,
+        messages=[{"role": "user", "content": "Write a long story."}],
+        stop_sequences=[" "],
+    )
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == " "
+    assert " " not in stopped.content[0].text
+
+
+def test_tool_use_round_trip_is_one_trajectory(claude: anthropic.Anthropic, server: Server) -> None:
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = claude.messages.create(
+        model="rlproxy",
+        max_tokens=64,
+        system="You answer questions about the weather.",
+        messages=ask,
+        tools=[WEATHER],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+    )
+    assert first.stop_reason == "tool_use"
+    [use] = [b for b in first.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and isinstance(use.input, dict) and "city" in use.input
+    second = claude.messages.create(
+        model="rlproxy",
+        max_tokens=8,
+        system="You answer questions about the weather.",
+        tools=[WEATHER],
+        messages=[
+            *ask,
+            {"role": "assistant", "content": first.content},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny"}],
+            },
+        ],
+    )
+    turns = get_trajectory(server, second.id)["turns"]  # a message id names its trajectory
+    assert [t["completion_id"] for t in turns] == [first.id, second.id]
+    assert {t["protocol"] for t in turns} == {"messages"}
+    assert [m["role"] for m in turns[1]["request_messages"]] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+    ]
+
+
+def test_streamed_tool_input_arrives_as_json_deltas(server: Server) -> None:
+    evs = raw_events(
+        server,
+        {
+            "model": "rlproxy",
+            "max_tokens": 64,
+            "messages": [{"role": "user", "content": "Weather in Rome?"}],
+            "tools": [WEATHER],
+            "tool_choice": {"type": "tool", "name": "get_weather"},
+        },
+    )
+    [start] = [e for e in evs if e["type"] == "content_block_start"]
+    assert start["content_block"]["type"] == "tool_use"
+    assert start["content_block"]["name"] == "get_weather"
+    parts = [e["delta"]["partial_json"] for e in evs if e["type"] == "content_block_delta"]
+    assert {e["delta"]["type"] for e in evs if e["type"] == "content_block_delta"} == {
+        "input_json_delta"
+    }
+    assert "city" in json.loads("".join(parts))
+    assert evs[-2]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_structured_output(claude: anthropic.Anthropic) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
+    m = claude.messages.create(
+        model="rlproxy",
+        max_tokens=64,
+        messages=[{"role": "user", "content": "Describe a city."}],
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+    )
+    value = json.loads(m.content[0].text)
+    assert set(value) == {"city", "population"} and isinstance(value["population"], int)
+
+
+def test_count_tokens_matches_usage(claude: anthropic.Anthropic, greedy) -> None:
+    counted = claude.messages.count_tokens(model="rlproxy", messages=HELLO)
+    assert counted.input_tokens == greedy.usage.input_tokens
+
+
+def test_one_conversation_across_protocols(
+    claude: anthropic.Anthropic, client: OpenAI, server: Server
+) -> None:
+    """Turn 1 through Chat Completions, turn 2 through Messages: one trajectory."""
+    ask = [{"role": "user", "content": "Name a colour."}]
+    first = client.chat.completions.create(model="rlproxy", messages=ask, max_tokens=6)
+    answer = first.choices[0].message.content or ""
+    second = claude.messages.create(
+        model="rlproxy",
+        max_tokens=6,
+        messages=[
+            *ask,
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "Another?"},
+        ],
+    )
+    turns = get_trajectory(server, second.id)["turns"]
+    assert [(t["completion_id"], t["protocol"]) for t in turns] == [
+        (first.id, "chat"),
+        (second.id, "messages"),
+    ]
+
+
+def test_reward_by_message_id(claude: anthropic.Anthropic, server: Server) -> None:
+    m = claude.messages.create(model="rlproxy", max_tokens=4, messages=HELLO)
+    r = httpx.post(
+        f"{server.url}/rl/trajectories/{m.id}/reward", json={"reward": 0.5, "source": "env"}
+    )
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "kind"),
+    [
+        ({"model": "rlproxy", "messages": HELLO}, 400, "invalid_request_error"),  # no max_tokens
+        ({"model": "nope", "max_tokens": 4, "messages": HELLO}, 404, "not_found_error"),
+        (
+            {"model": "rlproxy", "max_tokens": 4, "messages": [{"role": "system", "content": "x"}]},
+            400,
+            "invalid_request_error",
+        ),
+        (
+            {
+                "model": "rlproxy",
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": [{"type": "document"}]}],
+            },
+            400,
+            "invalid_request_error",
+        ),
+        (
+            {
+                "model": "rlproxy",
+                "max_tokens": 4,
+                "messages": HELLO,
+                "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+            },
+            400,
+            "invalid_request_error",
+        ),
+        (
+            {"model": "rlproxy", "max_tokens": 4, "messages": HELLO, "temperature": 1.5},
+            400,
+            "invalid_request_error",
+        ),
+    ],
+)
+def test_errors_in_anthropic_shape(server: Server, body: dict, status: int, kind: str) -> None:
+    r = httpx.post(f"{server.url}/v1/messages", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    payload = r.json()
+    assert payload["type"] == "error"
+    assert payload["error"]["type"] == kind and payload["error"]["message"]
+    assert payload["request_id"] == r.headers["x-request-id"]
+
+
+def test_sdk_raises_its_own_errors(claude: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        claude.messages.create(model="nope", max_tokens=4, messages=HELLO)
+    assert "nope" in str(caught.value)
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.create(model="rlproxy", max_tokens=0, messages=HELLO)
+
+
+def test_unknown_path_under_messages_is_anthropic_shaped(server: Server) -> None:
+    r = httpx.get(f"{server.url}/v1/messages/batches", timeout=30)
+    assert r.status_code in (404, 405)
+    assert r.json()["type"] == "error"
