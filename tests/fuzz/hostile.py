@@ -26,6 +26,9 @@ from typing import Any
 import httpx
 
 CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
+MESSAGES = "/v1/messages"
+E400 = frozenset({400})
 HI = [{"role": "user", "content": "Hi"}]
 LIMIT_BYTES = 8 * 2**20  # the server's default RLPROXY_MAX_BODY_BYTES
 
@@ -81,6 +84,14 @@ def _chat(**fields: Any) -> dict[str, Any]:
 
 def _raw_chat(extra: str = "", messages: str = '[{"role": "user", "content": "Hi"}]') -> bytes:
     return f'{{"model": "rlproxy", "max_tokens": 4, "messages": {messages}{extra}}}'.encode()
+
+
+def _responses(**fields: Any) -> dict[str, Any]:
+    return {"model": "rlproxy", "input": "Hi", "max_output_tokens": 4, **fields}
+
+
+def _messages(**fields: Any) -> dict[str, Any]:
+    return {"model": "rlproxy", "messages": HI, "max_tokens": 4, **fields}
 
 
 def _tool(name: str, parameters: Any) -> dict[str, Any]:
@@ -475,6 +486,195 @@ CORPUS: list[Hostile] = [
     Hostile("activate adapter -1", raw=b"", path="/rl/adapters/-1/activate"),
     Hostile(
         "unload adapter of 5000 digits", raw=b"", path="/rl/adapters/" + "9" * 5000 + "/unload"
+    ),
+    # --- the Responses API ---------------------------------------------------------------
+    Hostile("responses: input null", _responses(input=None), path=RESPONSES, expect=E400),
+    Hostile("responses: input a number", _responses(input=5), path=RESPONSES, expect=E400),
+    Hostile("responses: empty input list", _responses(input=[]), path=RESPONSES, expect=E400),
+    Hostile("responses: an item a string", _responses(input=["hi"]), path=RESPONSES, expect=E400),
+    Hostile(
+        "responses: content parts of numbers",
+        _responses(input=[{"role": "user", "content": [1, 2]}]),
+        path=RESPONSES,
+        expect=E400,
+    ),
+    Hostile(
+        "responses: function_call_output of an object",
+        _responses(input=[{"type": "function_call_output", "call_id": "c", "output": {"a": 1}}]),
+        path=RESPONSES,
+        expect=E400,
+    ),
+    Hostile(
+        "responses: 5000 function calls",
+        _responses(
+            input=[
+                {"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"}
+                for i in range(5000)
+            ]
+        ),
+        path=RESPONSES,
+    ),
+    Hostile(
+        "responses: previous_response_id of 5000 chars",
+        _responses(previous_response_id="resp_" + "x" * 5000),
+        path=RESPONSES,
+        expect=frozenset({404}),
+    ),
+    Hostile(
+        "responses: previous_response_id a chat id",
+        _responses(previous_response_id="chatcmpl-req_0"),
+        path=RESPONSES,
+        expect=frozenset({404}),
+    ),
+    Hostile(
+        "responses: text.format bogus",
+        _responses(text={"format": {"type": "x"}}),
+        path=RESPONSES,
+        expect=E400,
+    ),
+    Hostile(
+        "responses: json_schema endless",
+        _responses(text={"format": {"type": "json_schema", "name": "e", "schema": ENDLESS}}),
+        path=RESPONSES,
+    ),
+    Hostile("responses: tools not a list", _responses(tools={"a": 1}), path=RESPONSES, expect=E400),
+    Hostile(
+        "responses: tool_choice bogus",
+        _responses(tool_choice={"type": "x"}),
+        path=RESPONSES,
+        expect=E400,
+    ),
+    Hostile(
+        "responses: max_output_tokens 10**30",
+        _responses(max_output_tokens=10**30),
+        path=RESPONSES,
+        expect=E400,
+    ),
+    Hostile("responses: temperature NaN", _responses(temperature=float("nan")), path=RESPONSES),
+    Hostile(
+        "responses: top_logprobs 2**40", _responses(top_logprobs=2**40), path=RESPONSES, expect=E400
+    ),
+    Hostile("responses: streamed", _responses(stream=True), path=RESPONSES),
+    _get("responses: GET a 5000-char id", "/v1/responses/resp_" + "x" * 5000, frozenset({404})),
+    _get("responses: input_items limit 0", "/v1/responses/resp_x/input_items?limit=0", E400),
+    Hostile(
+        "responses: DELETE unknown",
+        method="DELETE",
+        path="/v1/responses/resp_nope",
+        expect=frozenset({404}),
+    ),
+    # --- Anthropic Messages ---------------------------------------------------------------
+    Hostile(
+        "messages: no max_tokens", {"model": "rlproxy", "messages": HI}, path=MESSAGES, expect=E400
+    ),
+    Hostile(
+        "messages: max_tokens 10**30", _messages(max_tokens=10**30), path=MESSAGES, expect=E400
+    ),
+    Hostile(
+        "messages: role system",
+        _messages(messages=[{"role": "system", "content": "x"}]),
+        path=MESSAGES,
+        expect=E400,
+    ),
+    Hostile(
+        "messages: block without type",
+        _messages(messages=[{"role": "user", "content": [{"text": "x"}]}]),
+        path=MESSAGES,
+        expect=E400,
+    ),
+    Hostile(
+        "messages: tool_use in a user turn",
+        _messages(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}],
+                }
+            ]
+        ),
+        path=MESSAGES,
+        expect=E400,
+    ),
+    Hostile(
+        "messages: tool_result of an object",
+        _messages(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": "t", "content": {"a": 1}}],
+                }
+            ]
+        ),
+        path=MESSAGES,
+        expect=E400,
+    ),
+    Hostile(
+        "messages: tool_use input a string",
+        _messages(
+            messages=[
+                {"role": "user", "content": "x"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "zz"}],
+                },
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": "t", "content": "r"}],
+                },
+            ]
+        ),
+        path=MESSAGES,
+    ),
+    Hostile(
+        "messages: tool without schema",
+        _messages(tools=[{"name": "f"}]),
+        path=MESSAGES,
+        expect=E400,
+    ),
+    Hostile(
+        "messages: tool_choice tool without name",
+        _messages(tools=[{"name": "f", "input_schema": ARGS}], tool_choice={"type": "tool"}),
+        path=MESSAGES,
+        expect=E400,
+    ),
+    Hostile("messages: system of numbers", _messages(system=[1, 2]), path=MESSAGES, expect=E400),
+    Hostile("messages: top_k 0", _messages(top_k=0), path=MESSAGES, expect=E400),
+    Hostile("messages: top_k 2**40", _messages(top_k=2**40), path=MESSAGES),
+    Hostile(
+        "messages: stop_sequences 50",
+        _messages(stop_sequences=["a"] * 50),
+        path=MESSAGES,
+        expect=E400,
+    ),
+    Hostile(
+        "messages: image of bad base64",
+        _messages(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {"type": "base64", "media_type": "image/png", "data": "!!"},
+                        }
+                    ],
+                }
+            ]
+        ),
+        path=MESSAGES,
+    ),
+    Hostile("messages: streamed", _messages(stream=True), path=MESSAGES),
+    Hostile(
+        "messages: bad x-api-key",
+        _messages(),
+        path=MESSAGES,
+        headers={"x-api-key": "rlp-" + "z" * 5000},
+    ),
+    Hostile(
+        "messages: count_tokens without messages",
+        {"model": "rlproxy"},
+        path=MESSAGES + "/count_tokens",
+        expect=E400,
     ),
 ]
 

@@ -51,11 +51,22 @@ def check_answer(entry: Hostile, response: httpx.Response) -> None:
     if entry.expect is not None:
         assert response.status_code in entry.expect, f"{entry.name}: {response.text[:500]}"
     assert response.headers.get("x-request-id"), entry.name
-    if response.status_code >= 400:
+    anthropic = entry.path.startswith("/v1/messages")
+    streamed = response.headers.get("content-type", "").startswith("text/event-stream")
+    if response.status_code >= 400 and anthropic:  # Anthropic's shape on its paths
+        body = response.json()
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+        assert isinstance(body["error"]["message"], str) and body["error"]["message"], body
+    elif response.status_code >= 400:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}, error
         assert isinstance(error["message"], str) and error["message"], error
-    elif response.headers.get("content-type", "").startswith("text/event-stream"):
+    elif streamed and anthropic:
+        assert response.text.rstrip().endswith('data: {"type":"message_stop"}'), entry.name
+    elif streamed and entry.path.startswith("/v1/responses"):
+        last = response.text.rstrip().rsplit("\n", 1)[-1]
+        assert '"type":"response.completed"' in last or '"type":"response.incomplete"' in last
+    elif streamed:
         assert response.text.rstrip().endswith("data: [DONE]"), f"{entry.name}: cut stream"
     elif entry.path == "/v1/chat/completions":
         assert response.json()["object"] == "chat.completion", response.text[:500]

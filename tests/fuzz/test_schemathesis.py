@@ -65,9 +65,10 @@ def test_the_fuzzed_schema_is_the_served_one(fuzz_server: Server) -> None:
 
 
 def bounded(body: Any) -> Any:
-    """The body with an integer `max_tokens` / `max_completion_tokens` above 8 lowered to 8."""
+    """The body with an integer `max_tokens` / `max_completion_tokens` / `max_output_tokens`
+    (Responses) above 8 lowered to 8."""
     if isinstance(body, dict):
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = body.get(key)
             if isinstance(value, int) and not isinstance(value, bool):
                 body[key] = min(value, MAX_GENERATED_TOKENS)
@@ -75,12 +76,13 @@ def bounded(body: Any) -> Any:
 
 
 def servable(body: Any) -> Any:
-    """A schema-valid chat body given what the schema does not say: the policy's name, content
+    """A schema-valid body given what the schema does not say: the policy's name, content
     for every message but an assistant's, an id for a tool message. Without this nearly every
     generated body is a 400 (`{"role": "tool"}` is schema-valid) or a 404, and the fuzzer never
     reaches prompts, grammars and sampling."""
+    if isinstance(body, dict) and ("input" in body or "messages" in body):
+        body["model"] = "rlproxy"  # a Responses, Messages or chat body
     if isinstance(body, dict) and isinstance(body.get("messages"), list):
-        body["model"] = "rlproxy"
         for message in body["messages"]:
             if not isinstance(message, dict):
                 continue
