@@ -98,3 +98,46 @@ def test_one_step_trains_and_the_new_version_serves(tserver: Server) -> None:
         tserver.data_dir, "SELECT status, trained_step FROM groups WHERE source='task'"
     )
     assert (group["status"], group["trained_step"]) == ("scored", 1)
+
+
+def test_responses_api_runs_train_the_next_version(tserver: Server) -> None:
+    """The same loop through the Responses API: four runs of one task, rewarded by their
+    `resp_...` ids, train the next version, and the next response comes from it."""
+    with OpenAI(base_url=tserver.base_url, api_key="sk-test", max_retries=0, timeout=120) as c:
+        active = max(a["version"] for a in httpx.get(f"{tserver.url}/rl/adapters").json()["data"])
+        for reward in (0.0, 0.25, 0.75, 1.0):
+            response = c.responses.create(
+                model="rlproxy",
+                instructions="Reply with one word.",
+                input="Name a colour.",
+                max_output_tokens=8,
+                temperature=1.0,
+            )
+            r = httpx.post(
+                f"{tserver.url}/rl/trajectories/{response.id}/reward",
+                json={"reward": reward, "source": "env"},
+            )
+            assert r.status_code == 200, r.text
+        nxt = f"rlproxy@{active + 1}"
+        _wait_for(lambda: nxt in [m.id for m in c.models.list().data], 300, f"{nxt} published")
+        _wait_for(
+            lambda: any(
+                a["active"] and a["version"] == active + 1
+                for a in httpx.get(f"{tserver.url}/rl/adapters").json()["data"]
+            ),
+            120,
+            f"{nxt} active",
+        )
+        after = c.responses.create(model="rlproxy", input="Name a colour.", max_output_tokens=4)
+    (row,) = db_rows(
+        tserver.data_dir,
+        "SELECT adapter_version, protocol FROM calls WHERE completion_id = ?",
+        (after.id,),
+    )
+    assert (row["adapter_version"], row["protocol"]) == (active + 1, "responses")
+    groups = db_rows(
+        tserver.data_dir,
+        "SELECT status, trained_step FROM groups WHERE trained_step = ?",
+        (active + 1,),
+    )
+    assert groups and all(g["status"] == "scored" for g in groups)
