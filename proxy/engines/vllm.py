@@ -79,7 +79,7 @@ import logging
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import aiohttp
@@ -101,7 +101,13 @@ from proxy.engines.http_streams import (
     json_bytes,
     lines_of,
 )
-from proxy.engines.vllm_replicas import Replica, ReplicaPool, error_message
+from proxy.engines.vllm_replicas import (
+    Replica,
+    ReplicaMisconfigured,
+    ReplicaPool,
+    error_message,
+    fix_for,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -167,10 +173,15 @@ class VLLMEngine:
         timeout_s: float = 600.0,
         health_interval_s: float = 2.0,
         stop_ids: list[int] | None = None,
+        base_models: tuple[str, ...] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.policy = policy
         self.served_model = served_model
+        # What vLLM's --model may be called: RLPROXY_BASE_MODEL as given and the folder rlproxy
+        # read its tokenizer from (empty: not checked). See `serves_model`.
+        self.base_models = base_models
+        self.served_root: str | None = None  # the base card's `root`: what vLLM's --model named
         self.path_map = path_map  # (local prefix, prefix on the vLLM machines)
         self.health_interval_s = health_interval_s
         self.max_context = int(min(getattr(tokenizer, "model_max_length", 2048) or 2048, 10**7))
@@ -194,7 +205,13 @@ class VLLMEngine:
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
+        """Probe the replicas; refuse to start (`ReplicaMisconfigured`, the fix in the message)
+        when one that answers is set up so that rlproxy cannot serve or train through it."""
         await self.pool.check_all()
+        refused = [r.misconfigured for r in self.pool.replicas if r.misconfigured]
+        if refused:
+            await self._http.close()
+            raise ReplicaMisconfigured("; ".join(refused))
         healthy = self.pool.healthy()
         if not healthy:
             logger.warning(
@@ -221,6 +238,8 @@ class VLLMEngine:
         for card in base:
             if card.get("id") == self.served_model and card.get("max_model_len"):
                 self.max_context = int(card["max_model_len"])
+            if card.get("id") == self.served_model and card.get("root"):
+                self.served_root = str(card["root"])
         logger.info(
             "vLLM serves %s (context %d) on %d replica(s)",
             self.served_model,
@@ -234,6 +253,7 @@ class VLLMEngine:
             detail={
                 "engine": "vllm",
                 "served_model": self.served_model,
+                "served_root": self.served_root,
                 "replicas": [r.describe() for r in self.pool.replicas],
                 "adapters": sorted(self._adapters),
                 "tokens": self.tokens,
@@ -291,7 +311,10 @@ class VLLMEngine:
                     if lora in replica.loras:
                         await self._quietly(self.pool.unload_lora(replica, lora))
                 why = "; ".join(str(e) for e in refused) or "every replica failed"
-                raise EngineError(f"vLLM refused adapter {lora}: {why}")
+                fix = fix_for(why)
+                raise EngineError(
+                    f"vLLM refused adapter {lora}: {why}" + (f". Fix: {fix}" if fix else "")
+                )
             self._adapters[name] = path
             self._retired.discard(lora)
             logger.info("adapter %s loaded as %s on %d replica(s)", name, lora, len(replicas))
@@ -323,12 +346,44 @@ class VLLMEngine:
             if self.served_model is None:
                 await self._learn_model(replica)
             cards = await self.pool.models(replica)
+            await self._admit(replica, cards)
             present = {str(c["id"]) for c in cards if c.get("parent")}
             replica.loras = present & ({self.lora_name(n) for n in self._adapters} | self._retired)
             for lora in present & self._retired:
                 await self.pool.unload_lora(replica, lora)
             for name, path in self._adapters.items():
                 await self.pool.load_lora(replica, self.lora_name(name), self.remote_path(path))
+
+    async def _admit(self, replica: Replica, cards: list[dict[str, Any]]) -> None:
+        """Refuse a replica that serves another base model than RLPROXY_BASE_MODEL's, or that
+        cannot load LoRAs at runtime (`ReplicaMisconfigured`, with the fix)."""
+        base = [c for c in cards if not c.get("parent")]
+        card = next((c for c in base if c.get("id") == self.served_model), base[0] if base else {})
+        root = card.get("root")
+        if self.base_models and isinstance(root, str) and not self.serves_model(root):
+            raise ReplicaMisconfigured(
+                f"vLLM replica {replica.url} serves {root!r} (its --model), but rlproxy renders, "
+                f"tokenizes and trains for RLPROXY_BASE_MODEL ({' = '.join(self.base_models)}): "
+                "both must be the same model. Fix: start vLLM with --model naming the same "
+                "folder or hub id, or set RLPROXY_BASE_MODEL to the model vLLM serves (the "
+                "names are compared as given, or by the folder's name)"
+            )
+        if not await self.pool.has_lora_routes(replica):
+            raise ReplicaMisconfigured(
+                f"vLLM replica {replica.url} cannot load LoRA adapters at runtime (POST "
+                "/v1/unload_lora_adapter is not a route there), so no trained version could "
+                "ever serve. Fix: start vLLM with --enable-lora --max-lora-rank R (R at least "
+                "the trainer's lora_rank) and the environment variable "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+            )
+
+    def serves_model(self, root: str) -> bool:
+        """Whether vLLM's `root` (its --model: a folder or a hub id) is RLPROXY_BASE_MODEL's
+        model: the same string (after the data directory's mapping), or the same last part (the
+        folder's name: the vLLM machine may mount the same folder elsewhere; a hub id's name)."""
+        names = {*self.base_models, *(self.remote_path(n) for n in self.base_models)}
+        last = PurePosixPath(root.rstrip("/")).name
+        return any(root == n or last == PurePosixPath(n.rstrip("/")).name for n in names)
 
     async def _quietly(self, call: Any) -> None:
         try:
@@ -433,7 +488,14 @@ class VLLMEngine:
                     if data == "[DONE]":
                         await drain(lines)
                         break
-                    for event in self._events(json.loads(data), choices, request):
+                    chunk = json.loads(data)
+                    if request.adapter and chunk.get("model", body["model"]) != body["model"]:
+                        raise _Retry(
+                            f"vLLM replica {replica.url} answered a request for {body['model']} "
+                            f"as {chunk['model']!r}: the adapter did not resolve there, and its "
+                            "base model must never answer in a version's name"
+                        )
+                    for event in self._events(chunk, choices, request):
                         if isinstance(event, TokenEvent):
                             replica.outstanding -= 1
                             owed -= 1

@@ -1,7 +1,8 @@
 """The vLLM servers behind the `vllm` engine: which are up, which takes the next request, and
 each one's LoRA admin calls.
 
-    pool = ReplicaPool(urls, client, on_rejoin=reload_adapters)
+    pool = ReplicaPool(urls, client, on_rejoin=reload_adapters)   # URLs: server roots (a
+                                                                   # trailing /v1 is dropped)
     replica = pool.pick()                      # least outstanding work among the healthy ones
     await pool.load_lora(replica, "rlproxy@3", "/data/checkpoints/rlproxy/0003")
     asyncio.create_task(pool.watch(2.0))       # GET /health on each; out when failing, back in
@@ -25,8 +26,15 @@ The vLLM side, read from its source (vllm-project/vllm):
   `load_inplace`, a path with no adapter a 404, an adapter the loader refuses (modules_to_save,
   DoRA, bias, a rank over `--max-lora-rank`: `vllm/lora/peft_helper.py`) a 500, an unknown name
   to unload a 404 (`vllm/entrypoints/openai/models/serving.py`).
-- `GET /v1/models`: the base model's card (with `max_model_len`) and one card per LoRA, whose
-  `parent` names the base.
+- `GET /v1/models`: the base model's card (with `max_model_len`, and `root`: what `--model`
+  named, a folder or a hub id) and one card per LoRA, whose `parent` names the base.
+- Routes that do not exist (the LoRA routes without `VLLM_ALLOW_RUNTIME_LORA_UPDATING`) are
+  FastAPI's 404 `{"detail": "Not Found"}`, not vLLM's error body: that is how a replica without
+  runtime LoRA loading is told apart from one where a name is merely unknown.
+
+A replica that answers but is set up in a way rlproxy cannot train through (another model,
+no LoRA routes) is `ReplicaMisconfigured`: it never joins the rotation, and at start rlproxy
+refuses to run with the fix in the message (`proxy.engines.vllm`).
 
 This module speaks HTTP to vLLM (the engine's pooled `aiohttp` session, `proxy.engines.vllm`) and
 keeps replica state; it knows nothing of prompts or tokens.
@@ -48,20 +56,37 @@ from proxy.engines.http_streams import TRANSPORT_ERRORS, PooledSession, json_byt
 logger = logging.getLogger(__name__)
 
 
+def server_root(url: str) -> str:
+    """The server's root URL: no trailing slash and no `/v1`, which users write because OpenAI
+    base URLs end with it (rlproxy adds `/v1/...` itself, and vLLM's `/health` is at the root)."""
+    root = url.rstrip("/")
+    if root.endswith("/v1"):
+        root = root[: -len("/v1")]
+        logger.warning(
+            "RLPROXY_VLLM_URLS: %s ends in /v1; using %s (the server's root: rlproxy adds /v1 "
+            "itself, and vLLM's /health is at the root)",
+            url,
+            root,
+        )
+    return root
+
+
 @dataclass
 class Replica:
-    url: str  # base URL, no trailing slash, no /v1
+    url: str  # the server's root URL: no trailing slash, no /v1
     healthy: bool = False
     outstanding: int = 0  # tokens still owed to the requests in flight here
     in_flight: int = 0
     served: int = 0  # requests started here
     loras: set[str] = field(default_factory=set)  # vLLM names this engine loaded here
     last_error: str | None = None
+    misconfigured: str | None = None  # why it may not join, with the fix (ReplicaMisconfigured)
 
     def describe(self) -> dict[str, Any]:
         return {
             "url": self.url,
             "healthy": self.healthy,
+            "misconfigured": self.misconfigured,
             "in_flight": self.in_flight,
             "outstanding_tokens": self.outstanding,
             "served": self.served,
@@ -84,6 +109,30 @@ class ReplicaRefused(Exception):
         """From an error answer's status and body."""
         message, type_ = error_message(status, content)
         return cls(url, status, message, type_)
+
+
+class ReplicaMisconfigured(Exception):
+    """A replica that answers but is set up so that rlproxy cannot serve or train through it
+    (another base model, no runtime LoRA loading). The message says what to change."""
+
+
+def fix_for(refusal: str) -> str | None:
+    """What to change when vLLM refused an adapter for a reason of its own setup; None when
+    the refusal is the adapter's (read from vLLM's messages: `vllm/lora/peft_helper.py`,
+    `vllm/v1/worker/lora_model_runner_mixin.py`, `LoRAAdapterNotFoundError`)."""
+    if "max_lora_rank" in refusal:
+        return (
+            "start vLLM with --max-lora-rank at least the adapter's rank (one of 1, 8, 16, 32, "
+            "64, 128, 256, 320, 512), or train with a lower lora_rank (RLPROXY_TRAINER)"
+        )
+    if "LoRA is not enabled" in refusal:
+        return "start vLLM with --enable-lora"
+    if "No adapter found" in refusal:
+        return (
+            "vLLM reads the adapter from its own disk: share the data directory with it, or set "
+            "RLPROXY_VLLM_DATA_DIR to where vLLM sees rlproxy's data directory"
+        )
+    return None
 
 
 def error_message(status: int, content: bytes) -> tuple[str, str | None]:
@@ -109,7 +158,7 @@ class ReplicaPool:
     ) -> None:
         if not urls:
             raise ValueError("the vllm engine needs at least one server URL (RLPROXY_VLLM_URLS)")
-        self.replicas = [Replica(url.rstrip("/")) for url in urls]
+        self.replicas = [Replica(server_root(url)) for url in urls]
         self.http = http  # the engine's pooled session (made on first use, in the running loop)
         self.on_rejoin = on_rejoin
         self.probe_timeout_s = probe_timeout_s
@@ -145,7 +194,7 @@ class ReplicaPool:
             replica.last_error = f"health probe failed: {type(exc).__name__}: {exc}"
             return False
         if status != 200:
-            replica.last_error = f"health probe answered {status}"
+            replica.last_error = f"health probe answered {status} (GET {replica.url}/health)"
         return status == 200
 
     async def check(self, replica: Replica) -> None:
@@ -160,12 +209,17 @@ class ReplicaPool:
         try:
             if self.on_rejoin is not None:
                 await self.on_rejoin(replica)
+        except ReplicaMisconfigured as exc:  # it stays out until it is set up otherwise
+            if replica.misconfigured != str(exc):
+                logger.error("vLLM replica %s may not serve: %s", replica.url, exc)
+            replica.misconfigured = replica.last_error = str(exc)
+            return
         except Exception as exc:  # it stays out; the next probe tries again
             replica.last_error = f"rejoining failed: {exc}"
             logger.warning("vLLM replica %s answers but could not rejoin: %s", replica.url, exc)
             return
         replica.healthy = True
-        replica.last_error = None
+        replica.last_error = replica.misconfigured = None
         logger.info("vLLM replica %s is in rotation", replica.url)
 
     async def check_all(self) -> None:
@@ -200,6 +254,18 @@ class ReplicaPool:
         if status not in (200, 404):
             raise ReplicaRefused.of(replica.url, status, content)
         replica.loras.discard(name)
+
+    async def has_lora_routes(self, replica: Replica) -> bool:
+        """Whether `replica` loads LoRAs at runtime: unloading a name never loaded is vLLM's 404
+        error there, and FastAPI's bare 404 where the route does not exist."""
+        body = {"lora_name": "rlproxy-probe-never-loaded"}
+        status, content = await self._call("POST", replica, "/v1/unload_lora_adapter", body=body)
+        if status != 404:
+            return True
+        try:
+            return "error" in json.loads(content)
+        except ValueError:
+            return False
 
     async def models(self, replica: Replica) -> list[dict[str, Any]]:
         """The cards of `GET /v1/models` (the base model and the LoRAs loaded there)."""

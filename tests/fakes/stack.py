@@ -32,6 +32,7 @@ class FakeReplica:
     model_dir: Path
     folder: Path
     max_lora_rank: int = 16
+    faults: tuple[str, ...] = ()  # vllm_server.py's fault flags, e.g. ("--no-runtime-lora",)
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     starts: int = 0
 
@@ -61,6 +62,7 @@ class FakeReplica:
                 str(self.max_lora_rank),
                 "--record",
                 str(self.record),
+                *self.faults,
             ],
             cwd=REPO,
             stdout=log,

@@ -36,6 +36,15 @@ embedded model, so token ids and logprobs are real ones:
   here only to count calls (`GET /fake/admin_calls`, not vLLM's): tests check rlproxy never
   reaches them.
 
+Faults for the tests of rlproxy's start-up checks (`tests/e2e/test_vllm_config.py`), each a
+replica set up wrong: `--root NAME` puts another model's name in the base card's `root` (vLLM
+started on another model: the stand-in still generates with the embedded one);
+`--no-runtime-lora` leaves the LoRA routes out (vLLM without
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING`: FastAPI's bare 404); `--loras-serve-base` loads and lists
+adapters but answers requests for them with the base model, named as the base (no vLLM 0.32
+does this, it 404s a name it cannot resolve; it stands for a server where the adapter name did
+not resolve and the base answered).
+
 Where it differs from vLLM, knowingly: the local engine stops on its own stop ids (EOS and
 `<|im_start|>`) whatever `stop_token_ids` says; `stop_reason` is always null; logprobs are the
 local engine's, taken before a grammar's mask (vLLM's `raw_logprobs` are taken after it); one
@@ -130,6 +139,8 @@ class FakeVLLM:
         max_lora_rank: int,
         max_model_len: int,
         record: Path | None,
+        runtime_lora: bool = True,
+        loras_serve_base: bool = False,
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -138,6 +149,8 @@ class FakeVLLM:
         self.max_lora_rank = max_lora_rank
         self.max_model_len = max_model_len
         self.record = record
+        self.runtime_lora = runtime_lora
+        self.loras_serve_base = loras_serve_base
         self.loras: dict[str, str] = {}  # name -> path
         self.local: dict[str, str] = {}  # name -> the local engine's adapter name
         self.counter = 0
@@ -155,8 +168,9 @@ class FakeVLLM:
         app.get("/health")(self.health)
         app.get("/v1/models")(self.models)
         app.post("/v1/completions")(self.completions)
-        app.post("/v1/load_lora_adapter")(self.load_lora)
-        app.post("/v1/unload_lora_adapter")(self.unload_lora)
+        if self.runtime_lora:
+            app.post("/v1/load_lora_adapter")(self.load_lora)
+            app.post("/v1/unload_lora_adapter")(self.unload_lora)
         for path in ("/sleep", "/wake_up", "/collective_rpc", "/reset_prefix_cache"):
             app.post(path)(self._admin(path))
         app.get("/fake/admin_calls")(lambda: {"calls": self.admin_calls})
@@ -306,6 +320,8 @@ class FakeVLLM:
             frequency_penalty=req.frequency_penalty or 0.0,
         )
         adapter = self.local[model] if model in self.loras else None
+        if self.loras_serve_base:  # the fault: the name did not resolve, the base answers
+            adapter, model = None, self.served_name
         gen = GenerationRequest(prompt, params, n=req.n, adapter=adapter, grammar=grammar)
         answer = _Answer(self, req, model, prompt)
         if req.stream:
@@ -531,6 +547,9 @@ def main() -> None:
     parser.add_argument("--max-lora-rank", type=int, default=16)
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--record", type=Path, default=None)
+    parser.add_argument("--root", default=None, help="fault: the base card's root (--model)")
+    parser.add_argument("--no-runtime-lora", action="store_true", help="fault: no LoRA routes")
+    parser.add_argument("--loras-serve-base", action="store_true", help="fault: see docstring")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
@@ -542,10 +561,12 @@ def main() -> None:
     fake = FakeVLLM(
         engine,
         args.served_model_name,
-        str(loaded.source),
+        args.root or str(loaded.source),
         max_lora_rank=args.max_lora_rank,
         max_model_len=engine.max_context,
         record=args.record,
+        runtime_lora=not args.no_runtime_lora,
+        loras_serve_base=args.loras_serve_base,
     )
     uvicorn.run(fake.app(), host=args.host, port=args.port, log_level="warning")
 

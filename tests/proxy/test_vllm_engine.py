@@ -32,6 +32,7 @@ from proxy.engines.base import (
     TokenEvent,
 )
 from proxy.engines.vllm import VLLMEngine, lark_text
+from proxy.engines.vllm_replicas import ReplicaMisconfigured
 from tests.fakes.loopback_http import Handler, HangUp, Req, serve
 
 A, B = "http://a:8000", "http://b:8000"
@@ -53,14 +54,20 @@ def sse(*chunks: dict[str, Any], done: bool = True) -> bytes:
 
 
 def chunk(
-    index: int, ids: list[int], lps: list[float], text: str, finish: str | None = None, **extra
+    index: int,
+    ids: list[int],
+    lps: list[float],
+    text: str,
+    finish: str | None = None,
+    model: str = "m",
+    **extra: Any,
 ) -> dict[str, Any]:
     tops = [{f"token_id:{t}": lp, "token_id:99": -0.1} for t, lp in zip(ids, lps, strict=True)]
     return {
         "id": "cmpl-1",
         "object": "text_completion",
         "created": 0,
-        "model": "m",
+        "model": model,
         "choices": [
             {
                 "index": index,
@@ -108,13 +115,15 @@ async def replicas() -> AsyncIterator[Replicas]:
     runners: list[web.AppRunner] = []
     engines: list[VLLMEngine] = []
 
-    async def make(handler: Handler, names: tuple[str, ...] = (A, B)) -> VLLMEngine:
+    async def make(
+        handler: Handler, names: tuple[str, ...] = (A, B), suffix: str = "", **kw: Any
+    ) -> VLLMEngine:
         urls = []
         for name in names:
             runner, url = await serve(name, handler)
             runners.append(runner)
-            urls.append(url)
-        engine = VLLMEngine(urls, FakeTokenizer(), policy="rlproxy")
+            urls.append(url + suffix)
+        engine = VLLMEngine(urls, FakeTokenizer(), policy="rlproxy", **kw)
         engines.append(engine)
         return engine
 
@@ -351,8 +360,9 @@ async def test_each_version_loads_on_every_replica_under_its_own_name(replicas: 
 async def test_one_refusal_fails_the_load_and_undoes_it_elsewhere(replicas: Replicas) -> None:
     loaded: dict[str, set[str]] = {}
     engine = await started(await replicas(lora_handler(loaded, refuse=B)))
-    with pytest.raises(EngineError, match="max_lora_rank"):
+    with pytest.raises(EngineError, match="max_lora_rank") as refused:
         await engine.load_adapter("v4", "/data/checkpoints/rlproxy/0004")
+    assert "Fix: start vLLM with --max-lora-rank" in str(refused.value)  # issue 24
     assert loaded.get(A, set()) == set()
     with pytest.raises(EngineError, match="not loaded"):
         await collect(engine, GenerationRequest(PROMPT, SamplingParams(max_tokens=1), adapter="v4"))
@@ -365,9 +375,10 @@ async def test_unload_waits_for_the_requests_in_flight_on_that_version(replicas:
     base = lora_handler(loaded)
 
     async def slow() -> AsyncIterator[bytes]:
-        yield sse(chunk(0, [5], [-0.3], "x", prompt_token_ids=PROMPT), done=False)
+        v1 = "rlproxy@1"
+        yield sse(chunk(0, [5], [-0.3], "x", model=v1, prompt_token_ids=PROMPT), done=False)
         await release.wait()
-        yield sse(chunk(0, [6], [-0.2], "y", "length"))
+        yield sse(chunk(0, [6], [-0.2], "y", "length", model=v1))
 
     def handler(req: Req) -> httpx.Response | None:
         if req.path == "/v1/completions":
@@ -417,6 +428,119 @@ async def test_a_replica_rejoins_only_after_its_adapters_are_loaded_again(
     await engine.pool.check_all()
     assert [r.healthy for r in engine.pool.replicas] == [True, True]
     assert loaded == {A: {"rlproxy@2"}, B: {"rlproxy@2"}}
+
+
+# ----------------------------------------------------------------------------- set up wrong
+# Issue 24: configuration mistakes a replica can carry, refused with the fix in the message.
+
+
+def root_only_health(req: Req) -> httpx.Response | None:
+    """vLLM's routes as they are: `/health` at the server's root, the API under `/v1`."""
+    if req.path == "/v1/completions":
+        return httpx.Response(200, content=answer([5], [-0.3], ["x"], "stop"))
+    return lora_handler({})(req)
+
+
+async def test_a_url_ending_in_v1_is_read_as_the_servers_root(replicas: Replicas) -> None:
+    engine = await replicas(root_only_health, (A,), suffix="/v1")
+    await engine.start()
+    assert [r.healthy for r in engine.pool.replicas] == [True]
+    assert not engine.pool.replicas[0].url.endswith("/v1")
+    assert (await collect(engine, request()))[-1].completion_token_ids == [5]
+
+
+def serving(root: str) -> Handler:
+    def handler(req: Req) -> httpx.Response | None:
+        if req.path == "/v1/models":
+            card = {"id": "base", "root": root, "parent": None, "max_model_len": 2048}
+            return httpx.Response(200, json={"object": "list", "data": [card]})
+        return lora_handler({})(req)
+
+    return handler
+
+
+@pytest.mark.parametrize(
+    "root",
+    [
+        "/data/models/smollm2-135m-instruct-fp32",  # the folder rlproxy reads
+        "/mnt/other/smollm2-135m-instruct-fp32",  # the same folder mounted elsewhere
+        "HuggingFaceTB/SmolLM2-135M-Instruct",  # the hub id RLPROXY_BASE_MODEL names
+    ],
+)
+async def test_a_replica_serving_the_base_model_under_its_names_starts(
+    replicas: Replicas, root: str
+) -> None:
+    names = ("HuggingFaceTB/SmolLM2-135M-Instruct", "/data/models/smollm2-135m-instruct-fp32")
+    engine = await replicas(serving(root), (A,), base_models=names)
+    await engine.start()
+    assert engine.pool.healthy() and engine.served_root == root
+    assert engine.health().detail["served_root"] == root
+
+
+async def test_a_replica_serving_another_model_is_refused_at_start(replicas: Replicas) -> None:
+    names = ("/data/models/smollm2-135m-instruct-fp32",)
+    engine = await replicas(serving("Qwen/Qwen2.5-7B-Instruct"), (A,), base_models=names)
+    with pytest.raises(ReplicaMisconfigured) as refused:
+        await engine.start()
+    message = str(refused.value)
+    assert "'Qwen/Qwen2.5-7B-Instruct'" in message and names[0] in message
+    assert "Fix: start vLLM with --model" in message and "RLPROXY_BASE_MODEL" in message
+
+
+async def test_a_replica_without_runtime_lora_loading_is_refused_at_start(
+    replicas: Replicas,
+) -> None:
+    def handler(req: Req) -> httpx.Response | None:
+        if "lora_adapter" in req.path:  # no such route: FastAPI's bare 404
+            return httpx.Response(404, json={"detail": "Not Found"})
+        return health_ok(req)
+
+    engine = await replicas(handler, (A, B))
+    with pytest.raises(ReplicaMisconfigured) as refused:
+        await engine.start()
+    message = str(refused.value)
+    assert "--enable-lora" in message and "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in message
+    assert message.count("127.0.0.1") == 2  # both replicas, each with the fix
+
+
+async def test_a_replica_that_comes_up_set_up_wrong_never_joins(replicas: Replicas) -> None:
+    """Started beside rlproxy, it was not up at start: it stays out, saying why."""
+    up = {"ok": False}
+    wrong = serving("Qwen/Qwen2.5-7B-Instruct")
+
+    def handler(req: Req) -> httpx.Response | None:
+        if not up["ok"]:
+            raise HangUp
+        return wrong(req)
+
+    engine = await replicas(handler, (A,), base_models=("/data/smollm2-135m-instruct-fp32",))
+    await engine.start()  # nothing up yet: starts, 503 until a replica joins
+    up["ok"] = True
+    await engine.pool.check_all()
+    (replica,) = engine.pool.replicas
+    assert not replica.healthy and "Fix:" in (replica.misconfigured or "")
+    assert replica.describe()["misconfigured"] == replica.misconfigured
+    await engine.stop()
+
+
+async def test_a_version_is_never_answered_by_the_base_in_its_name(replicas: Replicas) -> None:
+    """A replica that took the adapter but answers a request for it with its base (the name did
+    not resolve there): the answer is refused and the replica leaves the rotation (it gets every
+    adapter again before it rejoins); with none left, a 503. Never a base answer stored as v1."""
+    base = lora_handler({})
+
+    def handler(req: Req) -> httpx.Response | None:
+        if req.path == "/v1/completions":
+            return httpx.Response(200, content=answer([5], [-0.3], ["x"], "stop"))  # "m"
+        return base(req)
+
+    engine = await started(await replicas(handler, (A, B)))
+    await engine.load_adapter("v1", "/x/0001")
+    with pytest.raises(EngineUnavailableError) as none_left:
+        await collect(engine, GenerationRequest(PROMPT, SamplingParams(max_tokens=1), adapter="v1"))
+    assert not none_left.value.mid_answer
+    assert [r.healthy for r in engine.pool.replicas] == [False, False]
+    assert all("did not resolve" in (r.last_error or "") for r in engine.pool.replicas)
 
 
 # ----------------------------------------------------------------------------- the stand-in
