@@ -59,15 +59,15 @@ def raw_events(server: Server, body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def greedy(claude: anthropic.Anthropic):
+def greedy_message(claude: anthropic.Anthropic):
     # anthropic 2.x has no `temperature` argument; the wire field is still Anthropic's.
     return claude.messages.create(
         model="rlproxy", max_tokens=12, messages=HELLO, extra_body={"temperature": 0}
     )
 
 
-def test_create_returns_a_message(greedy) -> None:
-    m = greedy
+def test_create_returns_a_message(greedy_message) -> None:
+    m = greedy_message
     assert m.id.startswith("msg_") and m.type == "message" and m.role == "assistant"
     assert m.model == "rlproxy"
     [block] = m.content
@@ -76,18 +76,18 @@ def test_create_returns_a_message(greedy) -> None:
     assert m.usage.input_tokens > 0 and 0 < m.usage.output_tokens <= 12
 
 
-def test_stream_equals_create(claude: anthropic.Anthropic, greedy) -> None:
+def test_stream_equals_create(claude: anthropic.Anthropic, greedy_message) -> None:
     with claude.messages.stream(
         model="rlproxy", max_tokens=12, messages=HELLO, extra_body={"temperature": 0}
     ) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
-    assert text == greedy.content[0].text
-    assert final.stop_reason == greedy.stop_reason
-    assert final.usage.output_tokens == greedy.usage.output_tokens
+    assert text == greedy_message.content[0].text
+    assert final.stop_reason == greedy_message.stop_reason
+    assert final.usage.output_tokens == greedy_message.usage.output_tokens
 
 
-def test_raw_event_sequence(server: Server, greedy) -> None:
+def test_raw_event_sequence(server: Server, greedy_message) -> None:
     evs = raw_events(
         server, {"model": "rlproxy", "max_tokens": 12, "messages": HELLO, "temperature": 0}
     )
@@ -97,9 +97,9 @@ def test_raw_event_sequence(server: Server, greedy) -> None:
     assert set(kinds[3:-3]) == {"content_block_delta"}
     start = evs[0]["message"]
     assert start["id"].startswith("msg_") and start["content"] == []
-    assert start["usage"]["input_tokens"] == greedy.usage.input_tokens
-    assert evs[-2]["delta"]["stop_reason"] == greedy.stop_reason
-    assert evs[-2]["usage"]["output_tokens"] == greedy.usage.output_tokens
+    assert start["usage"]["input_tokens"] == greedy_message.usage.input_tokens
+    assert evs[-2]["delta"]["stop_reason"] == greedy_message.stop_reason
+    assert evs[-2]["usage"]["output_tokens"] == greedy_message.usage.output_tokens
 
 
 def test_stop_reasons(claude: anthropic.Anthropic) -> None:
@@ -194,9 +194,9 @@ def test_structured_output(claude: anthropic.Anthropic) -> None:
     assert set(value) == {"city", "population"} and isinstance(value["population"], int)
 
 
-def test_count_tokens_matches_usage(claude: anthropic.Anthropic, greedy) -> None:
+def test_count_tokens_matches_usage(claude: anthropic.Anthropic, greedy_message) -> None:
     counted = claude.messages.count_tokens(model="rlproxy", messages=HELLO)
-    assert counted.input_tokens == greedy.usage.input_tokens
+    assert counted.input_tokens == greedy_message.usage.input_tokens
 
 
 def test_one_conversation_across_protocols(

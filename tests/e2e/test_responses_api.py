@@ -60,14 +60,14 @@ def events(server: Server, body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def greedy(client: OpenAI):
+def greedy_response(client: OpenAI):
     return client.responses.create(
         model="rlproxy", input="Say hello to Bob.", max_output_tokens=12, temperature=0
     )
 
 
-def test_create_returns_a_response_object(greedy) -> None:
-    r = greedy
+def test_create_returns_a_response_object(greedy_response) -> None:
+    r = greedy_response
     assert r.id.startswith("resp_")
     assert r.object == "response"
     assert r.status in ("completed", "incomplete")
@@ -84,19 +84,19 @@ def test_create_returns_a_response_object(greedy) -> None:
         assert r.incomplete_details.reason == "max_output_tokens"
 
 
-def test_retrieve_returns_what_create_returned(client: OpenAI, greedy) -> None:
-    again = client.responses.retrieve(greedy.id)
-    assert again.model_dump() == greedy.model_dump()
+def test_retrieve_returns_what_create_returned(client: OpenAI, greedy_response) -> None:
+    again = client.responses.retrieve(greedy_response.id)
+    assert again.model_dump() == greedy_response.model_dump()
 
 
-def test_input_items_list_the_input(client: OpenAI, greedy) -> None:
-    items = client.responses.input_items.list(greedy.id, order="asc")
+def test_input_items_list_the_input(client: OpenAI, greedy_response) -> None:
+    items = client.responses.input_items.list(greedy_response.id, order="asc")
     [item] = items.data
     assert item.type == "message" and item.role == "user"
     assert item.content[0].text == "Say hello to Bob."
 
 
-def test_stream_events_in_order_and_equal_to_create(server: Server, greedy) -> None:
+def test_stream_events_in_order_and_equal_to_create(server: Server, greedy_response) -> None:
     evs = events(
         server,
         {
@@ -114,7 +114,7 @@ def test_stream_events_in_order_and_equal_to_create(server: Server, greedy) -> N
         "response.output_item.added",
         "response.content_part.added",
     ]
-    last = "response.completed" if greedy.status == "completed" else "response.incomplete"
+    last = "response.completed" if greedy_response.status == "completed" else "response.incomplete"
     assert kinds[-4:] == [
         "response.output_text.done",
         "response.content_part.done",
@@ -123,10 +123,10 @@ def test_stream_events_in_order_and_equal_to_create(server: Server, greedy) -> N
     ]
     assert set(kinds[4:-4]) == {"response.output_text.delta"}
     text = "".join(e["delta"] for e in evs if e["type"] == "response.output_text.delta")
-    assert text == greedy.output_text
+    assert text == greedy_response.output_text
     final = evs[-1]["response"]
     assert final["output"][0]["content"][0]["text"] == text
-    assert final["usage"]["output_tokens"] == greedy.usage.output_tokens
+    assert final["usage"]["output_tokens"] == greedy_response.usage.output_tokens
     assert evs[0]["response"]["status"] == "in_progress"
 
 
@@ -325,6 +325,6 @@ def test_unknown_ids_are_404(client: OpenAI) -> None:
         client.responses.input_items.list("chatcmpl-abc")
 
 
-def test_cancel_is_refused_in_the_foreground(client: OpenAI, greedy) -> None:
+def test_cancel_is_refused_in_the_foreground(client: OpenAI, greedy_response) -> None:
     with pytest.raises(BadRequestError):
-        client.responses.cancel(greedy.id)
+        client.responses.cancel(greedy_response.id)

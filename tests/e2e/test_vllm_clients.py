@@ -3,10 +3,11 @@ replicas (`tests/fakes/vllm_server.py`, generating with the real embedded model)
 
 The tests are the ones the local engine passes, imported from their modules: the openai SDK
 (shapes, streams, `n`, logprobs, stop strings, seeds), tools and structured outputs (the grammars
-travel to vLLM as `structured_outputs.grammar`), LangChain and LlamaIndex. Only the fixtures that
+travel to vLLM as `structured_outputs.grammar`), LangChain and LlamaIndex, the Responses API and
+Anthropic Messages (their stop sequences read from vLLM's `stop_reason`). Only the fixtures that
 name the server are replaced here, so both engines are held to the same assertions.
 
-Slow (27 tests, about 6 minutes on the shared 2-core machine, three processes sharing it): run
+Slow (38 tests, about 8 minutes on the shared 2-core machine, three processes sharing it): run
 with `make test-slow`. The default run checks the engine against vLLM-shaped handlers
 (tests/proxy/test_vllm_engine.py).
 """
@@ -33,6 +34,16 @@ from tests.e2e.test_llamaindex import (  # noqa: F401
     test_openai_like_chat,
     test_openai_like_tool_round,
 )
+from tests.e2e.test_messages_api import (  # noqa: F401
+    claude,
+    greedy_message,
+    test_create_returns_a_message,
+    test_raw_event_sequence,
+    test_stop_reasons,
+    test_stream_equals_create,
+    test_streamed_tool_input_arrives_as_json_deltas,
+    test_tool_use_round_trip_is_one_trajectory,
+)
 from tests.e2e.test_openai_sdk import (  # noqa: F401
     story,
     test_async_completion,
@@ -56,6 +67,14 @@ from tests.e2e.test_openai_tools import (  # noqa: F401
     test_tool_choice_auto,
     test_tool_choice_none,
     test_tool_choice_required,
+)
+from tests.e2e.test_responses_api import (  # noqa: F401
+    greedy_response,
+    test_create_returns_a_response_object,
+    test_function_call_chain_is_one_trajectory,
+    test_logprobs_included,
+    test_retrieve_returns_what_create_returned,
+    test_stream_events_in_order_and_equal_to_create,
 )
 from tests.fakes.stack import vllm_stack
 

@@ -46,7 +46,8 @@ does this, it 404s a name it cannot resolve; it stands for a server where the ad
 not resolve and the base answered).
 
 Where it differs from vLLM, knowingly: the local engine stops on its own stop ids (EOS and
-`<|im_start|>`) whatever `stop_token_ids` says; `stop_reason` is always null; logprobs are the
+`<|im_start|>`) whatever `stop_token_ids` says; `stop_reason` is the stop string that ended a
+choice (as vLLM's), else null, never a stop token id; logprobs are the
 local engine's, taken before a grammar's mask (vLLM's `raw_logprobs` are taken after it); one
 prompt per request. With `--record PATH` every finished completion is appended to PATH as a JSON
 line (`id`, `model`, `prompt_token_ids`, per choice `token_ids` and `token_logprobs`), so tests can
@@ -379,6 +380,7 @@ class _Answer:
         self.text: dict[int, str] = {i: "" for i in range(req.n)}
         self.tops: dict[int, list[dict[str, float] | None]] = {i: [] for i in range(req.n)}
         self.finish: dict[int, str] = {}
+        self.stop_reason: dict[int, str | None] = {}
 
     def _top(self, event: Any) -> dict[str, float]:
         as_id = bool(self.req.return_tokens_as_token_ids)
@@ -400,6 +402,7 @@ class _Answer:
             self.tops[i].append(self._top(event))
         else:
             self.finish[i] = "abort" if event.finish_reason == "cancelled" else event.finish_reason
+            self.stop_reason[i] = event.stop
 
     def _logprobs(self, ids: list[int], lps: list[float], tops: list[Any], offset: int) -> Any:
         if self.req.logprobs is None:
@@ -425,7 +428,7 @@ class _Answer:
                 "text": self.text[i],
                 "logprobs": self._logprobs(self.ids[i], self.lps[i], self.tops[i], 0),
                 "finish_reason": self.finish.get(i),
-                "stop_reason": None,
+                "stop_reason": self.stop_reason.get(i),
                 "token_ids": self.ids[i] if with_ids else None,
                 "prompt_logprobs": None,
                 "prompt_token_ids": self.prompt if with_ids else None,
@@ -465,7 +468,7 @@ class _Answer:
             if k >= 0
             else None,
             "finish_reason": finish,
-            "stop_reason": None,
+            "stop_reason": self.stop_reason.get(i) if finish else None,
             "prompt_token_ids": self.prompt if (with_ids and first) else None,
             "token_ids": ids if with_ids else None,
         }
