@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -200,6 +201,57 @@ def test_matching_messages_never_link_across_keys(keyed: dict) -> None:
         server.data_dir, "SELECT trajectory_id FROM calls WHERE completion_id=?", (third.id,)
     )
     assert rows[0]["trajectory_id"] == by_completion[first.id]["id"]
+
+
+def test_anthropic_clients_send_their_key_as_x_api_key(keyed: dict) -> None:
+    server = keyed["server"]
+    with anthropic.Anthropic(base_url=server.url, api_key=keyed["alice"], max_retries=0) as c:
+        message = c.messages.create(
+            model="rlproxy", max_tokens=2, messages=[{"role": "user", "content": "Hi"}]
+        )
+        assert message.id.startswith("msg_")
+    with anthropic.Anthropic(base_url=server.url, api_key="sk-nope", max_retries=0) as c:
+        with pytest.raises(anthropic.AuthenticationError) as err:
+            c.messages.create(
+                model="rlproxy", max_tokens=2, messages=[{"role": "user", "content": "Hi"}]
+            )
+    assert err.value.body["type"] == "error"  # Anthropic's shape on its paths
+    assert err.value.body["error"]["type"] == "authentication_error"
+    # a message id names its trajectory for its own key only
+    bob = httpx.post(
+        f"{server.url}/rl/trajectories/{message.id}/reward",
+        json={"reward": 1.0},
+        headers={"authorization": f"Bearer {keyed['bob']}"},
+    )
+    assert bob.status_code == 404
+    alice = httpx.post(
+        f"{server.url}/rl/trajectories/{message.id}/reward",
+        json={"reward": 1.0},
+        headers={"x-api-key": keyed["alice"]},
+    )
+    assert alice.status_code == 200, alice.text
+
+
+def test_a_key_reads_and_continues_only_its_own_responses(keyed: dict) -> None:
+    server = keyed["server"]
+    with client(server, keyed["alice"]) as alice, client(server, keyed["bob"]) as bob:
+        mine = alice.responses.create(model="rlproxy", input="Hi", max_output_tokens=2)
+        assert alice.responses.retrieve(mine.id).id == mine.id
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.retrieve(mine.id)
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.input_items.list(mine.id)
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.delete(mine.id)
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.create(
+                model="rlproxy", input="Go on", previous_response_id=mine.id, max_output_tokens=2
+            )
+        alice.responses.create(
+            model="rlproxy", input="Go on", previous_response_id=mine.id, max_output_tokens=2
+        )
+    with client(server, keyed["admin"]) as admin:
+        assert admin.responses.retrieve(mine.id).id == mine.id  # an admin reads every key's
 
 
 def test_a_revoked_key_stops_working_without_a_restart(keyed: dict) -> None:
