@@ -210,11 +210,13 @@ def test_anthropic_clients_send_their_key_as_x_api_key(keyed: dict) -> None:
             model="rlproxy", max_tokens=2, messages=[{"role": "user", "content": "Hi"}]
         )
         assert message.id.startswith("msg_")
-    with anthropic.Anthropic(base_url=server.url, api_key="sk-nope", max_retries=0) as c:
-        with pytest.raises(anthropic.AuthenticationError) as err:
-            c.messages.create(
-                model="rlproxy", max_tokens=2, messages=[{"role": "user", "content": "Hi"}]
-            )
+    with (
+        anthropic.Anthropic(base_url=server.url, api_key="sk-nope", max_retries=0) as c,
+        pytest.raises(anthropic.AuthenticationError) as err,
+    ):
+        c.messages.create(
+            model="rlproxy", max_tokens=2, messages=[{"role": "user", "content": "Hi"}]
+        )
     assert err.value.body["type"] == "error"  # Anthropic's shape on its paths
     assert err.value.body["error"]["type"] == "authentication_error"
     # a message id names its trajectory for its own key only
