@@ -112,12 +112,11 @@ def to_chat(
         messages.append({"role": "system", "content": _system_text(req.system)})
     for i, message in enumerate(req.messages):
         messages.extend(_chat_messages(message, f"messages[{i}]"))
-    full = isinstance(req, MessagesRequest)
     body: dict[str, Any] = {
         "model": req.model,
         "messages": messages,
         "tools": [_chat_tool(t, i) for i, t in enumerate(req.tools)] if req.tools else None,
-        "max_tokens": req.max_tokens if full else 1,
+        "max_tokens": 1,  # count_tokens: a prompt that fits with one token to spare
         "stream": stream or None,
         "stream_options": {"include_usage": True} if stream else None,
     }
@@ -125,9 +124,9 @@ def to_chat(
         body["tool_choice"] = _chat_tool_choice(req.tool_choice)
         if req.tool_choice.disable_parallel_tool_use:
             body["parallel_tool_calls"] = False
-    if full:
-        assert isinstance(req, MessagesRequest)
+    if isinstance(req, MessagesRequest):
         body.update(
+            max_tokens=req.max_tokens,
             stop=req.stop_sequences or None,
             temperature=req.temperature,
             top_p=req.top_p,

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 from openai import OpenAI
@@ -201,3 +202,43 @@ def test_error_after_the_first_chunk_ends_the_stream_and_is_stored(
         (call["id"],),
     )
     assert json.loads(choices[0]["message"])["content"] == "Hello"  # what the client saw
+
+
+SEARCH = {"type": "object", "properties": {"query": {"type": "string"}}}
+
+
+def test_the_other_protocols_reach_an_upstream_model(
+    client: OpenAI, direct_server: Server, fake: FakeOpenAI
+) -> None:
+    """Responses and Messages requests for an upstream name go through the same upstream path
+    (the provider is an OpenAI-compatible stand-in: no provider is reachable here), their
+    answers translated back, their calls stored with engine "upstream" and their protocol."""
+    response = client.responses.create(model="direct", input=_ask("hello"), max_output_tokens=7)
+    assert response.output_text == TEXT and response.model == "direct"
+    assert fake.seen[-1].body["max_tokens"] == 7
+    with client.responses.stream(model="direct", input=_ask("stream")) as stream:
+        streamed = stream.get_final_response()
+    assert streamed.output_text == TEXT
+
+    claude = anthropic.Anthropic(base_url=direct_server.url, api_key="sk-client", max_retries=0)
+    tools = [{"name": "search", "description": "Search.", "input_schema": SEARCH}]
+    message = claude.messages.create(
+        model="direct", max_tokens=9, messages=_ask("find"), tools=tools
+    )
+    [use] = message.content
+    assert (use.type, use.name, use.input) == ("tool_use", "search", {"query": "x"})
+    assert message.stop_reason == "tool_use"
+    assert fake.seen[-1].body["tools"][0]["function"]["parameters"] == SEARCH
+    with claude.messages.stream(model="direct", max_tokens=9, messages=_ask("s")) as events:
+        assert "".join(events.text_stream) == TEXT
+
+    rows = db_rows(
+        direct_server.data_dir,
+        "SELECT engine, protocol, completion_id FROM calls WHERE completion_id IN (?, ?, ?)",
+        (response.id, streamed.id, message.id),
+    )
+    assert sorted((r["engine"], r["protocol"]) for r in rows) == [
+        ("upstream", "messages"),
+        ("upstream", "responses"),
+        ("upstream", "responses"),
+    ]
