@@ -230,12 +230,19 @@ class ToolCallStreamParser:
     def finish(self) -> list[Event]:
         events = self._process(final=True)
         # A final pass leaves the state "text" or "args" (an unfinished header became text).
+        # (A call cut by max_tokens before its `</tool_call>` may end with the brace that
+        # closes the call object: `_cut_arguments` leaves it out.)
         if self._state == "held":
-            events.append(self._start_call(self._held_name))
-            if self._buf.strip(_WS):
-                events.append(self._emit_args(self._buf.lstrip(_WS)))
+            args = _cut_arguments("", self._buf.lstrip(_WS))
+            if not self._is_repeat(self._held_name, args):
+                events.append(self._start_call(self._held_name))
+                if args.strip(_WS):
+                    events.append(self._emit_args(args))
         elif self._state == "args" and self._buf:
-            events.append(self._emit_args(self._buf))
+            sent = self.tool_calls[self._index]["function"]["arguments"]
+            rest = _cut_arguments(sent, self._buf)
+            if rest:
+                events.append(self._emit_args(rest))
         elif not (self._right_after_call() and OPEN_TAG.startswith(self._buf)):
             # (else: the output ends inside the next call's tag, cut by max_tokens)
             events += self._emit_text(self._buf)
@@ -367,6 +374,26 @@ class ToolCallStreamParser:
                 events.append(self._emit_args(self._buf[:keep]))
                 self._buf = self._buf[keep:]
             return events
+
+
+def _cut_arguments(sent: str, rest: str) -> str:
+    """What of `rest` ends a call's arguments (`sent`: those already emitted) when the output
+    stopped before `</tool_call>`: all of it, but the last `}` when that brace closes the call
+    object, not the arguments (the arguments parse without it and not with it)."""
+    whole = (sent + rest).rstrip(_WS)
+    if whole.endswith("}") and not _parses(whole):
+        inner = whole[:-1].rstrip(_WS)
+        if len(inner) >= len(sent) and _parses(inner):
+            return inner[len(sent) :]
+    return rest
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def canonical_args(arguments: str) -> str:

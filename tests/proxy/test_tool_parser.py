@@ -244,3 +244,17 @@ def test_closing_markup_inside_a_json_string_does_not_end_the_call(
         assert json.loads(calls[-1]["function"]["arguments"]) == {"html": value}
         events, _ = _stream(text, list(range(1, len(text))))
         assert _strip_ids(collect(events)[1]) == _strip_ids(calls)
+
+
+@pytest.mark.parametrize("second", [False, True])
+def test_a_call_cut_before_its_end_tag_keeps_only_its_arguments(second: bool) -> None:
+    """max_tokens may stop the output right after a call's JSON, before `</tool_call>`: the
+    brace that closes the call object is not part of its arguments (a repeat is then seen as
+    one, and dropped)."""
+    cut = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    text = (CALL_W + "\n" if second else "") + cut
+    for cuts in ([], [len(text) - 1], [len(text) - 2, len(text) - 1]):
+        _, parser = _stream(text, cuts)
+        assert _strip_ids(parser.tool_calls) == [("get_weather", '{"city": "Paris"}')]
+    _, calls = parse_complete(text)
+    assert _strip_ids(calls) == [("get_weather", '{"city": "Paris"}')]
