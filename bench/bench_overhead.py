@@ -12,6 +12,10 @@ keep-alive):
                    httpx path), every call linked and committed durably to SQLite before the
                    response;
 - rlproxy-litellm: the same server and store, a second upstream name with `via: litellm`;
+- rlproxy-responses, rlproxy-messages: the same server, store and upstream as `rlproxy`, the
+                   same conversations sent as OpenAI Responses API and Anthropic Messages
+                   requests (`/v1/responses`, `/v1/messages`): what translating in and out
+                   adds beside Chat Completions;
 - litellm:         the LiteLLM proxy (one worker, no database), its documented config.yaml.
 
 Traffic is what agents send, the same sequence for every target: repeated tasks (one of a few
@@ -215,22 +219,45 @@ class Workload:
 @dataclass
 class Target:
     name: str
-    url: str  # the chat completions URL
+    url: str  # the chat completions URL (or /v1/responses, /v1/messages: see `protocol`)
     model: str
     key: str
     workload: Workload = field(default_factory=lambda: Workload(0))
     pid: int | None = None
     """The server process behind the target (its CPU time per call is reported); None: direct."""
+    protocol: str = "chat"
+    """"chat", "responses" or "messages": the same conversation in that protocol's shape."""
 
     def body(self, stream: bool = False) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model": self.model,
-            "messages": self.workload.next(),
-            "max_tokens": 16,
-        }
+        messages = self.workload.next()
+        body: dict[str, Any]
+        if self.protocol == "responses":
+            body = {"model": self.model, "input": messages, "max_output_tokens": 16}
+        elif self.protocol == "messages":
+            system = [m["content"] for m in messages if m["role"] == "system"]
+            turns = [m for m in messages if m["role"] != "system"]
+            body = {"model": self.model, "system": system[0], "messages": turns, "max_tokens": 16}
+        else:
+            body = {"model": self.model, "messages": messages, "max_tokens": 16}
         if stream:
-            body.update(stream=True, stream_options={"include_usage": True})
+            body["stream"] = True
+            if self.protocol == "chat":
+                body["stream_options"] = {"include_usage": True}
         return body
+
+    @property
+    def answered(self) -> bytes:
+        """What a successful non-streamed answer holds."""
+        return {"chat": b'"choices"', "responses": b'"output"', "messages": b'"content"'}[
+            self.protocol
+        ]
+
+    @property
+    def text_event(self) -> str:
+        """What a streamed event carrying text holds."""
+        return {"chat": '"content"', "responses": '"delta"', "messages": '"text_delta"'}[
+            self.protocol
+        ]
 
     @property
     def headers(self) -> dict[str, str]:
@@ -272,7 +299,7 @@ def call_once(client: httpx.Client, target: Target) -> float | None:
     start = time.perf_counter()
     try:
         r = client.post(target.url, json=target.body(), headers=target.headers)
-        ok = r.status_code == 200 and b"choices" in r.content
+        ok = r.status_code == 200 and target.answered in r.content
     except httpx.HTTPError:
         ok = False
     return (time.perf_counter() - start) * 1000 if ok else None
@@ -294,7 +321,7 @@ def stream_once(client: httpx.Client, target: Target) -> tuple[float, float] | N
                 if line.startswith("data:"):
                     if first is None:
                         first = time.perf_counter()
-                    if '"content"' in line:
+                    if target.text_event in line:
                         text.append(line)
     except httpx.HTTPError:
         return None
@@ -361,7 +388,7 @@ async def open_loop(target: Target, rate: float, duration_s: float, timeout_s: f
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
             try:
                 r = await client.post(target.url, json=bodies[i], headers=target.headers)
-                ok = r.status_code == 200 and b"choices" in r.content
+                ok = r.status_code == 200 and target.answered in r.content
             except httpx.HTTPError:
                 ok = False
             done = time.perf_counter()
@@ -421,7 +448,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=["rlproxy", "rlproxy-litellm", "litellm"],
+        choices=["rlproxy", "rlproxy-litellm", "rlproxy-responses", "rlproxy-messages", "litellm"],
         help="measure only these targets beside direct (the baseline always runs)",
     )
     parser.add_argument(
@@ -488,6 +515,22 @@ def main() -> int:
             Target("direct", f"{instant_base}/chat/completions", "instant", "sk-instant"),
             Target("rlproxy", rl_chat, "instant", "sk-c", pid=rl_proc.pid),
             Target("rlproxy-litellm", rl_chat, "instant-litellm", "sk-c", pid=rl_proc.pid),
+            Target(
+                "rlproxy-responses",
+                f"{rl_url}/v1/responses",
+                "instant",
+                "sk-c",
+                pid=rl_proc.pid,
+                protocol="responses",
+            ),
+            Target(
+                "rlproxy-messages",
+                f"{rl_url}/v1/messages",
+                "instant",
+                "sk-c",
+                pid=rl_proc.pid,
+                protocol="messages",
+            ),
         ]
         if not args.no_litellm:
             assert litellm_bin is not None
