@@ -4,10 +4,11 @@ replicas (`tests/fakes/vllm_server.py`, generating with the real embedded model)
 The tests are the ones the local engine passes, imported from their modules: the openai SDK
 (shapes, streams, `n`, logprobs, stop strings, seeds), tools and structured outputs (the grammars
 travel to vLLM as `structured_outputs.grammar`), LangChain and LlamaIndex, the Responses API and
-Anthropic Messages (their stop sequences read from vLLM's `stop_reason`). Only the fixtures that
+Anthropic Messages (their stop sequences read from vLLM's `stop_reason`), with the Agents SDK,
+LangChain's two other classes and the Vercel AI SDK. Only the fixtures that
 name the server are replaced here, so both engines are held to the same assertions.
 
-Slow (38 tests, about 8 minutes on the shared 2-core machine, three processes sharing it): run
+Slow (42 tests, about 9 minutes on the shared 2-core machine, three processes sharing it): run
 with `make test-slow`. The default run checks the engine against vLLM-shaped handlers
 (tests/proxy/test_vllm_engine.py).
 """
@@ -21,12 +22,18 @@ import pytest
 import pytest_asyncio
 
 from tests.e2e.conftest import Server
+from tests.e2e.test_agents_sdk import test_agent_with_a_tool_is_one_trajectory  # noqa: F401
+from tests.e2e.test_js_clients import node_modules, test_tool_call  # noqa: F401
 from tests.e2e.test_langchain import (  # noqa: F401  (tests and their fixture, collected here)
     llm,
     test_context_overflow_is_recognised,
     test_invoke_and_stream_agree,
     test_structured_output,
     test_tool_loop,
+)
+from tests.e2e.test_langchain_protocols import (  # noqa: F401
+    test_messages_api_tool_call_and_result,
+    test_responses_api_tool_call_and_result,
 )
 from tests.e2e.test_llamaindex import (  # noqa: F401
     like,
