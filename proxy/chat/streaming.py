@@ -23,6 +23,13 @@ from proxy.api.protocol import chunk
 from proxy.chat.tool_parser import StreamParser, TextDelta, ToolCallArgsDelta, ToolCallStart
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+JSON_OR_SSE: dict[int | str, dict[str, object]] = {
+    200: {
+        "description": "The answer as JSON, or with `stream: true` as server-sent events.",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    }
+}
+"""The OpenAPI `responses` of a route that answers with JSON or a stream."""
 
 
 async def sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:

@@ -328,3 +328,9 @@ def test_unknown_ids_are_404(client: OpenAI) -> None:
 def test_cancel_is_refused_in_the_foreground(client: OpenAI, greedy_response) -> None:
     with pytest.raises(BadRequestError):
         client.responses.cancel(greedy_response.id)
+
+
+def test_a_405_names_every_method_of_the_path(server: Server) -> None:
+    r = httpx.request("PUT", f"{server.base_url}/responses/resp_x", timeout=30)
+    assert r.status_code == 405
+    assert r.headers["allow"] == "DELETE, GET"

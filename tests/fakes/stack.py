@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,6 +132,35 @@ def wait_in_rotation(server: Any, count: int, timeout_s: float = 120) -> None:
 
 
 @contextmanager
+def rlproxy_in_front(
+    data_dir: Path,
+    model_dir: Path,
+    replicas: Sequence[Any],
+    env_extra: dict[str, str] | None = None,
+) -> Iterator[Any]:
+    """One `rlproxy serve` with the vllm engine in front of `replicas` (started, not yet
+    necessarily up): `FakeReplica`s here, or real vLLM servers (`tests.vllm_real.replica`)."""
+    from tests.e2e.conftest import Server, start_server, stop_server
+
+    env = {
+        "RLPROXY_ENGINE": "vllm",
+        "RLPROXY_VLLM_URLS": json.dumps([r.url for r in replicas]),
+        "RLPROXY_VLLM_HEALTH_INTERVAL_S": "0.5",
+        **(env_extra or {}),
+    }
+    # rlproxy starts beside the replicas (its /health is 200 once one of them is up).
+    proc, url, log = start_server(data_dir, model_dir, env)
+    try:
+        for replica in replicas:
+            replica.wait()
+        server = Server(url=url, data_dir=data_dir, model_name="rlproxy", log=log)
+        wait_in_rotation(server, len(replicas))
+        yield server
+    finally:
+        stop_server(proc)
+
+
+@contextmanager
 def vllm_stack(
     data_dir: Path,
     model_dir: Path,
@@ -140,26 +169,10 @@ def vllm_stack(
     env_extra: dict[str, str] | None = None,
 ) -> Iterator[tuple[Any, list[FakeReplica]]]:
     """`replicas` fake vLLM servers and one `rlproxy serve` with the vllm engine in front."""
-    from tests.e2e.conftest import Server, start_server, stop_server
-
     fakes = start_replicas(data_dir / "replicas", model_dir, replicas)
-    proc = None
     try:
-        env = {
-            "RLPROXY_ENGINE": "vllm",
-            "RLPROXY_VLLM_URLS": json.dumps([f.url for f in fakes]),
-            "RLPROXY_VLLM_HEALTH_INTERVAL_S": "0.5",
-            **(env_extra or {}),
-        }
-        # rlproxy starts beside the replicas (its /health is 200 once one of them is up).
-        proc, url, log = start_server(data_dir, model_dir, env)
-        for fake in fakes:
-            fake.wait()
-        server = Server(url=url, data_dir=data_dir, model_name="rlproxy", log=log)
-        wait_in_rotation(server, len(fakes))
-        yield server, fakes
+        with rlproxy_in_front(data_dir, model_dir, fakes, env_extra) as server:
+            yield server, fakes
     finally:
-        if proc is not None:
-            stop_server(proc)
         for fake in fakes:
             fake.stop()

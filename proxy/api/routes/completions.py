@@ -16,12 +16,12 @@ from proxy.api.deps import Generating, request_id
 from proxy.api.protocol import ChatCompletionRequest
 from proxy.api.serving import serve
 from proxy.chat.record import CallInfo
-from proxy.chat.streaming import SSE_HEADERS, sse
+from proxy.chat.streaming import JSON_OR_SSE, SSE_HEADERS, sse
 
 router = APIRouter(route_class=TextJSONRoute)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=JSON_OR_SSE)
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, runtime: Generating, caller: Caller
 ):

@@ -18,14 +18,14 @@ from proxy.api.body import TextJSONRoute
 from proxy.api.deps import Chat, Generating, request_id
 from proxy.api.serving import serve
 from proxy.chat.record import CallInfo
-from proxy.chat.streaming import SSE_HEADERS
+from proxy.chat.streaming import JSON_OR_SSE, SSE_HEADERS
 from proxy.protocols import messages
 from proxy.protocols.messages import CountTokensRequest, MessagesRequest
 
 router = APIRouter(route_class=TextJSONRoute)
 
 
-@router.post("/v1/messages")
+@router.post("/v1/messages", responses=JSON_OR_SSE)
 async def create_message(
     body: MessagesRequest, request: Request, runtime: Generating, caller: Caller
 ):

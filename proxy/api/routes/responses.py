@@ -23,7 +23,7 @@ from proxy.api.deps import Generating, StoreDep, request_id
 from proxy.api.errors import InvalidRequestError
 from proxy.api.serving import serve
 from proxy.chat.record import CallInfo
-from proxy.chat.streaming import SSE_HEADERS
+from proxy.chat.streaming import JSON_OR_SSE, SSE_HEADERS
 from proxy.protocols import responses
 from proxy.protocols.responses import ResponsesRequest
 from storage.records import StoredCall
@@ -32,7 +32,7 @@ from storage.store import Store
 router = APIRouter(route_class=TextJSONRoute)
 
 
-@router.post("/v1/responses")
+@router.post("/v1/responses", responses=JSON_OR_SSE)
 async def create_response(
     body: ResponsesRequest, request: Request, runtime: Generating, caller: Caller
 ):
