@@ -24,6 +24,7 @@ from tests.e2e.fake_openai import TEXT, FakeOpenAI, FakeOpenAIServer
 from tests.e2e.helpers import db_rows, own_server
 
 SERVER_KEY = "sk-direct-server-secret-0123456789"
+CLAUDE_ALIAS = "claude-sonnet-4-5-20250929"
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +42,7 @@ def direct_server(
     env = {
         "RLPROXY_UPSTREAM_MODELS": json.dumps(models),
         "RLPROXY_UPSTREAM_TIMEOUT_S": "3",
+        "RLPROXY_ALIASES": json.dumps([CLAUDE_ALIAS]),
         "DK": SERVER_KEY,
     }
     with own_server(tmp_path_factory.mktemp("direct-data"), model_data_dir, env) as server:
@@ -205,6 +207,19 @@ def test_error_after_the_first_chunk_ends_the_stream_and_is_stored(
 
 
 SEARCH = {"type": "object", "properties": {"query": {"type": "string"}}}
+
+
+def test_a_claude_name_can_alias_the_policy(direct_server: Server) -> None:
+    """What Claude Code sends: its own model name, mapped to the policy by RLPROXY_ALIASES."""
+    claude = anthropic.Anthropic(base_url=direct_server.url, api_key="sk-client", max_retries=0)
+    message = claude.messages.create(model=CLAUDE_ALIAS, max_tokens=2, messages=_ask("hi"))
+    assert message.model == CLAUDE_ALIAS
+    (row,) = db_rows(
+        direct_server.data_dir,
+        "SELECT engine, model_requested FROM calls WHERE completion_id = ?",
+        (message.id,),
+    )
+    assert (row["engine"], row["model_requested"]) == ("local", CLAUDE_ALIAS)
 
 
 def test_the_other_protocols_reach_an_upstream_model(
