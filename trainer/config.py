@@ -1,7 +1,8 @@
 """The trainer's configuration: one dataclass, defaults from the literature, checked on creation.
 
 This is the configuration of one GRPO run on a LoRA (what `trainer.peft_backend` and
-`trainer.grpo` need); where the data comes from, how groups are formed and when a step runs
+`trainer.grpo` need, and how many groups a step takes and how stale they may be, which
+`trainer.loop` reads); where the data comes from, how groups are formed and when a step runs
 belong to the background loop, not here.
 """
 
@@ -11,8 +12,11 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from trainer.staleness import STALE_POLICIES
+
 BACKENDS = frozenset({"peft", "unsloth"})
 DTYPES = frozenset({"auto", "float32", "bfloat16"})
+OFF_POLICY_CORRECTIONS = frozenset({"ppo", "tis"})
 
 
 @dataclass
@@ -56,6 +60,59 @@ class TrainerConfig:
         metadata={
             "help": "Divide advantages by the group's population std (DeepSeekMath GRPO); "
             "False keeps reward - group mean (Dr. GRPO)."
+        },
+    )
+    off_policy_correction: str = field(
+        default="ppo",
+        metadata={
+            "help": "How the loss treats samples another version generated. 'ppo': the clipped "
+            "ratio pi_theta / mu against the logprobs mu stored at sampling time (tokens whose "
+            "ratio left [1 - epsilon, 1 + epsilon] on the advantage's side get no gradient; a "
+            "negative advantage's ratio is unbounded above). 'tis': decoupled PPO with truncated "
+            "importance sampling (Yao et al. 2025, 'Your efficient RL framework secretly brings "
+            "you off-policy RL training'; AReaL's decoupled objective): the clipped ratio "
+            "against the trainer's own logprobs pi_old at the step's start, each token's term "
+            "weighted by min(pi_old / mu, tis_cap). On fresh samples (pi_old = mu) both are the "
+            "same loss; 'tis' keeps the gradient of tokens the policy has moved away from and "
+            "bounds each token's weight. Opt-in: 'ppo' is what every measured run used."
+        },
+    )
+    tis_cap: float = field(
+        default=2.0,
+        metadata={
+            "help": "The cap C on the truncated importance weight min(pi_old / mu, C) "
+            "(off_policy_correction 'tis'); 2 as in Yao et al. 2025. Lower "
+            "caps cut variance and add bias; C = 1 never up-weights a token."
+        },
+    )
+    max_staleness: int | None = field(
+        default=4,
+        metadata={
+            "help": "Groups generated more than this many versions behind the version the step "
+            "starts from are dropped or down-weighted (stale_policy); null (None) turns the "
+            "bound off, 0 trains only on groups the current weights generated. A group is as "
+            "stale as its stalest turn; the base model is version 0; versions behind are counted "
+            "along the checkpoint lineage (trainer/staleness.py). 4 is TRL's AsyncGRPOTrainer "
+            "default; the learning proof's rounds are 1 version behind, so the bound acts on "
+            "backlogs (the trainer takes the oldest groups first) and on versions left "
+            "unpublished. With "
+            "publish_adapters off (or a long canary), the trainer can run at most this many "
+            "versions ahead of what serves before it drops everything: raise it or use None."
+        },
+    )
+    stale_policy: str = field(
+        default="drop",
+        metadata={
+            "help": "What a step does with a group past max_staleness: 'drop' (never trained on, "
+            "marked skipped, as TRL's async trainer does) or 'downweight' (its loss is "
+            "multiplied by stale_weight once per version past the bound)."
+        },
+    )
+    stale_weight: float = field(
+        default=0.5,
+        metadata={
+            "help": "With stale_policy 'downweight': the factor per version past max_staleness "
+            "(a group K + 2 behind counts stale_weight ** 2)."
         },
     )
     groups_per_step: int = field(
@@ -155,6 +212,33 @@ class TrainerConfig:
         _check(
             math.isfinite(self.kl_beta) and self.kl_beta >= 0.0,
             f"kl_beta must be >= 0, got {self.kl_beta}; 0 turns the KL term off",
+        )
+        _check(
+            self.off_policy_correction in OFF_POLICY_CORRECTIONS,
+            f"off_policy_correction must be one of {sorted(OFF_POLICY_CORRECTIONS)}, got "
+            f"{self.off_policy_correction!r}",
+        )
+        _check(
+            math.isfinite(self.tis_cap) and self.tis_cap >= 1.0,
+            f"tis_cap must be a number >= 1, got {self.tis_cap}; 2 is the usual value",
+        )
+        _check(
+            self.max_staleness is None
+            or (
+                isinstance(self.max_staleness, int)
+                and not isinstance(self.max_staleness, bool)
+                and self.max_staleness >= 0
+            ),
+            f"max_staleness must be an integer >= 0 or None (no bound), got {self.max_staleness}",
+        )
+        _check(
+            self.stale_policy in STALE_POLICIES,
+            f"stale_policy must be one of {sorted(STALE_POLICIES)}, got {self.stale_policy!r}",
+        )
+        _check(
+            0.0 < self.stale_weight <= 1.0,
+            f"stale_weight must be in (0, 1], got {self.stale_weight}; use stale_policy 'drop' "
+            "for 0",
         )
         _check(
             self.groups_per_step >= 1, f"groups_per_step must be >= 1, got {self.groups_per_step}"

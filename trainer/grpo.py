@@ -10,6 +10,16 @@ Exactly this variant is implemented:
   min(r_t A, clip(r_t, 1 - epsilon, 1 + epsilon) A) with r_t = exp(logp_new - logp_old), where
   logp_old are the logprobs stored at sampling time (one optimisation step per batch of samples,
   so the ratio measures how far the policy moved since the sample was drawn).
+- Off-policy correction (optional, `behaviour_logprobs`): decoupled PPO with truncated
+  importance sampling. Then `old_logprobs` are the trainer's own logprobs pi_old at the step's
+  start (the proximal policy: the clip's trust region is around the weights being updated) and
+  each token's policy term is multiplied by w_t = min(exp(logp_old - logp_behaviour), cap), no
+  gradient through w (`truncated_importance_weights`; Yao et al. 2025's TIS, AReaL's decoupled
+  loss). With one optimizer step per batch pi_theta = pi_old when the gradient is taken, so the
+  ratio is 1 and the gradient is w_t A grad log pi: unlike the clipped ratio against the stored
+  logprobs, a token the policy has moved away from since sampling keeps its gradient, and no
+  token weighs more than `cap`. When the stored and the trainer's logprobs agree, w = 1 and
+  the loss and its gradient are the plain variant's.
 - Optional KL to the reference model (the base, adapter disabled) with Schulman's k3 estimator,
   exp(ref - new) - (ref - new) - 1, weighted by `kl_beta` (0 turns it off; the default).
 - Reduction: the per-token loss is averaged over each *sample's* masked tokens first, then over
@@ -43,6 +53,8 @@ class TrainingExample:
     completion_ids: list[int]  # the exact sampled completion token ids of this turn
     old_logprobs: list[float]  # logprobs stored at sampling time, one per completion token
     advantage: float  # the sample's group advantage (same for every turn of the sample)
+    weight: float = 1.0  # multiplies the sample's loss (< 1: its group was stale, down-weighted)
+    behaviour_version: int = 0  # the adapter version that sampled it (0: the base model)
 
 
 def group_advantages(
@@ -105,6 +117,29 @@ def sample_row_weights(token_counts: torch.Tensor, sample_ids: torch.Tensor) -> 
     return weights.float()
 
 
+def truncated_importance_weights(
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cap: float,
+) -> torch.Tensor:
+    """min(pi_old / mu, cap) per token, without gradient: (B, T), (B, T), (B, T) -> (B, T).
+
+    proximal_logprobs: the trainer's logprobs at the step's start; behaviour_logprobs: those
+    stored at sampling time. 0 where `mask` is off (whatever the inputs hold there).
+    """
+    if not cap > 0:
+        raise ValueError(f"the importance weight cap must be > 0, got {cap}")
+    mask = mask.bool()
+    with torch.no_grad():
+        prox = torch.where(mask, proximal_logprobs.float(), 0.0)
+        behaviour = torch.where(mask, behaviour_logprobs.to(prox), 0.0)
+        # exp of the difference, capped in log space first: no overflow for a huge gap.
+        log_ratio = torch.clamp(prox - behaviour, max=math.log(cap))
+        return torch.where(mask, torch.exp(log_ratio), 0.0)
+
+
 def grpo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -116,20 +151,27 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,
     sample_ids: torch.Tensor | None = None,
     row_weights: torch.Tensor | None = None,
+    behaviour_logprobs: torch.Tensor | None = None,
+    tis_cap: float = 2.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The GRPO loss (to minimise) of a batch of rows, and token-mean metrics.
 
-    logprobs (B, T): current policy, with gradient; old_logprobs (B, T): stored at sampling time;
+    logprobs (B, T): current policy, with gradient; old_logprobs (B, T): stored at sampling time
+    (with behaviour_logprobs: the trainer's own at the step's start, the ratio's reference);
     advantages (B,) or (B, T); mask (B, T) bool or 0/1; ref_logprobs (B, T): the reference
     model's, needed when kl_beta > 0. sample_ids (B,) ints: which sample each row belongs to
     (default: every row is its own sample). row_weights (B,): the per-token weight of each row,
     by default `sample_row_weights` of this batch; a trainer that splits one batch into
     micro-batches passes each micro-batch its slice of the full batch's weights, so that the
-    micro-batch losses add up to exactly the full-batch loss.
+    micro-batch losses add up to exactly the full-batch loss. behaviour_logprobs (B, T): the
+    logprobs stored at sampling time when `old_logprobs` are the trainer's own at the step's
+    start; each token's policy term is then weighted by min(pi_old / mu, tis_cap).
 
     Metrics are plain token means over the masked tokens of this call (not sample-weighted):
     `clip_fraction` (tokens whose clipped term is active and thus has no gradient),
-    `ratio_mean`, `kl` (k3, 0 when not computed) and `tokens` (the count, to combine calls).
+    `ratio_mean`, `kl` (k3, 0 when not computed), `is_weight_mean` and `is_capped_fraction`
+    (the truncated importance weights and the tokens at the cap; 1 and 0 without
+    behaviour_logprobs) and `tokens` (the count, to combine calls).
     """
     if kl_beta < 0:
         raise ValueError(f"kl_beta must be >= 0, got {kl_beta}")
@@ -153,6 +195,10 @@ def grpo_loss(
     ratio = torch.exp(new - old)  # (B, T)
     clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon)
     surrogate = torch.minimum(ratio * adv, clipped * adv)
+    is_weights = None
+    if behaviour_logprobs is not None:
+        is_weights = truncated_importance_weights(old, behaviour_logprobs, mask, cap=tis_cap)
+        surrogate = surrogate * is_weights
     per_token = -surrogate
 
     kl = torch.zeros_like(new)
@@ -173,6 +219,12 @@ def grpo_loss(
             "clip_fraction": float((is_clipped & mask).sum()) / denom,
             "ratio_mean": float(ratio[mask].sum()) / denom,
             "kl": float(kl[mask].sum()) / denom,
+            "is_weight_mean": 1.0,
+            "is_capped_fraction": 0.0,
             "tokens": float(tokens),
         }
+        if is_weights is not None and behaviour_logprobs is not None and tokens:
+            capped = (old - behaviour_logprobs.to(old)) >= math.log(tis_cap)
+            metrics["is_weight_mean"] = float(is_weights[mask].sum()) / denom
+            metrics["is_capped_fraction"] = float((capped & mask).sum()) / denom
     return loss, metrics

@@ -17,8 +17,15 @@ group ids it lists are marked used again, in case the process died between writi
 checkpoint and marking them. A checkpoint is complete only once renamed into place, so a killed
 step leaves nothing that serving or a restart would load.
 
-Groups marked with `trained_step = 0` were looked at and skipped (zero variance, no reward, or
-no stored token ids); they never contributed a gradient.
+Groups marked with `trained_step = 0` were looked at and skipped (zero variance, no reward, no
+stored token ids, or too stale); they never contributed a gradient.
+
+Staleness: every example carries the adapter version that sampled it; a group more than
+`max_staleness` versions behind the weights the step starts from is dropped or down-weighted
+(`trainer.staleness`, `stale_policy`). Each step's metrics count the groups dropped and
+down-weighted since the previous step and, over the whole run (carried from checkpoint to
+checkpoint), the groups trained on, dropped and down-weighted; serving reads them from the
+adapter record (`/metrics`, `/rl/stats`, the dashboard).
 
 Lineage: each checkpoint's trainer state records `parent`, the version whose weights the step
 started from (0: fresh LoRA weights). When serving rolls a version back after its canary
@@ -35,7 +42,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +51,7 @@ from storage.store import Store
 from trainer import checkpoints
 from trainer.grpo import TrainingExample, group_advantages
 from trainer.peft_backend import PeftTrainer
+from trainer.staleness import group_staleness, lineage, staleness_weight
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +67,26 @@ class StepReport:
     skipped_group_ids: list[str]
     mean_reward: float
     metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Collected:
+    """What `_collect` found for one step."""
+
+    chosen: list[tuple[GroupDetail, list[TrainingExample]]]
+    skipped: list[str]
+    """Groups that cannot be trained on (no variance, no reward, no token ids)."""
+    rewards: list[float]
+    stale_dropped: list[str]
+    """Usable groups dropped for staleness."""
+    downweighted: int = 0
+    """Among `chosen`: groups past the bound that train with a weight below 1."""
+    staleness: list[int] = field(default_factory=list)
+    """Versions behind of each chosen group."""
+
+
+RUN_TOTALS = ("groups_trained_total", "stale_dropped_total", "stale_downweighted_total")
+"""Step metrics counted over the whole run (restored from the newest checkpoint on resume)."""
 
 
 class TrainingLoop:
@@ -85,6 +113,10 @@ class TrainingLoop:
         a hook that raises is logged and never stops training."""
         self.weights_version = 0
         """The version whose weights the trainer holds (0: fresh), the next step's parent."""
+        self.totals = dict.fromkeys(RUN_TOTALS, 0)
+        self._stale_since_step = 0
+        """Groups dropped for staleness since the last step (reported with the next one)."""
+        self._parents: dict[int, int] = {}
 
     async def resume(self) -> int:
         """Load the newest complete checkpoint, if any; return the step it restored (0: none)."""
@@ -95,6 +127,8 @@ class TrainingLoop:
         state = await asyncio.to_thread(self.trainer.load, latest)
         step = self.trainer.step
         self.weights_version = step
+        report = state.get("step_report") or {}
+        self.totals = {k: int(report.get(k) or 0) for k in RUN_TOTALS}
         await self.store.mark_trained(list(state.get("group_ids") or []), step)
         await self.store.mark_trained(list(state.get("skipped_group_ids") or []), SKIPPED)
         known = {a.version for a in await self.store.list_adapters(self.policy)}
@@ -119,12 +153,14 @@ class TrainingLoop:
     async def step_once(self, *, min_groups: int | None = None) -> StepReport | None:
         """One step if at least `min_groups` (default: groups_per_step) usable groups wait."""
         need = self.config.groups_per_step if min_groups is None else min_groups
-        chosen, skipped, rewards = await self._collect(self.config.groups_per_step)
+        await self.leave_rolled_back()  # first: staleness is counted from the weights stepped
+        found = await self._collect(self.config.groups_per_step)
+        chosen, skipped, rewards = found.chosen, found.skipped, found.rewards
+        await self._drop_stale(found.stale_dropped)
         if len(chosen) < max(need, 1):
             if skipped:
                 await self.store.mark_trained(skipped, SKIPPED)
             return None
-        await self.leave_rolled_back()
         parent = self.weights_version
         examples = [e for _, exs in chosen for e in exs]
         logger.info(
@@ -144,6 +180,8 @@ class TrainingLoop:
             logger.error("step refused, skipping groups %s: %s", group_ids, exc)
             await self.store.mark_trained(group_ids + skipped, SKIPPED)
             return None
+        self.totals["groups_trained_total"] += len(group_ids)
+        self.totals["stale_downweighted_total"] += found.downweighted
         report = StepReport(
             version=self.trainer.step,
             path=checkpoints.version_dir(self.root, self.trainer.step),
@@ -156,8 +194,14 @@ class TrainingLoop:
                 "skipped_groups": len(skipped),
                 "mean_reward": mean_reward,
                 "step_seconds": time.perf_counter() - started,
+                "stale_dropped": self._stale_since_step,
+                "stale_downweighted": found.downweighted,
+                "staleness_max": max(found.staleness, default=0),
+                "staleness_mean": sum(found.staleness) / max(len(found.staleness), 1),
+                **self.totals,
             },
         )
+        self._stale_since_step = 0
         state = {
             "group_ids": group_ids,
             "skipped_group_ids": skipped,
@@ -195,13 +239,33 @@ class TrainingLoop:
                 logger.exception("step hook %r failed on step %d", hook, report.version)
         return report
 
-    async def _collect(
-        self, wanted: int
-    ) -> tuple[list[tuple[GroupDetail, list[TrainingExample]]], list[str], list[float]]:
-        """Up to `wanted` usable scored groups (oldest first) and the ids of unusable ones."""
+    async def _drop_stale(self, group_ids: list[str]) -> None:
+        """Mark groups dropped for staleness as skipped at once (a failed step must not count
+        them twice) and count them for the next step's report."""
+        if not group_ids:
+            return
+        await self.store.mark_trained(group_ids, SKIPPED)
+        self._stale_since_step += len(group_ids)
+        self.totals["stale_dropped_total"] += len(group_ids)
+        logger.warning(
+            "dropped %d groups generated more than %s versions behind version %d "
+            "(max_staleness): %s",
+            len(group_ids),
+            self.config.max_staleness,
+            self.weights_version,
+            group_ids,
+        )
+
+    async def _collect(self, wanted: int) -> Collected:
+        """Up to `wanted` usable scored groups (oldest first), within the staleness bound or
+        weighted by it, and the ids of the others."""
         chosen: list[tuple[GroupDetail, list[TrainingExample]]] = []
         skipped: list[str] = []
         rewards: list[float] = []
+        stale: list[str] = []
+        staleness: list[int] = []
+        downweighted = 0
+        ancestors = await asyncio.to_thread(lineage, self.weights_version, self._parent)
         cursor: str | None = None
         while len(chosen) < wanted:
             page = await self.store.list_groups(
@@ -217,6 +281,25 @@ class TrainingLoop:
                 if group is None or not examples:
                     skipped.append(summary.id)
                     continue
+                behind = await asyncio.to_thread(
+                    group_staleness,
+                    [e.behaviour_version for e in examples],
+                    ancestors,
+                    self._parent,
+                )
+                weight = staleness_weight(
+                    behind,
+                    max_staleness=self.config.max_staleness,
+                    policy=self.config.stale_policy,
+                    stale_weight=self.config.stale_weight,
+                )
+                if weight <= 0.0:
+                    stale.append(summary.id)
+                    continue
+                if weight < 1.0:
+                    downweighted += 1
+                    examples = [replace(e, weight=e.weight * weight) for e in examples]
+                staleness.append(behind)
                 chosen.append((group, examples))
                 rewards += [m.reward for m in group.members if m.reward is not None]
                 if len(chosen) == wanted:
@@ -224,7 +307,17 @@ class TrainingLoop:
             if page.next_cursor is None:
                 break
             cursor = page.next_cursor
-        return chosen, skipped, rewards
+        return Collected(chosen, skipped, rewards, stale, downweighted, staleness)
+
+    def _parent(self, version: int) -> int:
+        """The version `version` was trained from (its checkpoint's lineage), remembered once
+        its folder exists: a written version's parent never changes."""
+        if version in self._parents:
+            return self._parents[version]
+        parent = checkpoints.parent_version(self.root, version)
+        if checkpoints.version_dir(self.root, version).is_dir():
+            self._parents[version] = parent
+        return parent
 
     def examples(self, group: GroupDetail) -> list[TrainingExample]:
         """The group's training examples; [] when it cannot be trained on."""
@@ -250,6 +343,7 @@ class TrainingLoop:
                         completion_ids=list(ids),
                         old_logprobs=[float(x) for x in logprobs],
                         advantage=advantage,
+                        behaviour_version=turn.adapter_version or 0,
                     )
                 )
         return out

@@ -3,8 +3,8 @@
 `PeftTrainer` owns its own copy of the base model (any causal-LM folder transformers loads:
 float32 on CPU, bfloat16 on CUDA by default, `TrainerConfig.dtype`) wrapped in a PEFT LoRA, and
 an AdamW optimizer over the LoRA parameters only (float32 either way). `train_step` takes
-`TrainingExample`s (exact stored token ids, stored logprobs, advantages) and makes exactly one
-optimizer step; `save` writes a checkpoint the serving engine (or vLLM) can load
+`TrainingExample`s (exact stored token ids, stored logprobs, advantages, weights) and makes
+exactly one optimizer step; `save` writes a checkpoint the serving engine (or vLLM) can load
 (`trainer.checkpoints`); `load` resumes from one. `open_trainer` picks the backend the config
 names (`trainer.unsloth_backend` is imported only when asked for).
 
@@ -76,6 +76,8 @@ class StepMetrics:
     ratio_mean: float
     kl: float  # k3 KL to the base; 0 when kl_beta == 0 (no reference pass)
     truncated: int  # turns that lost tokens to max_seq_len
+    is_weight_mean: float = 1.0  # truncated importance weights ('tis'; 1 with 'ppo')
+    is_capped_fraction: float = 0.0  # tokens whose pi_old / mu reached tis_cap
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,6 +98,9 @@ try:  # transformers >= 5.2x: a boolean (B, T) `logits_to_keep` keeps exactly th
     BOOLEAN_LOGITS_TO_KEEP = True
 except ImportError:  # older (the GPU image's 5.17, pinned by Unsloth): positions only
     BOOLEAN_LOGITS_TO_KEEP = False
+
+METRIC_MEANS = ("clip_fraction", "ratio_mean", "kl", "is_weight_mean", "is_capped_fraction")
+"""`grpo_loss` metrics that are token means: combined over micro-batches by token count."""
 
 MIN_SHARED_PREFIX = 8
 """Shorter common prefixes are not worth the extra forward call of sharing them."""
@@ -213,7 +218,11 @@ class PeftTrainer:
             [sample_index.setdefault(e.sample_id, len(sample_index)) for e in examples]
         )
         counts = torch.tensor([len(r.old_logprobs) for r in rows])
-        weights = sample_row_weights(counts, sample_ids)  # (N,) per-token weight of each row
+        # (N,) per-token weight of each row: per-sample averaging, times the sample's own weight
+        # (below 1 for a down-weighted stale group)
+        weights = sample_row_weights(counts, sample_ids) * torch.tensor(
+            [float(e.weight) for e in examples]
+        )
         # Same prompts side by side (shared in one micro-batch), shortest rows first within one.
         order = sorted(
             range(len(rows)),
@@ -232,7 +241,7 @@ class PeftTrainer:
                     computed += int(metrics["computed_tokens"])
                     loss.backward()  # type: ignore[no-untyped-call]
                     loss_sum += float(loss.detach())
-                    for key in ("clip_fraction", "ratio_mean", "kl"):
+                    for key in METRIC_MEANS:
                         totals[key] += metrics[key] * metrics["tokens"]
                     totals["tokens"] += metrics["tokens"]
             grad_norm = float(
@@ -271,6 +280,8 @@ class PeftTrainer:
             clip_fraction=totals["clip_fraction"] / max(tokens, 1),
             ratio_mean=totals["ratio_mean"] / max(tokens, 1),
             kl=totals["kl"] / max(tokens, 1),
+            is_weight_mean=totals["is_weight_mean"] / max(tokens, 1),
+            is_capped_fraction=totals["is_capped_fraction"] / max(tokens, 1),
             truncated=truncated,
         )
         logger.info("train step %d: %s", self.step, self.last_metrics)
@@ -290,6 +301,10 @@ class PeftTrainer:
             )
         if not all(math.isfinite(x) for x in old):
             raise ValueError(f"sample {example.sample_id}: old logprobs must be finite")
+        if not (math.isfinite(example.weight) and example.weight >= 0):
+            raise ValueError(
+                f"sample {example.sample_id}: weight must be >= 0, got {example.weight}"
+            )
         limit = self.config.max_seq_len
         truncated = len(prompt) + len(completion) > limit
         if truncated:
@@ -331,15 +346,22 @@ class PeftTrainer:
             with torch.no_grad(), self.model.disable_adapter():
                 ref = self._logprobs(input_ids, attention, keep, targets, prefix)
         new = self._logprobs(input_ids, attention, keep, targets, prefix)
+        # 'tis': the clip is around the weights at the step's start, which are the weights this
+        # forward ran with (one optimizer step per batch), and the stored logprobs only weight
+        # each token, capped (trainer.grpo). With lora_dropout > 0, pi_old is this forward's,
+        # dropout included.
+        tis = self.config.off_policy_correction == "tis"
         loss, metrics = grpo_loss(
             new,
-            old,
+            new.detach() if tis else old,
             advantages,
             keep,
             epsilon=self.config.epsilon,
             kl_beta=self.config.kl_beta,
             ref_logprobs=ref,
             row_weights=row_weights.to(self.device),
+            behaviour_logprobs=old if tis else None,
+            tis_cap=self.config.tis_cap,
         )
         metrics["computed_tokens"] = float(shared + int(attention[:, shared:].sum()))
         return loss, metrics

@@ -14,11 +14,13 @@ Two kinds of figures:
 - state, read when scraped: the engine's rows running and queued, its tokens/s, the store's
   writer, the active adapter version and swap count, and, from the database, the trajectories
   still open, the groups still forming, ready or being scored, and the trainer's newest step
-  (loss, mean reward, tokens/s, step time). The database figures are index ranges over the rows
-  still in the pipeline and one row (`Store.live_counts`, `Store.latest_adapter`), whatever the
-  history, cached `cache_s` seconds: a scrape storm costs one read per `cache_s`. Closed
-  trajectories and judged groups are counted as events instead (`rlproxy_rewards_total`,
-  `rlproxy_judge_groups_total`): counting them in the tables would scan the tables.
+  (loss, mean reward, tokens/s, step time, staleness) with its run's counts of groups trained on
+  and dropped or down-weighted for staleness (`StaleGroups`). The database figures are index
+  ranges over the rows still in the pipeline and one row (`Store.live_counts`,
+  `Store.latest_adapter`), whatever the history, cached `cache_s` seconds: a scrape storm costs
+  one read per `cache_s`. Closed trajectories and judged groups are counted as events instead
+  (`rlproxy_rewards_total`, `rlproxy_judge_groups_total`): counting them in the tables would
+  scan the tables.
 
 Counts only: no label or value carries prompt text. Labels that come from clients (the requested
 model) are bounded: past `MAX_MODELS` distinct names, the rest count as "other".
@@ -62,7 +64,44 @@ TRAINER_FIGURES = {
     "step_seconds": ("step_seconds", "Wall time of the newest training step."),
     "grad_norm": ("grad_norm", "Gradient norm of the newest step (before clipping)."),
     "kl": ("kl", "KL to the base of the newest step (0 without a KL term)."),
+    "staleness_max": (
+        "staleness_max",
+        "Versions behind the trainer's weights of the stalest group the newest step trained on.",
+    ),
+    "importance_weight_mean": (
+        "is_weight_mean",
+        "Mean truncated importance weight min(pi_old / mu, cap) of the newest step's tokens "
+        "(1 unless off_policy_correction is 'tis').",
+    ),
 }
+
+
+@dataclass(frozen=True)
+class StaleGroups:
+    """The staleness bound's counts over the trainer's whole run, from the newest step's metrics
+    (`trainer.loop` carries them from checkpoint to checkpoint)."""
+
+    trained: int
+    """Groups training steps used (down-weighted ones included)."""
+    dropped: int
+    """Usable groups dropped for being more than max_staleness versions behind."""
+    downweighted: int
+    """Groups past the bound that trained with a weight below 1."""
+
+    @property
+    def dropped_share(self) -> float:
+        """Of the usable groups the trainer took (trained or dropped), the share dropped."""
+        taken = self.trained + self.dropped
+        return self.dropped / taken if taken else 0.0
+
+    @classmethod
+    def from_step(cls, metrics: dict[str, Any] | None) -> StaleGroups | None:
+        """None for a step written before the trainer counted them."""
+        m = metrics or {}
+        keys = ("groups_trained_total", "stale_dropped_total", "stale_downweighted_total")
+        if not all(isinstance(m.get(k), int) for k in keys):
+            return None
+        return cls(*(int(m[k]) for k in keys))
 
 
 @dataclass
@@ -410,3 +449,25 @@ def _trainer(record: AdapterRecord) -> Iterator[Metric]:
         value = figures.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool):
             yield GaugeMetricFamily(f"rlproxy_trainer_{suffix}", help_, value=value)
+    stale = StaleGroups.from_step(figures)
+    if stale is None:
+        return
+    yield CounterMetricFamily(
+        "rlproxy_trainer_groups_trained",
+        "Groups the trainer's steps used over its run (as of its newest version).",
+        value=stale.trained,
+    )
+    by_action = CounterMetricFamily(
+        "rlproxy_trainer_stale_groups",
+        "Groups more than max_staleness versions behind the trainer's weights, over its run (as "
+        "of its newest version): dropped, or trained down-weighted (stale_policy).",
+        labels=["action"],
+    )
+    by_action.add_metric(["dropped"], stale.dropped)
+    by_action.add_metric(["downweighted"], stale.downweighted)
+    yield by_action
+    yield GaugeMetricFamily(
+        "rlproxy_trainer_stale_dropped_share",
+        "Of the usable groups the trainer took over its run, the share dropped for staleness.",
+        value=stale.dropped_share,
+    )

@@ -267,6 +267,8 @@ async def _record_versions(data_dir: Path, versions: list[int]) -> None:
             now = time.time()
             metrics = {"loss": 0.05 / v, "mean_reward": 0.4 + 0.1 * v, "groups": 4}
             metrics |= {"tokens_per_s": 150.0 + v, "step_seconds": 9.5}
+            metrics |= {"groups_trained_total": 4 * v, "stale_dropped_total": v}
+            metrics |= {"stale_downweighted_total": 0, "stale_dropped": 1, "staleness_max": 5}
             path = data_dir / "checkpoints" / "rlproxy" / f"{v:04d}"
             await store.record_adapter(AdapterRecord("rlproxy", v, str(path), "written", now, now))
             await store.update_adapter("rlproxy", v, metrics=metrics)
@@ -350,6 +352,10 @@ def test_overview_plots_reward_per_version_with_error_bars(
     assert int(page.inner_text("#calls-total .figure")) >= 7
     assert page.locator("#calls-chart rect.bar").count() >= 1
     assert page.inner_text("#trainer .figure") == "off"  # this server runs no trainer
+    # the newest version's run counts: 2 of 10 usable groups dropped for staleness
+    assert page.inner_text("#stale-groups") == "stale: 2 of 10 usable groups dropped (20 %)"
+    stale = httpx.get(f"{dserver.url}/rl/stats", timeout=30).json()["trainer"]["stale_groups"]
+    assert stale == {"trained": 8, "dropped": 2, "downweighted": 0, "dropped_share": 0.2}
     assert "openai/judge" in page.inner_text("#judge")
     assert page.inner_text("#health").startswith("rlproxy")
     browser.shoot(page, "overview")

@@ -313,6 +313,10 @@ async def test_state_figures_read_the_store_and_the_trainers_newest_step(tmp_pat
                         "mean_reward": 0.4,
                         "tokens_per_s": 180.0,
                         "step_seconds": 9.5,
+                        "staleness_max": 2,
+                        "groups_trained_total": 4 * version,
+                        "stale_dropped_total": 2 * version,
+                        "stale_downweighted_total": 0,
                     },
                 )
             )
@@ -328,6 +332,11 @@ async def test_state_figures_read_the_store_and_the_trainers_newest_step(tmp_pat
         assert _value(metrics, "rlproxy_trainer_version") == 2
         assert _value(metrics, "rlproxy_trainer_loss") == 0.25
         assert _value(metrics, "rlproxy_trainer_tokens_per_second") == 180.0
+        assert _value(metrics, "rlproxy_trainer_staleness_max") == 2
+        assert _value(metrics, "rlproxy_trainer_groups_trained_total") == 8
+        assert _value(metrics, "rlproxy_trainer_stale_groups_total", action="dropped") == 4
+        assert _value(metrics, "rlproxy_trainer_stale_groups_total", action="downweighted") == 0
+        assert _value(metrics, "rlproxy_trainer_stale_dropped_share") == pytest.approx(4 / 12)
         assert _value(metrics, "rlproxy_adapter_active_version") == 2
         assert _value(metrics, "rlproxy_adapter_swaps_total") == 2
         assert _value(metrics, "rlproxy_engine_running_rows") == 3

@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from trainer.grpo import group_advantages, grpo_loss, sample_row_weights, token_logprobs
+from trainer.grpo import (
+    group_advantages,
+    grpo_loss,
+    sample_row_weights,
+    token_logprobs,
+    truncated_importance_weights,
+)
 
 # ----------------------------------------------------------------- advantages
 
@@ -176,3 +182,87 @@ def test_advantages_of_huge_rewards_are_finite_or_refused() -> None:
         assert advantages == pytest.approx(group_advantages(unit), rel=1e-5)  # eps / std
     with pytest.raises(ValueError, match="too large"):
         group_advantages([1.7e308, -1.7e308, 1.7e308])  # reward - mean itself overflows
+
+
+# ----------------------------------------------------------------- off-policy correction (TIS)
+
+
+def test_truncated_importance_weight_is_the_ratio_capped() -> None:
+    # pi_old / mu = 0.5, 1.5, 3 (capped at 2); the masked position holds garbage.
+    prox = torch.tensor([[math.log(0.5), math.log(1.5), math.log(3.0), float("nan")]]) - 1.0
+    behaviour = torch.full((1, 4), -1.0)
+    behaviour[0, 3] = float("inf")
+    mask = torch.tensor([[1, 1, 1, 0]])
+    weights = truncated_importance_weights(prox, behaviour, mask, cap=2.0)
+    assert weights[0].tolist() == pytest.approx([0.5, 1.5, 2.0, 0.0])
+    assert not weights.requires_grad
+    # a gap too large for exp() is capped, not inf
+    huge = truncated_importance_weights(
+        torch.tensor([[0.0]]), torch.tensor([[-1e4]]), mask[:, :1], cap=2.0
+    )
+    assert huge.item() == 2.0
+
+
+def test_tis_with_equal_logprobs_weighs_one_and_is_todays_loss_and_gradient() -> None:
+    gen = torch.Generator().manual_seed(1)
+    values = torch.randn(3, 5, generator=gen) - 2
+    adv = torch.tensor([1.5, -0.5, -1.0])
+    mask = torch.rand(3, 5, generator=gen) > 0.2
+    stored = values.clone()  # what the engine stored is what the trainer computes
+    ppo_new = values.clone().requires_grad_(True)
+    ppo_loss, ppo_metrics = grpo_loss(ppo_new, stored, adv, mask)
+    ppo_loss.backward()
+    tis_new = values.clone().requires_grad_(True)
+    tis_loss, tis_metrics = grpo_loss(
+        tis_new, tis_new.detach(), adv, mask, behaviour_logprobs=stored, tis_cap=2.0
+    )
+    tis_loss.backward()
+    assert tis_loss.item() == pytest.approx(ppo_loss.item(), rel=1e-6)
+    assert ppo_new.grad is not None and tis_new.grad is not None
+    assert torch.allclose(tis_new.grad, ppo_new.grad)
+    assert tis_metrics["is_weight_mean"] == pytest.approx(1.0)
+    assert tis_metrics["is_capped_fraction"] == 0.0
+    assert ppo_metrics["is_weight_mean"] == 1.0
+
+
+def _tis_grad(behaviour_lp: float, advantage: float, cap: float = 2.0) -> float:
+    """d loss / d logp of one token at logp 0 (so pi_old / mu = exp(-behaviour_lp)), TIS on."""
+    new = torch.tensor([[0.0]], requires_grad=True)
+    loss, _ = grpo_loss(
+        new,
+        new.detach(),
+        torch.tensor([advantage]),
+        torch.ones(1, 1),
+        behaviour_logprobs=torch.tensor([[behaviour_lp]]),
+        tis_cap=cap,
+    )
+    loss.backward()
+    assert new.grad is not None
+    return float(new.grad)
+
+
+def test_tis_keeps_the_gradient_the_stored_ratio_clips_and_caps_its_weight() -> None:
+    # The policy made a token 3 times likelier than the version that sampled it (mu = 1/3).
+    moved = math.log(1 / 3)
+    # Against the stored logprob, PPO's ratio is 3: a good token gets no gradient at all...
+    assert _grad_of_one_token(0.0, moved, +1.0) == 0.0
+    # ...and a bad one is pushed down 3 times as hard (unbounded: 50x for a ratio of 50).
+    assert _grad_of_one_token(0.0, moved, -1.0) == pytest.approx(3.0)
+    assert _grad_of_one_token(0.0, math.log(1 / 50), -1.0) == pytest.approx(50.0)
+    # TIS: the clip is around pi_old (ratio 1), the weight min(3, cap) = 2 for both signs.
+    assert _tis_grad(moved, +1.0) == pytest.approx(-2.0)
+    assert _tis_grad(moved, -1.0) == pytest.approx(2.0)
+    assert _tis_grad(math.log(1 / 50), -1.0) == pytest.approx(2.0)
+    assert _tis_grad(moved, +1.0, cap=1.0) == pytest.approx(-1.0)
+    # A token the policy moved away from (pi_old / mu = 0.5) counts half, never more than 1.
+    assert _tis_grad(math.log(2.0), +1.0) == pytest.approx(-0.5)
+
+
+def test_tis_metrics_report_the_mean_weight_and_the_capped_share() -> None:
+    new = torch.zeros(1, 4)
+    behaviour = torch.log(torch.tensor([[1.0, 2.0, 0.25, 0.1]]))  # weights 1, 0.5, 2 (cap), 2
+    _, metrics = grpo_loss(
+        new, new, torch.tensor([1.0]), torch.ones(1, 4), behaviour_logprobs=behaviour
+    )
+    assert metrics["is_weight_mean"] == pytest.approx((1 + 0.5 + 2 + 2) / 4)
+    assert metrics["is_capped_fraction"] == pytest.approx(0.5)

@@ -299,8 +299,8 @@ async def _trainers_read(store: Store) -> list[tuple[str, list[str]]]:
     real loop; its model is not needed to read)."""
     backend = SimpleNamespace(config=TrainerConfig())  # the loop reads only its config here
     loop = TrainingLoop(store, backend, Path("unused"), policy="rlproxy")  # type: ignore[arg-type]
-    chosen, _, _ = await loop._collect(100)
-    return [(g.id, [e.sample_id for e in examples]) for g, examples in chosen]
+    found = await loop._collect(100)
+    return [(g.id, [e.sample_id for e in examples]) for g, examples in found.chosen]
 
 
 @pytest.mark.asyncio(loop_scope="session")

@@ -155,6 +155,37 @@ def test_micro_batches_give_the_same_gradient_as_one_batch(
         assert (grads[1][name] - grad).norm() <= 1e-3 * grad.norm() + 1e-8, name
 
 
+def test_tis_on_fresh_samples_is_the_ppo_step_and_a_weight_scales_the_loss(
+    make_trainer: MakeTrainer, tok: PreTrainedTokenizerBase
+) -> None:
+    trainer = make_trainer(micro_batch_size=2)
+    prompt = _prompt(tok, "Name a colour.")
+    examples = [
+        _example(trainer, s, prompt, _completion(tok, t), adv)
+        for s, t, adv in (("a", "Blue", 1.0), ("b", "I like green a lot", -1.0), ("c", "Red", 0.5))
+    ]
+    weights, optimizer = trainer.adapter_state(), copy.deepcopy(trainer.optimizer.state_dict())
+
+    def step(examples: list[TrainingExample], **config: Any) -> tuple[Any, dict[str, Any]]:
+        set_peft_model_state_dict(trainer.model, weights)
+        trainer.optimizer.load_state_dict(optimizer)
+        trainer.config = dataclasses.replace(trainer.config, **config)
+        metrics = trainer.train_step(examples)
+        return metrics, _lora(trainer)
+
+    ppo, ppo_after = step(examples, off_policy_correction="ppo")
+    tis, tis_after = step(examples, off_policy_correction="tis")
+    assert tis.loss == pytest.approx(ppo.loss, abs=1e-6)
+    assert tis.grad_norm == pytest.approx(ppo.grad_norm, rel=1e-4)
+    assert tis.is_weight_mean == pytest.approx(1.0, abs=1e-4) and tis.is_capped_fraction == 0.0
+    for name, value in ppo_after.items():
+        assert torch.allclose(tis_after[name], value, atol=1e-6), name
+    # a stale group down-weighted to 0.5 contributes half the loss and half the gradient
+    halved, _ = step([dataclasses.replace(e, weight=0.5) for e in examples])
+    assert halved.loss == pytest.approx(ppo.loss / 2, abs=1e-6)
+    assert halved.grad_norm == pytest.approx(ppo.grad_norm / 2, rel=1e-4)
+
+
 def test_kl_to_the_base_is_zero_first_then_grows(
     make_trainer: MakeTrainer, tok: PreTrainedTokenizerBase
 ) -> None:
@@ -180,6 +211,8 @@ def test_bad_examples_are_refused_and_long_ones_cut(
         trainer.train_step([TrainingExample("s", [1, 2], [], [], 1.0)])
     with pytest.raises(ValueError, match="finite"):
         trainer.train_step([TrainingExample("s", [1], [2], [float("nan")], 1.0)])
+    with pytest.raises(ValueError, match="weight must be >= 0"):
+        trainer.train_step([TrainingExample("s", [1], [2], [-1.0], 1.0, weight=-0.5)])
     assert trainer.step == 0
     # A stored logprob far below the current one with a negative advantage: the unclipped
     # ratio side overflows. The step is refused and the adapter is left as it was.
@@ -188,6 +221,12 @@ def test_bad_examples_are_refused_and_long_ones_cut(
         trainer.train_step([TrainingExample("s", [1, 2], [3], [-1e4], -1.0)])
     assert trainer.step == 0
     assert all(torch.equal(v, _lora(trainer)[k]) for k, v in before.items())
+    # With truncated importance sampling the same sample weighs tis_cap, and the step is made.
+    trainer.config = dataclasses.replace(trainer.config, off_policy_correction="tis")
+    capped = trainer.train_step([TrainingExample("s", [1, 2], [3], [-1e4], -1.0)])
+    assert capped.is_capped_fraction == 1.0 and capped.is_weight_mean == 2.0
+    assert trainer.step == 1
+    trainer.config = dataclasses.replace(trainer.config, off_policy_correction="ppo")
 
     prompt = _prompt(tok, "Tell me a long story about a cat and a dog.")  # more than 16 tokens
     short, long = list(range(100, 108)), list(range(100, 130))

@@ -18,6 +18,8 @@ def test_defaults_are_valid_and_documented() -> None:
     assert config.scale_advantages_by_std is True
     assert config.backend == "peft" and config.dtype == "auto"
     assert config.share_prompt_prefix is True and config.gradient_checkpointing is False
+    assert config.off_policy_correction == "ppo" and config.tis_cap == 2.0
+    assert config.max_staleness == 4 and config.stale_policy == "drop"
     for f in fields(TrainerConfig):
         assert f.metadata.get("help"), f"{f.name} has no help text"
 
@@ -27,6 +29,8 @@ def test_round_trip_through_a_dict() -> None:
     data = config.to_dict()
     assert data["target_modules"] == ["q_proj", "v_proj"]
     assert TrainerConfig.from_dict(data) == config
+    unbounded = TrainerConfig.from_dict({"max_staleness": None, "off_policy_correction": "tis"})
+    assert unbounded.max_staleness is None and unbounded.off_policy_correction == "tis"
 
 
 def test_unknown_field_in_a_dict_is_refused() -> None:
@@ -55,6 +59,12 @@ def test_unknown_field_in_a_dict_is_refused() -> None:
         ({"backend": "trl"}, "backend must be one of"),
         ({"dtype": "float16"}, "dtype must be one of"),
         ({"backend": "unsloth", "dtype": "float32"}, "unsloth backend trains in 16-bit"),
+        ({"off_policy_correction": "vtrace"}, "off_policy_correction must be one of"),
+        ({"tis_cap": 0.5}, "tis_cap must be a number >= 1"),
+        ({"max_staleness": -1}, "max_staleness must be an integer >= 0 or None"),
+        ({"max_staleness": 2.5}, "max_staleness must be an integer"),
+        ({"stale_policy": "hold"}, "stale_policy must be one of"),
+        ({"stale_weight": 0.0}, "stale_weight must be in"),
     ],
 )
 def test_invariants(changes: dict[str, Any], hint: str) -> None:

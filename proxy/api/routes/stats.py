@@ -8,7 +8,10 @@
     groups    groups forming, ready and being scored; scored groups not yet trained on (among
               the newest 500); the newest scored and failed group
     judge     which judge scores groups, whether background scoring runs, the reward policy
-    trainer   the trainer child's state (as /health reports it) and the newest version
+    trainer   the trainer child's state (as /health reports it), the newest version, and the
+              staleness bound's counts over the trainer's run (groups trained on, dropped and
+              down-weighted for being more than max_staleness versions behind; null before
+              the trainer counted them)
     active_version
               the version the policy name serves (0: the base model)
 
@@ -27,6 +30,7 @@ from fastapi import APIRouter, Query
 
 from proxy.api.auth import Caller
 from proxy.api.deps import Registry, SettingsDep, StoreDep, TrainerDep
+from proxy.telemetry.metrics import StaleGroups
 
 router = APIRouter(prefix="/rl/stats")
 
@@ -59,6 +63,7 @@ async def stats(
     rewards = await store.reward_by_version(window=window, owner=owner)
     queue = await store.group_queue(owner=owner, untrained_window=UNTRAINED_WINDOW)
     newest = await store.latest_adapter(registry.policy)
+    stale = StaleGroups.from_step(newest.metrics if newest is not None else None)
     return {
         "object": "rl.stats",
         "now": now,
@@ -95,6 +100,9 @@ async def stats(
                 "created_at": newest.created_at,
                 "metrics": newest.metrics,
             },
+            "stale_groups": None
+            if stale is None
+            else {**asdict(stale), "dropped_share": stale.dropped_share},
         },
     }
 

@@ -292,6 +292,18 @@
     );
   }
 
+  // The staleness bound over the trainer's run: groups dropped (or down-weighted) for being
+  // more than max_staleness versions behind the weights a step started from.
+  function staleLine(stale) {
+    const share = `${num(100 * stale.dropped_share, 1)} %`;
+    const weighted = stale.downweighted ? `, ${stale.downweighted} down-weighted` : "";
+    return h("div", {
+      class: stale.dropped ? "small" : "small muted",
+      id: "stale-groups",
+      text: `stale: ${stale.dropped} of ${stale.trained + stale.dropped} usable groups dropped (${share})${weighted}`,
+    });
+  }
+
   function drawOverview(stats, models) {
     const calls = stats.calls;
     const trainer = stats.trainer;
@@ -322,6 +334,7 @@
             ? h("div", { class: "small", text: `last exit code ${trainer.last_exit_code}, ${trainer.restarts} restarts` })
             : null,
           h("div", { class: "small muted", text: `${groups.untrained_scored} scored groups wait for a step` }),
+          trainer.stale_groups ? staleLine(trainer.stale_groups) : null,
         ], { id: "trainer" }),
         card("Judge", judge.model, [
           h("div", {
@@ -731,7 +744,7 @@
       ];
     }
     const active = health.active_version || 0;
-    const metricCols = ["loss", "mean_reward", "groups", "tokens_per_s", "step_seconds"];
+    const metricCols = ["loss", "mean_reward", "groups", "stale_dropped", "staleness_max", "tokens_per_s", "step_seconds"];
     const row = (v, label, a) => {
       const m = a ? a.metrics || {} : {};
       const isActive = v === active;

@@ -1,0 +1,236 @@
+"""The staleness bound: how many versions behind a group was generated (along the checkpoint
+lineage), the weight the rule gives it, and a training step that drops or down-weights stale
+groups as configured and reports the counts in the adapter record serving reads. The loop runs
+on a real SQLite store with a recording stand-in for the model (the rule needs no weights)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from storage import CallRecord, ChoiceRecord, Store
+from storage.grouping import SignatureGrouper
+from storage.records import JudgeOutcome
+from trainer import checkpoints
+from trainer.config import TrainerConfig
+from trainer.grpo import TrainingExample
+from trainer.loop import SKIPPED, TrainingLoop
+from trainer.peft_backend import StepMetrics
+from trainer.staleness import group_staleness, lineage, staleness_weight, versions_behind
+
+# ----------------------------------------------------------------- versions behind
+
+
+def straight(v: int) -> int:
+    return v - 1
+
+
+def test_versions_behind_a_straight_lineage_is_the_difference() -> None:
+    ancestors = lineage(5, straight)
+    assert ancestors == {5: 0, 4: 1, 3: 2, 2: 3, 1: 4, 0: 5}
+    assert versions_behind(5, ancestors, straight) == 0
+    assert versions_behind(2, ancestors, straight) == 3
+    assert versions_behind(None, ancestors, straight) == 5  # the base model is version 0
+    assert versions_behind(0, lineage(0, straight), straight) == 0  # fresh weights = the base
+
+
+def test_a_rolled_back_branch_counts_through_the_common_ancestor() -> None:
+    # 1 <- 2 <- 3 <- 4 <- 5 (5 lost its canary; the trainer went back to 3) and 3 <- 6 <- 7.
+    parents = {1: 0, 2: 1, 3: 2, 4: 3, 5: 4, 6: 3, 7: 6}
+    ancestors = lineage(7, parents.__getitem__)
+    assert versions_behind(6, ancestors, parents.__getitem__) == 1
+    assert versions_behind(3, ancestors, parents.__getitem__) == 2
+    # 5 -> 4 -> 3, then 3 -> 6 -> 7: four steps apart, though 7 - 5 = 2
+    assert versions_behind(5, ancestors, parents.__getitem__) == 4
+
+
+def test_a_group_is_as_stale_as_its_stalest_turn() -> None:
+    ancestors = lineage(6, straight)
+    assert group_staleness([6, 5, 2, 6], ancestors, straight) == 4
+    assert group_staleness([None, 6], ancestors, straight) == 6
+    assert group_staleness([], ancestors, straight) == 0
+
+
+def test_a_lineage_whose_parent_is_not_older_is_refused() -> None:
+    with pytest.raises(ValueError, match="parents come before"):
+        lineage(3, lambda v: v)
+
+
+# ----------------------------------------------------------------- the rule
+
+
+@pytest.mark.parametrize(
+    ("behind", "bound", "policy", "weight"),
+    [
+        (0, 4, "drop", 1.0),
+        (4, 4, "drop", 1.0),  # at the bound: kept
+        (5, 4, "drop", 0.0),
+        (5, 4, "downweight", 0.5),
+        (7, 4, "downweight", 0.125),  # 0.5 per version past the bound
+        (1, 0, "drop", 0.0),  # 0: only what the current weights generated
+        (0, 0, "drop", 1.0),
+        (1000, None, "drop", 1.0),  # no bound
+    ],
+)
+def test_staleness_weight(behind: int, bound: int | None, policy: str, weight: float) -> None:
+    got = staleness_weight(behind, max_staleness=bound, policy=policy, stale_weight=0.5)
+    assert got == pytest.approx(weight)
+
+
+def test_an_unknown_stale_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="stale policy"):
+        staleness_weight(9, max_staleness=1, policy="hold", stale_weight=0.5)
+
+
+# ----------------------------------------------------------------- a step
+
+
+class RecordingTrainer:
+    """Stands in for `PeftTrainer`: keeps the examples of each step and writes a version folder
+    with its lineage (the loop reads parents from there)."""
+
+    def __init__(self, config: TrainerConfig) -> None:
+        self.config = config
+        self.step = 0
+        self.seen: list[list[TrainingExample]] = []
+
+    def train_step(self, examples: Sequence[TrainingExample]) -> StepMetrics:
+        self.seen.append(list(examples))
+        self.step += 1
+        return StepMetrics(self.step, 0.1, 2, len(examples), 2, 10, 10, 0.1, 100.0, 1.0, 0, 1, 0, 0)
+
+    def save(self, root: Path, state: dict[str, Any]) -> Path:
+        path = checkpoints.version_dir(root, self.step)
+        path.mkdir(parents=True)
+        (path / checkpoints.TRAINER_STATE).write_text(json.dumps({**state, "step": self.step}))
+        return path
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[Store]:
+    s = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'rlproxy.db'}")
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+async def _scored_group(store: Store, key: str, version: int | None) -> str:
+    """A scored group of two answers with different rewards, both served by `version`."""
+    for i in range(2):
+        now = time.time()
+        tid = await store.record_call(
+            CallRecord(
+                id=f"{key}-{i}",
+                created_at=now,
+                finished_at=now + 0.1,
+                model_requested="rlproxy",
+                engine="local",
+                request_messages=[{"role": "user", "content": key}],
+                prompt_token_ids=[1, 2, 3],
+                explicit_trajectory_id=f"{key}-t{i}",
+                explicit_group_key=key,
+                adapter_version=version,
+                choices=[
+                    ChoiceRecord(
+                        index=0,
+                        message={"role": "assistant", "content": "x"},
+                        finish_reason="stop",
+                        completion_token_ids=[4, 5],
+                        completion_logprobs=[-1.0, -1.0],
+                    )
+                ],
+            )
+        )
+        await store.add_reward(tid, float(i), "env")
+    (group_id,) = (await store.form_groups(SignatureGrouper(min_size=2))).ready
+    assert await store.claim_group(group_id) == group_id
+    await store.finish_scoring(
+        group_id, JudgeOutcome(status="scored", scores=[], judge_model="explicit")
+    )
+    return group_id
+
+
+async def _loop_at_version(
+    store: Store, root: Path, version: int, **config: Any
+) -> tuple[TrainingLoop, RecordingTrainer]:
+    trainer = RecordingTrainer(TrainerConfig(groups_per_step=1, **config))
+    loop = TrainingLoop(store, trainer, root, policy="rlproxy")  # type: ignore[arg-type]
+    trainer.step = loop.weights_version = version  # versions 1..version trained straight on
+    return loop, trainer
+
+
+async def _trained_step(store: Store, group_id: str) -> int | None:
+    group = await store.get_group(group_id)
+    assert group is not None
+    return group.summary.trained_step
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_step_drops_a_stale_group_and_trains_on_a_fresh_one(
+    store: Store, tmp_path: Path
+) -> None:
+    stale = await _scored_group(store, "old", None)  # the base model: 5 versions behind
+    fresh = await _scored_group(store, "new", 3)  # 2 behind
+    loop, trainer = await _loop_at_version(store, tmp_path / "ckpt", 5, max_staleness=2)
+    report = await loop.step_once()
+    assert report is not None and report.group_ids == [fresh]
+    (examples,) = trainer.seen
+    assert {e.behaviour_version for e in examples} == {3}
+    assert all(e.weight == 1.0 for e in examples)
+    assert await _trained_step(store, stale) == SKIPPED  # never trained on, never taken again
+    assert await _trained_step(store, fresh) == 6
+    m = report.metrics
+    assert (m["stale_dropped"], m["stale_downweighted"], m["staleness_max"]) == (1, 0, 2)
+    assert (m["stale_dropped_total"], m["groups_trained_total"]) == (1, 1)
+    # serving reads the counts from the adapter record the loop wrote
+    newest = await store.latest_adapter("rlproxy")
+    assert newest is not None and (newest.metrics or {})["stale_dropped_total"] == 1
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_stale_group_is_down_weighted_as_configured(store: Store, tmp_path: Path) -> None:
+    group = await _scored_group(store, "old", 1)  # 4 behind version 5: 2 past the bound
+    loop, trainer = await _loop_at_version(
+        store, tmp_path / "ckpt", 5, max_staleness=2, stale_policy="downweight", stale_weight=0.5
+    )
+    report = await loop.step_once()
+    assert report is not None and report.group_ids == [group]
+    (examples,) = trainer.seen
+    assert [e.weight for e in examples] == [0.25, 0.25]
+    m = report.metrics
+    assert (m["stale_dropped"], m["stale_downweighted"], m["stale_downweighted_total"]) == (0, 1, 1)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_drops_while_no_step_can_run_are_reported_with_the_next_step(
+    store: Store, tmp_path: Path
+) -> None:
+    first = await _scored_group(store, "a", 0)
+    loop, trainer = await _loop_at_version(store, tmp_path / "ckpt", 3, max_staleness=1)
+    assert await loop.step_once() is None  # the only group is 3 behind: dropped, no step
+    assert await _trained_step(store, first) == SKIPPED and trainer.seen == []
+    await _scored_group(store, "b", 3)
+    report = await loop.step_once()
+    assert report is not None
+    assert report.metrics["stale_dropped"] == 1 and report.metrics["stale_dropped_total"] == 1
+    loop.weights_version = report.version
+    await _scored_group(store, "c", 4)
+    report = await loop.step_once()
+    assert report is not None
+    assert report.metrics["stale_dropped"] == 0 and report.metrics["stale_dropped_total"] == 1
+    assert report.metrics["groups_trained_total"] == 2
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_without_a_bound_every_group_trains(store: Store, tmp_path: Path) -> None:
+    group = await _scored_group(store, "old", None)
+    loop, _ = await _loop_at_version(store, tmp_path / "ckpt", 40, max_staleness=None)
+    report = await loop.step_once()
+    assert report is not None and report.group_ids == [group]
+    assert report.metrics["staleness_max"] == 40 and report.metrics["stale_dropped"] == 0
