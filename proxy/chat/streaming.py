@@ -50,6 +50,18 @@ async def prepend(
         yield item
 
 
+def typed_sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """Typed events as server-sent events, `event: <its type>` then `data: <json>`, and no
+    `[DONE]`: the Responses API's and Anthropic's framing (`proxy.protocols`)."""
+
+    async def frames() -> AsyncIterator[str]:
+        async for event in events:
+            data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+            yield f"event: {event['type']}\ndata: {data}\n\n"
+
+    return frames()
+
+
 @dataclass(frozen=True)
 class Chunks:
     """The chunks of one streamed response: every one has the same id, model and created."""

@@ -483,17 +483,6 @@ class Events:
         return [] if block is None else [{"type": "content_block_stop", "index": block.index}]
 
 
-def sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
-    """Anthropic's framing: `event: <type>` and `data: <json>` per event."""
-
-    async def frames() -> AsyncIterator[str]:
-        async for event in events:
-            data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-            yield f"event: {event['type']}\ndata: {data}\n\n"
-
-    return frames()
-
-
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",

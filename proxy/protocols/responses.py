@@ -25,7 +25,6 @@ items, and `input_file` parts. `reasoning` and `truncation` are accepted and ign
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -771,17 +770,6 @@ class Events:
             self._event("response.output_item.done", output_index=item.index, item=item.item)
         )
         return events
-
-
-def sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
-    """Typed events as server-sent events: `event: <type>` and `data: <json>` (no `[DONE]`)."""
-
-    async def frames() -> AsyncIterator[str]:
-        async for event in events:
-            data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-            yield f"event: {event['type']}\ndata: {data}\n\n"
-
-    return frames()
 
 
 def not_found(response_id: str) -> APIError:

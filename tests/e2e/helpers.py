@@ -51,6 +51,28 @@ def get_trajectory(server: Server, trajectory_id: str) -> dict[str, Any]:
     return r.json()
 
 
+def typed_events(
+    url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """The events of a typed stream (Responses API, Anthropic Messages) as sent, in order, each
+    checked to carry its `event:` line's type."""
+    out = []
+    with httpx.stream(
+        "POST", url, json={**body, "stream": True}, headers=headers, timeout=120
+    ) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        kind = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kind = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                data = json.loads(line.removeprefix("data: "))
+                assert data["type"] == kind
+                out.append(data)
+    return out
+
+
 def db_rows(data_dir: Path, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
     """Rows straight from the server's SQLite file (read-only, beside the running server)."""
     uri = f"file:{data_dir / 'rlproxy.db'}?mode=ro"

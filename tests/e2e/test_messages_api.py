@@ -17,7 +17,7 @@ import pytest
 from openai import OpenAI
 
 from tests.e2e.conftest import Server
-from tests.e2e.helpers import get_trajectory
+from tests.e2e.helpers import get_trajectory, typed_events
 
 WEATHER = {
     "name": "get_weather",
@@ -38,24 +38,8 @@ def claude(server: Server):
 
 
 def raw_events(server: Server, body: dict[str, Any]) -> list[dict[str, Any]]:
-    out = []
-    with httpx.stream(
-        "POST",
-        f"{server.url}/v1/messages",
-        json={**body, "stream": True},
-        headers={"x-api-key": "sk-test", "anthropic-version": "2023-06-01"},
-        timeout=120,
-    ) as r:
-        assert r.status_code == 200
-        kind = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                kind = line.removeprefix("event: ")
-            elif line.startswith("data: "):
-                data = json.loads(line.removeprefix("data: "))
-                assert data["type"] == kind
-                out.append(data)
-    return out
+    headers = {"x-api-key": "sk-test", "anthropic-version": "2023-06-01"}
+    return typed_events(f"{server.url}/v1/messages", body, headers)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 
 from tests.e2e.conftest import Server
-from tests.e2e.helpers import get_trajectory
+from tests.e2e.helpers import get_trajectory, typed_events
 
 WEATHER = {
     "type": "function",
@@ -41,22 +41,7 @@ TIME = {
 
 
 def events(server: Server, body: dict[str, Any]) -> list[dict[str, Any]]:
-    """A streamed response's events as sent: (event line, data) pairs checked to agree."""
-    out = []
-    with httpx.stream(
-        "POST", f"{server.base_url}/responses", json={**body, "stream": True}, timeout=120
-    ) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        kind = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                kind = line.removeprefix("event: ")
-            elif line.startswith("data: "):
-                data = json.loads(line.removeprefix("data: "))
-                assert data["type"] == kind
-                out.append(data)
-    return out
+    return typed_events(f"{server.base_url}/responses", body)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from proxy.api.body import TextJSONRoute
 from proxy.api.deps import Chat, Generating, request_id
 from proxy.api.serving import serve
 from proxy.chat.record import CallInfo
-from proxy.chat.streaming import JSON_OR_SSE, SSE_HEADERS
+from proxy.chat.streaming import JSON_OR_SSE, SSE_HEADERS, typed_sse
 from proxy.protocols import messages
 from proxy.protocols.messages import CountTokensRequest, MessagesRequest
 
@@ -47,7 +47,7 @@ async def create_message(
             lambda: call.stopped_by.get(0),
         )
         return StreamingResponse(
-            messages.sse(events.run(answer.chunks)),
+            typed_sse(events.run(answer.chunks)),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )

@@ -23,7 +23,7 @@ from proxy.api.deps import Generating, StoreDep, request_id
 from proxy.api.errors import InvalidRequestError
 from proxy.api.serving import serve
 from proxy.chat.record import CallInfo
-from proxy.chat.streaming import JSON_OR_SSE, SSE_HEADERS
+from proxy.chat.streaming import JSON_OR_SSE, SSE_HEADERS, typed_sse
 from proxy.protocols import responses
 from proxy.protocols.responses import ResponsesRequest
 from storage.records import StoredCall
@@ -56,7 +56,7 @@ async def create_response(
     if answer.chunks is not None:
         events = responses.Events(call.completion_id, chat, wire, call.started_at)
         return StreamingResponse(
-            responses.sse(events.run(answer.chunks)),
+            typed_sse(events.run(answer.chunks)),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
