@@ -129,8 +129,9 @@ def test_metrics_move_with_a_200_and_a_400(tserver: Server, client: OpenAI) -> N
     assert moved("rlproxy_http_requests_total", **chat, status="400", model="rlproxy") == 1
     assert moved("rlproxy_http_request_duration_seconds_count", **chat) == 2
     local = {"model": "rlproxy", "engine": "local"}
-    assert moved("rlproxy_chat_calls_total", **local, status="completed") == 1
-    assert moved("rlproxy_chat_calls_total", **local, status="error") == 0  # the 400 is no call
+    calls = {**local, "protocol": "chat"}
+    assert moved("rlproxy_chat_calls_total", **calls, status="completed") == 1
+    assert moved("rlproxy_chat_calls_total", **calls, status="error") == 0  # the 400 is no call
     assert done.usage is not None
     assert moved("rlproxy_chat_prompt_tokens_total", **local) == done.usage.prompt_tokens
     assert moved("rlproxy_chat_completion_tokens_total", **local) == done.usage.completion_tokens
@@ -142,6 +143,21 @@ def test_metrics_move_with_a_200_and_a_400(tserver: Server, client: OpenAI) -> N
     assert _get(after, "rlproxy_store_writable") == 1
     assert _get(after, "rlproxy_adapter_active_version") == 0
     assert b"Name a fruit" not in httpx.get(f"{tserver.url}/metrics").content
+
+
+def test_calls_are_counted_by_protocol(tserver: Server, client: OpenAI) -> None:
+    before = _scrape(tserver)
+    client.responses.create(model="rlproxy", input="Name a fruit.", max_output_tokens=2)
+    httpx.post(
+        f"{tserver.url}/v1/messages",
+        json={"model": "rlproxy", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]},
+        timeout=120,
+    ).raise_for_status()
+    after = _scrape(tserver)
+    for protocol in ("responses", "messages"):
+        labels = {"model": "rlproxy", "engine": "local", "status": "completed"}
+        key = ("rlproxy_chat_calls_total", frozenset({**labels, "protocol": protocol}.items()))
+        assert after.get(key, 0.0) - before.get(key, 0.0) == 1, protocol
 
 
 def test_an_activated_adapter_moves_the_version_gauge(
