@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,17 @@ def get_trajectory(server: Server, trajectory_id: str) -> dict[str, Any]:
     r = httpx.get(f"{server.url}/rl/trajectories/{trajectory_id}", timeout=60)
     r.raise_for_status()
     return r.json()
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 1.0) -> Any:
+    """Poll `predicate` until it returns something truthy (returned), or fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def typed_events(

@@ -10,7 +10,6 @@ step on the real model, writes version 1, and the server publishes it: `rlproxy@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from openai import OpenAI
 from safetensors.torch import load_file
 
 from tests.e2e.conftest import Server
-from tests.e2e.helpers import db_rows, own_server
+from tests.e2e.helpers import db_rows, own_server, wait_for
 
 PROMPT = [
     {"role": "system", "content": "Reply with one word."},
@@ -45,16 +44,6 @@ def tserver(tmp_path_factory: pytest.TempPathFactory, model_data_dir: Path) -> I
         yield server
 
 
-def _wait_for(predicate, timeout_s: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_one_step_trains_and_the_new_version_serves(tserver: Server) -> None:
     with OpenAI(base_url=tserver.base_url, api_key="sk-test", max_retries=0, timeout=120) as c:
         for reward in (0.0, 0.25, 0.75, 1.0):
@@ -71,7 +60,7 @@ def test_one_step_trains_and_the_new_version_serves(tserver: Server) -> None:
             ids = [m.id for m in c.models.list().data]
             return "rlproxy@1" in ids
 
-        _wait_for(published, 300, "rlproxy@1 in /v1/models (see trainer.log)")
+        wait_for(published, 300, "rlproxy@1 in /v1/models (see trainer.log)")
 
         def logprobs(model: str) -> list[float]:
             out = c.chat.completions.create(
@@ -119,8 +108,8 @@ def test_responses_api_runs_train_the_next_version(tserver: Server) -> None:
             )
             assert r.status_code == 200, r.text
         nxt = f"rlproxy@{active + 1}"
-        _wait_for(lambda: nxt in [m.id for m in c.models.list().data], 300, f"{nxt} published")
-        _wait_for(
+        wait_for(lambda: nxt in [m.id for m in c.models.list().data], 300, f"{nxt} published")
+        wait_for(
             lambda: any(
                 a["active"] and a["version"] == active + 1
                 for a in httpx.get(f"{tserver.url}/rl/adapters").json()["data"]

@@ -10,9 +10,8 @@ trainer child and publishing on, the scorer off.
 from __future__ import annotations
 
 import json
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import pytest
 from openai import OpenAI
 
 from tests.e2e.conftest import Server
-from tests.e2e.helpers import db_rows, own_server
+from tests.e2e.helpers import db_rows, own_server, wait_for
 
 GROUPS, RUNS = 4, 4
 
@@ -40,16 +39,6 @@ def nserver(tmp_path_factory: pytest.TempPathFactory, model_data_dir: Path) -> I
     }
     with own_server(tmp_path_factory.mktemp("no-judge-data"), model_data_dir, env) as server:
         yield server
-
-
-def _wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_explicit_groups_form_score_and_train_with_scoring_off(nserver: Server) -> None:
@@ -83,13 +72,13 @@ def test_explicit_groups_form_score_and_train_with_scoring_off(nserver: Server) 
             return done if len(done) == GROUPS else None
 
         # Grouping runs whatever scoring says; rewarded groups need no judge.
-        groups = _wait_for(scored, 60, f"{GROUPS} explicit groups scored with scoring off")
+        groups = wait_for(scored, 60, f"{GROUPS} explicit groups scored with scoring off")
         assert all(g["member_count"] == RUNS and g["judge_model"] == "explicit" for g in groups)
 
         def published() -> bool:
             return "rlproxy@1" in [m.id for m in c.models.list().data]
 
-        _wait_for(published, 300, "rlproxy@1 in /v1/models (see trainer.log)")
+        wait_for(published, 300, "rlproxy@1 in /v1/models (see trainer.log)")
 
     rows = db_rows(
         nserver.data_dir,

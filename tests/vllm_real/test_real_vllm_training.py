@@ -16,7 +16,6 @@ Marker `vllm` (`make test-vllm`).
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 from openai import OpenAI
 
 from tests.e2e.conftest import Server
-from tests.e2e.helpers import db_rows
+from tests.e2e.helpers import db_rows, wait_for
 from tests.vllm_real.conftest import real_stack
 from tests.vllm_real.replica import RealReplica
 
@@ -57,15 +56,6 @@ def server(
     data_dir = tmp_path_factory.mktemp("real-vllm-training")
     with real_stack(data_dir, model_data_dir, real_replicas, env) as srv:
         yield srv
-
-
-def _wait_for(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _recomputed(model_dir: Path, adapter: Path | None, prompt: list[int], ids: list[int]):  # type: ignore[no-untyped-def]
@@ -101,7 +91,7 @@ def test_a_version_trained_on_vllm_calls_is_served_by_vllm_as_the_policy(
             data = httpx.get(f"{server.url}/rl/adapters", timeout=30).json()["data"]
             return any(a["version"] == 1 and a["active"] for a in data)
 
-        _wait_for(active, 300, "version 1 active (see trainer.log)")
+        wait_for(active, 300, "version 1 active (see trainer.log)")
         for replica in real_replicas:
             assert "rlproxy@1" in replica.models()
 

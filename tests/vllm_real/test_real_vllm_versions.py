@@ -22,7 +22,6 @@ Marker `vllm` (`make test-vllm`).
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import Server
+from tests.e2e.helpers import wait_for
 from tests.e2e.test_adapters import write_random_lora
 from tests.e2e.test_hotswap import _adapters, _publish, _wait_status
 from tests.e2e.test_vllm_replicas import CLIENTS, Load, _stored
@@ -56,15 +56,6 @@ def server(
     data_dir = tmp_path_factory.mktemp("real-vllm-versions")
     with real_stack(data_dir, model_data_dir, real_replicas, env) as srv:
         yield srv
-
-
-def _wait_until(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_three_versions_hot_swapped_under_load_and_the_old_ones_unloaded(
@@ -109,7 +100,7 @@ def test_three_versions_hot_swapped_under_load_and_the_old_ones_unloaded(
     def unloaded() -> bool:
         return all("rlproxy@1" not in r.models() for r in real_replicas)
 
-    _wait_until(unloaded, 60, "rlproxy@1 unloaded from both servers")
+    wait_for(unloaded, 60, "rlproxy@1 unloaded from both servers")
     for replica in real_replicas:
         assert {"rlproxy@2", "rlproxy@3"} <= set(replica.models())
 
