@@ -596,6 +596,9 @@ class Events:
         self.chat = chat
         self.wire = wire
         self.created_at = created_at
+        # The request's side of the `response` object, the same in all three it sends.
+        self.params = chat.model_dump(exclude_none=True)
+        self.tools = [t.model_dump(exclude_none=True) for t in chat.tools or []]
         self.seq = 0
         self.items: list[_Item] = []
         self.open: _Item | None = None
@@ -619,8 +622,8 @@ class Events:
             status=status,
             output=output,
             wire=self.wire,
-            params=self.chat.model_dump(exclude_none=True),
-            tools=[t.model_dump(exclude_none=True) for t in self.chat.tools or []],
+            params=self.params,
+            tools=self.tools,
             usage_=usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0))
             if done and status != "failed"
             else None,
