@@ -23,6 +23,7 @@ from storage.models import rewards_table as R
 from storage.models import scores_table as S
 from storage.read_ops import decode_cursor, encode_cursor
 from storage.records import (
+    LOGPROBS_AFTER_GRAMMAR,
     GroupDetail,
     GroupMemberView,
     GroupPage,
@@ -188,6 +189,7 @@ async def _trajectory_member(
                 completion_token_ids=answer.completion_token_ids if answer else None,
                 completion_logprobs=answer.completion_logprobs if answer else None,
                 adapter_version=rec.adapter_version,
+                logprobs_after_grammar=bool(rec.params.get(LOGPROBS_AFTER_GRAMMAR)),
             )
         )
     if not standing:
@@ -219,6 +221,7 @@ async def _sample_member(
         completion_token_ids=answer.completion_token_ids if answer is not None else None,
         completion_logprobs=answer.completion_logprobs if answer is not None else None,
         adapter_version=call.adapter_version,
+        logprobs_after_grammar=bool((call.params or {}).get(LOGPROBS_AFTER_GRAMMAR)),
     )
     return messages, call.tools, [turn]
 

@@ -23,6 +23,11 @@ POLICY_ENGINES: tuple[str, ...] = ("local", "vllm")
 """`CallRecord.engine` values of calls the policy served (its exact tokens, trainable); the
 other value, "upstream", is a provider's model."""
 
+LOGPROBS_AFTER_GRAMMAR = "logprobs_after_grammar"
+"""Key in `CallRecord.params`, True when the engine took the call's logprobs after its grammar's
+mask (`proxy.engines.base.Engine.logprobs_after_grammar`): they are then not the policy's own,
+and the trainer treats them as its `masked_logprobs` setting says."""
+
 TrajectoryStatus = Literal["open", "closed"]
 CloseReason = Literal["end", "reward", "idle"]
 
@@ -348,6 +353,8 @@ class TrainingTurn:
     completion_token_ids: list[int] | None
     completion_logprobs: list[float] | None
     adapter_version: int | None
+    logprobs_after_grammar: bool = False
+    """The logprobs were taken after a grammar's mask (`LOGPROBS_AFTER_GRAMMAR`)."""
 
 
 @dataclass

@@ -55,6 +55,7 @@ class TrainingExample:
     advantage: float  # the sample's group advantage (same for every turn of the sample)
     weight: float = 1.0  # multiplies the sample's loss (< 1: its group was stale, down-weighted)
     behaviour_version: int = 0  # the adapter version that sampled it (0: the base model)
+    logprobs_masked: bool = False  # old_logprobs were taken after a grammar's mask (vLLM)
 
 
 def group_advantages(

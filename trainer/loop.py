@@ -344,6 +344,7 @@ class TrainingLoop:
                         old_logprobs=[float(x) for x in logprobs],
                         advantage=advantage,
                         behaviour_version=turn.adapter_version or 0,
+                        logprobs_masked=turn.logprobs_after_grammar,
                     )
                 )
         return out

@@ -90,6 +90,7 @@ class _Row:
     old_logprobs: list[float]
     advantage: float
     truncated: bool
+    recompute_old: bool = False  # the stored logprobs are not the policy's (masked_logprobs)
 
 
 try:  # transformers >= 5.2x: a boolean (B, T) `logits_to_keep` keeps exactly those positions
@@ -311,7 +312,10 @@ class PeftTrainer:
             completion = completion[: limit - 1]  # keep at least one prompt token
             old = old[: len(completion)]
             prompt = prompt[len(prompt) - (limit - len(completion)) :]
-        return _Row(prompt + completion, len(prompt), old, float(example.advantage), truncated)
+        recompute = example.logprobs_masked and self.config.masked_logprobs == "trainer"
+        return _Row(
+            prompt + completion, len(prompt), old, float(example.advantage), truncated, recompute
+        )
 
     def _micro_batch(
         self, rows: list[_Row], row_weights: torch.Tensor
@@ -346,6 +350,11 @@ class PeftTrainer:
             with torch.no_grad(), self.model.disable_adapter():
                 ref = self._logprobs(input_ids, attention, keep, targets, prefix)
         new = self._logprobs(input_ids, attention, keep, targets, prefix)
+        if any(r.recompute_old for r in rows):
+            # Logprobs stored after a grammar's mask: this forward's (the weights at the step's
+            # start, one optimizer step per batch) are the ratio's reference for those rows.
+            recompute = torch.tensor([r.recompute_old for r in rows], device=self.device)
+            old = torch.where(recompute[:, None], new.detach().to(old.dtype), old)
         # 'tis': the clip is around the weights at the step's start, which are the weights this
         # forward ran with (one optimizer step per batch), and the stored logprobs only weight
         # each token, capped (trainer.grpo). With lora_dropout > 0, pi_old is this forward's,

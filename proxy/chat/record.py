@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.api.protocol import ChatCompletionRequest, completion_id
-from storage.records import CallRecord, CallStatus, ChoiceRecord
+from storage.records import LOGPROBS_AFTER_GRAMMAR, CallRecord, CallStatus, ChoiceRecord
 
 TRAJECTORY_HEADER = "x-rlproxy-trajectory"
 GROUP_HEADER = "x-rlproxy-group"
@@ -99,6 +99,7 @@ def call_record(
     adapter_version: int | None = None,
     shadow_samples: Sequence[ChoiceRecord] = (),
     token_ids_note: str | None = None,
+    logprobs_after_grammar: bool = False,
 ) -> CallRecord:
     """The record of one finished (or failed, or abandoned) call.
 
@@ -111,6 +112,8 @@ def call_record(
     if tools is None and req.tools:
         tools = [t.model_dump(exclude_none=True) for t in req.tools]
     params = request_params(req)
+    if logprobs_after_grammar:
+        params[LOGPROBS_AFTER_GRAMMAR] = True
     if call.wire is not None:
         params[call.protocol] = call.wire
     return CallRecord(

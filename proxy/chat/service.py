@@ -479,6 +479,7 @@ class ChatService:
             prompt_token_ids=prep.prompt_ids,
             adapter_version=prep.resolved.version,
             shadow_samples=shadow or [],
+            logprobs_after_grammar=prep.grammar is not None and self.engine.logprobs_after_grammar,
         )
         await self.record(record)
 

@@ -97,6 +97,10 @@ class Engine(Protocol):
     max_context: int
     kind: str
     """"local" or "vllm": stored as each call's `engine` (`storage.records.POLICY_ENGINES`)."""
+    logprobs_after_grammar: bool
+    """True when a grammar's mask is applied before the logprobs are taken (renormalised over the
+    allowed tokens, as vLLM does): under a grammar the stored logprobs are then not the
+    policy's, and the trainer does not use them as its ratio's reference (`masked_logprobs`)."""
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]: ...
 

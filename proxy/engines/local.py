@@ -96,6 +96,7 @@ class LocalEngine:
     """Dynamic-batching generation on the embedded model. Thread-safe async facade."""
 
     kind = "local"
+    logprobs_after_grammar = False  # the sampler masks a copy; logprobs are the model's own
 
     def __init__(self, loaded: LoadedModel, *, max_batch_size: int = 16) -> None:
         self.loaded = loaded

@@ -161,6 +161,7 @@ class VLLMEngine:
     """Token-level engine over vLLM replicas; see the module docstring."""
 
     kind = "vllm"
+    logprobs_after_grammar = True  # the bitmask comes before vLLM's sampler and its logprobs
 
     def __init__(
         self,

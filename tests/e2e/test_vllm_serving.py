@@ -109,6 +109,41 @@ def test_stored_ids_and_logprobs_are_what_a_replica_generated(
     assert stored[2]["prompt_token_ids"][: len(tokenizer_free_prefix)] == tokenizer_free_prefix
 
 
+def test_logprobs_taken_under_a_grammar_are_flagged(
+    client: OpenAI, stack: tuple[Server, list[FakeReplica]]
+) -> None:
+    """vLLM takes logprobs after a grammar's mask: such a call says so in its stored params, and
+    the trainer does not use them as its ratio's reference (trainer `masked_logprobs`)."""
+    server, _ = stack
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    ask = [{"role": "user", "content": "Weather in Oslo?"}]
+    for trajectory, extra in (
+        ("vllm-grammar", {"tools": [tool], "tool_choice": "required"}),
+        ("vllm-free", {}),
+    ):
+        client.chat.completions.create(
+            model="rlproxy",
+            messages=ask,
+            max_tokens=24,
+            temperature=0,
+            extra_headers={"X-RLProxy-Trajectory": trajectory},
+            **extra,
+        )
+    rows = db_rows(
+        server.data_dir,
+        "SELECT explicit_trajectory_id AS t, params FROM calls "
+        "WHERE explicit_trajectory_id IN ('vllm-grammar', 'vllm-free')",
+    )
+    flags = {r["t"]: json.loads(r["params"]).get("logprobs_after_grammar") for r in rows}
+    assert flags == {"vllm-grammar": True, "vllm-free": None}
+
+
 @pytest.mark.parametrize(
     "path",
     [
