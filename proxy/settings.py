@@ -125,16 +125,30 @@ class Settings(BaseSettings):
         "and response_format), a bound on the grammar compiled from them (~0.4 s at most).",
     )
     caller_requests_per_minute: int = Field(
-        600,
+        3600,
         ge=0,
-        description="Requests per minute each caller (API key, else client address) may send to "
-        "/v1/*, as a token bucket that holds a minute's worth; beyond it: 429 (0: no limit).",
+        description="Requests per minute each API key may send to /v1/*, as a token bucket that "
+        "holds a minute's worth (60 a second sustained by default); beyond it: 429 (0: no "
+        "limit). Requests without a key count only with RLPROXY_CALLER_ADDRESS_LIMITS.",
     )
     caller_concurrency: int = Field(
         64,
         ge=0,
-        description="Requests to /v1/* one caller may have in flight, streamed bodies included; "
-        "beyond it: 429 (0: no limit).",
+        description="Requests to /v1/* one API key may have in flight, streamed bodies included; "
+        "beyond it: 429 (0: no limit). Counted by each replica on its own.",
+    )
+    caller_address_limits: bool = Field(
+        False,
+        description="Also apply the two limits above to requests that carry no API key (open "
+        "mode), counted per client address (behind a reverse proxy, name it in "
+        "RLPROXY_TRUSTED_PROXIES). Off: without keys only the engine's queue bound "
+        "(RLPROXY_MAX_QUEUED_ROWS) refuses work.",
+    )
+    redis_url: str | None = Field(
+        None,
+        description="Redis server for the per-caller request rate, shared by every replica that "
+        "names it (redis://host:6379/0; rediss:// for TLS). Unset: each replica counts on its "
+        "own. While Redis cannot be reached, each replica falls back to its own count.",
     )
     max_queued_rows: int = Field(
         64,

@@ -27,6 +27,7 @@ from proxy.api.error_shapes import AnthropicErrorsMiddleware
 from proxy.api.errors import APIError, StorageUnavailableError, error_body
 from proxy.api.http_metrics import HttpMetricsMiddleware
 from proxy.api.limits import CallerLimitsMiddleware
+from proxy.api.redis_limits import RedisTokenBucket
 from proxy.api.routes import adapters as adapter_routes
 from proxy.api.routes import completions as completion_routes
 from proxy.api.routes import dashboard as dashboard_routes
@@ -49,6 +50,13 @@ logger = logging.getLogger(__name__)
 def create_app(settings: Settings) -> FastAPI:
     keys = KeyRing(refresh_s=settings.key_refresh_s)
     metrics = Metrics()  # this app's own registry
+    shared_rate = None
+    if settings.redis_url and settings.caller_requests_per_minute:
+        shared_rate = RedisTokenBucket(
+            settings.redis_url,
+            settings.caller_requests_per_minute,
+            on_error=metrics.caller_limit_redis_errors.inc,
+        )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -63,7 +71,11 @@ def create_app(settings: Settings) -> FastAPI:
                 settings.engine,
                 settings.data_dir.resolve(),
             )
-            yield
+            try:
+                yield
+            finally:
+                if shared_rate is not None:
+                    await shared_rate.aclose()
 
     # FastAPI's own OpenTelemetry is off: rlproxy sends its spans and metrics itself
     # (`proxy.telemetry`), and with FastAPI's on every request asked whether a global provider
@@ -93,6 +105,8 @@ def create_app(settings: Settings) -> FastAPI:
         CallerLimitsMiddleware,
         per_minute=settings.caller_requests_per_minute,
         concurrency=settings.caller_concurrency,
+        by_address=settings.caller_address_limits,
+        rate=shared_rate,
     )
     app.add_middleware(AuthMiddleware, keys=keys, metrics=settings.metrics_auth)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)

@@ -223,6 +223,12 @@ class Metrics:
             ["where"],
             registry=r,
         )
+        self.caller_limit_redis_errors = Counter(
+            "rlproxy_caller_limit_redis_errors",
+            "Requests whose shared rate limit could not be read from Redis (RLPROXY_REDIS_URL): "
+            "counted by the replica's own bucket instead.",
+            registry=r,
+        )
         self._models: set[str] = set()
         self._models_lock = threading.Lock()
         self._state = _StateCollector()

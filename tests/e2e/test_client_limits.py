@@ -11,6 +11,7 @@ from __future__ import annotations
 import select
 import socket
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -36,7 +37,12 @@ LONG_STORY: dict[str, Any] = {
 
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory: pytest.TempPathFactory, model_data_dir) -> Iterator[Server]:
-    env = {"RLPROXY_CALLER_REQUESTS_PER_MINUTE": "3", "RLPROXY_CALLER_CONCURRENCY": "1"}
+    """Tiny limits, counted per client address (no keys): the opt-in address mode."""
+    env = {
+        "RLPROXY_CALLER_REQUESTS_PER_MINUTE": "3",
+        "RLPROXY_CALLER_CONCURRENCY": "1",
+        "RLPROXY_CALLER_ADDRESS_LIMITS": "true",
+    }
     with own_server(tmp_path_factory.mktemp("limited"), model_data_dir, env) as server:
         yield server
 
@@ -119,6 +125,24 @@ def test_an_open_stream_holds_its_callers_concurrency_slot(limited: Server) -> N
             return False
 
     assert eventually(served)
+
+
+def test_the_default_limits_never_refuse_a_batch_without_keys(server: Server) -> None:
+    """The shared server has the default limits and no keys. One process on loopback sends
+    1,500 requests in a row, as fast as they are answered (the old default, 600 a minute keyed
+    by client address, refused the 601st), then 32 at once: every one is served."""
+    statuses: Counter[int] = Counter()
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for i in range(1500):
+            if i % 100 == 0:
+                body = {"model": "rlproxy", "messages": HI, "max_tokens": 1}
+                statuses[http.post("/v1/chat/completions", json=body).status_code] += 1
+            else:
+                statuses[http.get("/v1/models").status_code] += 1
+    with ThreadPoolExecutor(max_workers=32) as threads:
+        burst = threads.map(lambda _: httpx.get(f"{server.base_url}/models").status_code, range(32))
+        statuses.update(burst)
+    assert statuses == {200: 1532}
 
 
 # ----------------------------------------------------------------------------- engine queue

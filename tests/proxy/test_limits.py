@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import gc
 import json
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -25,6 +26,9 @@ from proxy.chat.request import RequestLimits, check_shape, json_shape
 from proxy.chat.service import ChatService
 from proxy.engines.base import GenerationRequest, SamplingParams
 from proxy.engines.local import LocalEngine
+from proxy.settings import Settings
+
+ALICE, BOB = Principal("key-a", "inference"), Principal("key-b", "inference")
 
 
 class FakeClock:
@@ -134,63 +138,120 @@ def assert_openai_429(status: int, headers: dict[str, str], body: bytes, code: s
 async def test_over_the_rate_is_a_429_with_retry_after_and_the_app_never_runs() -> None:
     clock, app = FakeClock(), Reply()
     limited = CallerLimitsMiddleware(app, per_minute=2, concurrency=0, clock=clock)
-    assert (await call(limited))[0] == 200
-    assert (await call(limited))[0] == 200
-    status, headers, body = await call(limited)
+    assert (await call(limited, principal=ALICE))[0] == 200
+    assert (await call(limited, principal=ALICE))[0] == 200
+    status, headers, body = await call(limited, principal=ALICE)
     assert_openai_429(status, headers, body, "rate_limit_exceeded")
     assert headers["retry-after"] == "30"  # 2 a minute: the next token in 30 s
     assert app.started == 2
     clock.now += 30.0
-    assert (await call(limited))[0] == 200
+    assert (await call(limited, principal=ALICE))[0] == 200
 
 
 async def test_health_and_the_rl_routes_are_not_limited() -> None:
     limited = CallerLimitsMiddleware(Reply(), per_minute=1, concurrency=1, clock=FakeClock())
-    assert (await call(limited, "/v1/models"))[0] == 200
-    assert (await call(limited, "/v1/chat/completions"))[0] == 429
+    assert (await call(limited, "/v1/models", principal=ALICE))[0] == 200
+    assert (await call(limited, "/v1/chat/completions", principal=ALICE))[0] == 429
     for _ in range(5):
-        assert (await call(limited, "/health"))[0] == 200
-        assert (await call(limited, "/rl/trajectories"))[0] == 200
+        assert (await call(limited, "/health", principal=ALICE))[0] == 200
+        assert (await call(limited, "/rl/trajectories", principal=ALICE))[0] == 200
 
 
-async def test_the_caller_is_the_api_key_else_the_client_address() -> None:
+async def test_the_caller_is_the_api_key_and_requests_without_one_are_not_limited() -> None:
     limited = CallerLimitsMiddleware(Reply(), per_minute=1, concurrency=0, clock=FakeClock())
     alice, bob = Principal("key-a", "inference"), Principal("key-b", "inference")
     open_mode = Principal(None, "admin", "open")
     assert (await call(limited, principal=alice))[0] == 200
     assert (await call(limited, principal=alice, host="10.9.9.9"))[0] == 429  # same key
     assert (await call(limited, principal=bob))[0] == 200  # same address, another key
+    for _ in range(5):  # no key (open mode): neither the address nor anything else counts
+        assert (await call(limited, principal=open_mode, host="10.0.0.7"))[0] == 200
+        assert (await call(limited, host="10.0.0.7"))[0] == 200
+
+
+async def test_with_address_limits_on_a_request_without_a_key_counts_against_its_address() -> None:
+    limited = CallerLimitsMiddleware(
+        Reply(), per_minute=1, concurrency=0, by_address=True, clock=FakeClock()
+    )
+    open_mode = Principal(None, "admin", "open")
     assert (await call(limited, principal=open_mode, host="10.0.0.7"))[0] == 200
     assert (await call(limited, host="10.0.0.7"))[0] == 429  # no key: the address counts
     assert (await call(limited, host="10.0.0.8"))[0] == 200
+    assert (await call(limited, principal=Principal("key-a", "inference"), host="10.0.0.7"))[
+        0
+    ] == 200  # a key is its own caller, wherever it comes from
+
+
+@pytest.mark.parametrize(
+    "principal", [None, Principal(None, "admin", "open")], ids=["none", "open"]
+)
+async def test_the_default_limits_serve_a_batch_of_50_a_second_without_keys_for_minutes(
+    principal: Principal | None,
+) -> None:
+    """A batch client on loopback, one address, no key: 50 requests a second for five minutes
+    (15,000 requests; the old default refused the 601st) are all served."""
+    settings = Settings()
+    clock, app = FakeClock(), Reply()
+    limited = CallerLimitsMiddleware(
+        app,
+        per_minute=settings.caller_requests_per_minute,
+        concurrency=settings.caller_concurrency,
+        by_address=settings.caller_address_limits,
+        clock=clock,
+    )
+    statuses = Counter()
+    for _ in range(5 * 60 * 50):
+        statuses[(await call(limited, host="127.0.0.1", principal=principal))[0]] += 1
+        clock.now += 1 / 50
+    assert statuses == {200: 15_000}
+
+
+async def test_the_default_per_key_rate_serves_50_a_second_and_refuses_a_runaway_loop() -> None:
+    settings = Settings()
+    clock = FakeClock()
+    limited = CallerLimitsMiddleware(
+        Reply(),
+        per_minute=settings.caller_requests_per_minute,
+        concurrency=settings.caller_concurrency,
+        clock=clock,
+    )
+    key = Principal("key-a", "inference")
+    for _ in range(5 * 60 * 50):
+        assert (await call(limited, principal=key))[0] == 200
+        clock.now += 1 / 50
+    statuses = Counter()
+    for _ in range(10_000):  # 1,000 a second for ten seconds: the bucket runs dry
+        statuses[(await call(limited, principal=key))[0]] += 1
+        clock.now += 1 / 1000
+    assert statuses[429] > 0 and statuses[200] > 0
 
 
 async def test_a_concurrency_slot_is_held_until_a_streamed_body_ends() -> None:
     app = Reply()
     limited = CallerLimitsMiddleware(app, per_minute=0, concurrency=1)
     app.release.clear()
-    first = asyncio.create_task(call(limited))
+    first = asyncio.create_task(call(limited, principal=ALICE))
     while app.started == 0:  # the first request is in the app, its body still open
         await asyncio.sleep(0)
-    status, headers, body = await call(limited)
+    status, headers, body = await call(limited, principal=ALICE)
     assert_openai_429(status, headers, body, "rate_limit_exceeded")
     app.release.set()
     assert (await first)[0] == 200
     assert limited.in_flight == {}
-    assert (await call(limited))[0] == 200
+    assert (await call(limited, principal=ALICE))[0] == 200
 
 
 async def test_other_callers_keep_their_own_concurrency_slots() -> None:
     app = Reply()
     limited = CallerLimitsMiddleware(app, per_minute=0, concurrency=1)
     app.release.clear()
-    first = asyncio.create_task(call(limited, host="10.0.0.1"))
+    first = asyncio.create_task(call(limited, principal=ALICE))
     while app.started == 0:
         await asyncio.sleep(0)
-    second = asyncio.create_task(call(limited, host="10.0.0.2"))
+    second = asyncio.create_task(call(limited, principal=BOB))
     while app.started == 1:
         await asyncio.sleep(0)
-    assert dict(limited.in_flight) == {"host:10.0.0.1": 1, "host:10.0.0.2": 1}
+    assert dict(limited.in_flight) == {"key:key-a": 1, "key:key-b": 1}
     app.release.set()
     assert [(await first)[0], (await second)[0]] == [200, 200]
 
@@ -202,14 +263,14 @@ async def test_a_slot_is_freed_when_the_app_fails() -> None:
     limited = CallerLimitsMiddleware(broken, per_minute=0, concurrency=1)
     for _ in range(3):
         with pytest.raises(RuntimeError):
-            await call(limited)
+            await call(limited, principal=ALICE)
     assert limited.in_flight == {}
 
 
 async def test_zero_turns_both_limits_off() -> None:
     limited = CallerLimitsMiddleware(Reply(), per_minute=0, concurrency=0)
     for _ in range(50):
-        assert (await call(limited))[0] == 200
+        assert (await call(limited, principal=ALICE))[0] == 200
 
 
 # ----------------------------------------------------------------------------- request shape

@@ -1,0 +1,178 @@
+"""The per-caller rate shared through Redis: a real Redis server (127.0.0.1:6379 here and in CI,
+or RLPROXY_TEST_REDIS_URL), two buckets standing for two replicas, and a Redis server of the
+test's own (`redis-server` on a free port) that is stopped under it to see the fallback.
+
+Every test counts callers of its own (a fresh uuid), so runs and other suites on the same server
+never share a bucket. Time is the test's fake clock, passed to the script in place of Redis's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from proxy.api.auth import Principal
+from proxy.api.limits import CallerLimitsMiddleware, TokenBucket
+from proxy.api.redis_limits import KEY_PREFIX, RedisTokenBucket
+from tests.e2e.conftest import free_port
+from tests.proxy.test_limits import FakeClock, Reply, assert_openai_429, call
+
+REDIS_URL = os.environ.get("RLPROXY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def buckets() -> AsyncIterator[Any]:
+    """`make(per_minute, **kw)` -> a RedisTokenBucket on the shared server, closed afterwards."""
+    made: list[RedisTokenBucket] = []
+
+    def make(per_minute: int, url: str = REDIS_URL, **kwargs: Any) -> RedisTokenBucket:
+        bucket = RedisTokenBucket(url, per_minute, **kwargs)
+        made.append(bucket)
+        return bucket
+
+    yield make
+    for bucket in made:
+        await bucket.aclose()
+
+
+def caller() -> str:
+    return f"key:test-{uuid.uuid4().hex}"
+
+
+async def test_two_replicas_spend_one_bucket(buckets: Any) -> None:
+    clock = FakeClock()
+    a, b = buckets(4, clock=clock), buckets(4, clock=clock)
+    who = caller()
+    assert [await a.acquire(who), await b.acquire(who), await a.acquire(who)] == [0.0] * 3
+    assert await b.acquire(who) == 0.0
+    assert await a.acquire(who) == pytest.approx(15.0)  # empty: 4 a minute, one per 15 s
+    assert await b.acquire(who) == pytest.approx(15.0)  # the other replica sees it empty too
+    clock.now += 15.0
+    assert await b.acquire(who) == 0.0
+    assert await a.acquire(who) > 0
+    assert await a.acquire(caller()) == 0.0  # another caller has its own bucket
+
+
+async def test_the_shared_bucket_answers_as_the_in_process_one(buckets: Any) -> None:
+    """The same takes at the same times get the same waits from the script and from
+    `TokenBucket` (bursts, refusals that spend nothing, partial refills)."""
+    clock = FakeClock()
+    shared, local = buckets(6, clock=clock), TokenBucket(6, clock)
+    who = caller()
+    steps = [0.0] * 8 + [3.0, 0.5, 0.0, 10.0, 0.0, 0.0, 30.0] + [0.0] * 5 + [120.0, 0.0]
+    for dt in steps:
+        clock.now += dt
+        assert await shared.acquire(who) == pytest.approx(local.take(who), abs=1e-6)
+
+
+async def test_a_bucket_expires_once_it_would_be_full_again(buckets: Any) -> None:
+    bucket = buckets(60, clock=FakeClock())
+    who = caller()
+    await bucket.acquire(who)
+    async with Redis.from_url(REDIS_URL) as redis:
+        ttl_ms = await redis.pttl(KEY_PREFIX + who)
+    assert 0 < ttl_ms <= 60_000  # 60 a minute: full again after a minute at most
+
+
+async def test_redis_time_is_the_clock_when_none_is_given(buckets: Any) -> None:
+    a, b = buckets(2), buckets(2)  # Redis's own clock, one for both replicas
+    who = caller()
+    assert [await a.acquire(who), await b.acquire(who)] == [0.0, 0.0]
+    wait = await a.acquire(who)
+    assert 29.0 < wait <= 30.0  # 2 a minute: the next token within 30 s of Redis's time
+
+
+async def test_two_middlewares_sharing_redis_refuse_a_caller_over_its_rate(buckets: Any) -> None:
+    clock = FakeClock()
+    replicas = [
+        CallerLimitsMiddleware(
+            Reply(), per_minute=3, concurrency=0, rate=buckets(3, clock=clock), clock=clock
+        )
+        for _ in range(2)
+    ]
+    key = Principal(f"test-{uuid.uuid4().hex}", "inference")
+    statuses = [(await call(replicas[i % 2], principal=key))[0] for i in range(3)]
+    assert statuses == [200, 200, 200]  # a minute's worth, wherever the balancer sent them
+    for replica in replicas:
+        status, headers, body = await call(replica, principal=key)
+        assert_openai_429(status, headers, body, "rate_limit_exceeded")
+        assert headers["retry-after"] == "20"
+
+
+# ----------------------------------------------------------------------------- Redis fails
+
+
+@pytest.fixture
+def own_redis() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A redis-server of this test's own on a free port (no persistence), stopped afterwards."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("no redis-server on this machine (apt-get install redis-server)")
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield f"redis://127.0.0.1:{port}/0", proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def _until_up(url: str) -> None:
+    async with Redis.from_url(url) as redis:
+        for _ in range(100):
+            try:
+                if await redis.ping():
+                    return
+            except (OSError, RedisError):  # not listening yet
+                pass
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"{url} did not start")
+
+
+async def test_while_redis_is_down_each_replica_counts_its_own_and_says_so(
+    buckets: Any, own_redis: tuple[str, subprocess.Popen[bytes]], caplog: Any
+) -> None:
+    url, proc = own_redis
+    await _until_up(url)
+    errors: list[int] = []
+    clock = FakeClock()
+    a = buckets(2, url=url, clock=clock, retry_s=0.0, on_error=lambda: errors.append(1))
+    b = buckets(2, url=url, clock=clock, retry_s=0.0)
+    who = caller()
+    assert [await a.acquire(who), await b.acquire(who)] == [0.0, 0.0]
+    assert await a.acquire(who) > 0  # shared: spent by both
+
+    proc.kill()
+    proc.wait()
+    with caplog.at_level(logging.WARNING, logger="proxy.api.redis_limits"):
+        # Fail open to this replica's own bucket: its own minute's worth, then refusals.
+        assert [await a.acquire(who), await a.acquire(who)] == [0.0, 0.0]
+        assert await a.acquire(who) > 0
+    assert len(errors) == 3  # every request that could not reach Redis is counted
+    warnings = [r for r in caplog.records if "Redis failed" in r.getMessage()]
+    assert len(warnings) == 1  # once per outage, not once per request
+
+
+async def test_an_unreachable_redis_never_refuses_nor_fails_a_request(buckets: Any) -> None:
+    """Nothing listens on the port: the middleware serves from its own bucket."""
+    errors: list[int] = []
+    rate = buckets(100, url=f"redis://127.0.0.1:{free_port()}/0", on_error=lambda: errors.append(1))
+    limited = CallerLimitsMiddleware(Reply(), per_minute=100, concurrency=0, rate=rate)
+    key = Principal(f"test-{uuid.uuid4().hex}", "inference")
+    assert [(await call(limited, principal=key))[0] for _ in range(20)] == [200] * 20
+    assert len(errors) == 1  # tried once, then not again for retry_s (5 s)
