@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup browser serve docs docs-check test test-slow test-all test-fuzz test-deploy test-vllm lint bench bench-overhead bench-ruler bench-learning bench-grpo bench-history bench-telemetry soak clean
+.PHONY: setup browser haproxy serve docs docs-check test test-slow test-all test-fuzz test-deploy test-vllm test-scale lint bench bench-overhead bench-ruler bench-learning bench-grpo bench-history bench-telemetry soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,19 @@ browser:
 	    echo "chromium could not be installed: the dashboard's browser tests will be skipped"; \
 	  else \
 	    echo "no chromium (apt-get install chromium): the dashboard's browser tests will be skipped"; \
+	  fi; }
+
+# HAProxy for the scale tests (tests/scale/: two replicas behind a real load balancer): Debian's
+# package, installed the same way as chromium above; without it those tests skip and say why.
+haproxy:
+	@command -v haproxy >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    { DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q haproxy >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null 2>&1 && \
+	        DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q haproxy >/dev/null 2>&1; }; } || \
+	    echo "haproxy could not be installed: the scale tests will be skipped"; \
+	  else \
+	    echo "no haproxy (apt-get install haproxy): the scale tests will be skipped"; \
 	  fi; }
 
 serve: setup
@@ -82,6 +95,12 @@ test-deploy: setup
 test-vllm: setup
 	$(BIN)/python -m tests.vllm_real.replica build
 	$(BIN)/python -m pytest -q -m vllm tests/vllm_real
+
+# Several replicas on one Postgres behind HAProxy (tests/scale/, marker `scale`): groups through
+# both train one version both serve, a replica SIGKILLed under load loses nothing acknowledged,
+# a key's rate holds across replicas through Redis. Postgres and Redis are the machine's.
+test-scale: setup haproxy
+	$(BIN)/python -m pytest -q -m scale tests/scale
 
 test-all: setup
 	$(BIN)/python -m pytest -q -m "slow or not slow"; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
