@@ -123,3 +123,57 @@ def test_a_version_trained_on_vllm_calls_is_served_by_vllm_as_the_policy(
     assert v1["metrics"]["groups"] == 1 and v1["metrics"]["tokens"] > 0
     # The first step's ratio: the trainer's logprobs over those vLLM stored, token mean.
     assert v1["metrics"]["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_calls_under_a_grammar_start_their_step_at_a_ratio_of_one(
+    server: Server, real_replicas: list[RealReplica]
+) -> None:
+    """Under `tool_choice: required` vLLM's logprobs are taken after the grammar's mask (about a
+    nat above the policy's: a first step's ratio of 0.69 as stored). The calls are flagged and
+    the trainer's own logprobs are the reference (`masked_logprobs` "trainer"): ratio 1."""
+    ask = [{"role": "user", "content": "What is the weather in Oslo? Use the tool."}]
+    with OpenAI(base_url=server.base_url, api_key="sk-test", max_retries=0, timeout=120) as c:
+        before = _active_version(server)  # 0 when this test runs alone
+        for reward in (0.0, 0.25, 0.75, 1.0):
+            answer = c.chat.completions.create(
+                model="rlproxy",
+                messages=ask,
+                tools=[WEATHER],
+                tool_choice="required",
+                max_tokens=24,
+                temperature=1.0,
+            )
+            assert answer.choices[0].message.tool_calls
+            r = httpx.post(
+                f"{server.url}/rl/trajectories/{answer.id}/reward",
+                json={"reward": reward, "source": "env"},
+            )
+            assert r.status_code == 200, r.text
+    rows = db_rows(server.data_dir, "SELECT params FROM calls WHERE tools IS NOT NULL")
+    assert len(rows) == 4
+    assert all(json.loads(r["params"]).get("logprobs_after_grammar") is True for r in rows)
+
+    wait_for(lambda: _active_version(server) > before, 300, "the next version active")
+    newest = max(httpx.get(f"{server.url}/rl/adapters").json()["data"], key=lambda a: a["version"])
+    assert newest["metrics"]["groups"] == 1
+    assert newest["metrics"]["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert newest["metrics"]["clip_fraction"] == 0.0
+
+
+def _active_version(server: Server) -> int:
+    data = httpx.get(f"{server.url}/rl/adapters", timeout=30).json()["data"]
+    return max((a["version"] for a in data if a["active"]), default=0)
