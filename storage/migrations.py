@@ -346,6 +346,41 @@ def _m008_call_protocols(conn: Connection) -> None:
     conn.execute(text("ALTER TABLE calls ADD COLUMN retrievable BOOLEAN"))
 
 
+def _m009_replicas(conn: Connection) -> None:
+    """Several replicas on one database: leases (one trainer, one publisher at a time), the
+    policy's active version and canary as one row every replica follows, and each replica's
+    heartbeat with the adapter versions it keeps loaded."""
+    md = MetaData()
+    Table(
+        "leases",
+        md,
+        Column("name", String, primary_key=True),
+        Column("holder", String, nullable=False),
+        Column("acquired_at", Double, nullable=False),
+        Column("expires_at", Double, nullable=False),
+    )
+    Table(
+        "policy_state",
+        md,
+        Column("policy", String, primary_key=True),
+        Column("active_version", Integer, nullable=False),
+        Column("canary_version", Integer),
+        Column("canary_share", Double),
+        Column("changed_at", Double, nullable=False),
+        Column("changed_by", String),
+    )
+    Table(
+        "replicas",
+        md,
+        Column("id", String, primary_key=True),
+        Column("policy", String, nullable=False),
+        Column("versions", Text, nullable=False),
+        Column("started_at", Double, nullable=False),
+        Column("heartbeat_at", Double, nullable=False),
+    )
+    md.create_all(conn)
+
+
 MIGRATIONS: list[Migration] = [
     Migration(1, "m001_initial", _m001_initial),
     Migration(2, "m002_groups_and_adapters", _m002_groups_and_adapters),
@@ -355,6 +390,7 @@ MIGRATIONS: list[Migration] = [
     Migration(6, "m006_judge_checks", _m006_judge_checks),
     Migration(7, "m007_adapter_rollout", _m007_adapter_rollout),
     Migration(8, "m008_call_protocols", _m008_call_protocols),
+    Migration(9, "m009_replicas", _m009_replicas),
 ]
 
 

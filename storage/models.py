@@ -325,6 +325,45 @@ class Adapter(Base):
     rollout: Mapped[Any] = mapped_column(JSONText, nullable=True)  # canary state, decisions
 
 
+class Lease(Base):
+    """A job only one process of a deployment may run (the trainer, publishing), and who holds
+    it until when; the holder renews it, anyone takes it once it has expired."""
+
+    __tablename__ = "leases"
+
+    name: Mapped[str] = mapped_column(String, primary_key=True)
+    holder: Mapped[str] = mapped_column(String)
+    acquired_at: Mapped[float] = mapped_column(Double)
+    expires_at: Mapped[float] = mapped_column(Double)
+
+
+class PolicyState(Base):
+    """What a policy name serves, for every replica: the active version (0: the base model) and
+    the canary on trial beside it, with who set them and when."""
+
+    __tablename__ = "policy_state"
+
+    policy: Mapped[str] = mapped_column(String, primary_key=True)
+    active_version: Mapped[int] = mapped_column(Integer)
+    canary_version: Mapped[int | None] = mapped_column(Integer)
+    canary_share: Mapped[float | None] = mapped_column(Double)
+    changed_at: Mapped[float] = mapped_column(Double)
+    changed_by: Mapped[str | None] = mapped_column(String)
+
+
+class Replica(Base):
+    """A serving replica, its heartbeat and the adapter versions it keeps loaded (on a shared
+    engine no replica unloads a version a live one still keeps)."""
+
+    __tablename__ = "replicas"
+
+    id: Mapped[str] = mapped_column(String, primary_key=True)
+    policy: Mapped[str] = mapped_column(String)
+    versions: Mapped[Any] = mapped_column(JSONText)  # [int, ...]
+    started_at: Mapped[float] = mapped_column(Double)
+    heartbeat_at: Mapped[float] = mapped_column(Double)
+
+
 trajectories_table = cast(Table, Trajectory.__table__)
 calls_table = cast(Table, Call.__table__)
 call_choices_table = cast(Table, CallChoice.__table__)
@@ -337,3 +376,6 @@ scores_table = cast(Table, Score.__table__)
 adapters_table = cast(Table, Adapter.__table__)
 judge_checks_table = cast(Table, JudgeCheck.__table__)
 api_keys_table = cast(Table, ApiKey.__table__)
+leases_table = cast(Table, Lease.__table__)
+policy_state_table = cast(Table, PolicyState.__table__)
+replicas_table = cast(Table, Replica.__table__)

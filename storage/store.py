@@ -37,6 +37,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from storage import (
     adapter_ops,
     api_keys,
+    coordination_ops,
     group_ops,
     group_reads,
     judge_checks,
@@ -46,6 +47,7 @@ from storage import (
     write_ops,
 )
 from storage.api_keys import ApiKeyRecord, KeyScope
+from storage.coordination_ops import LeaseRecord, PolicyStateRecord, ReplicaRecord
 from storage.engines import Engines, SqliteSynchronous, create_engines
 from storage.errors import InvalidRecord, TrajectoryNotFound
 from storage.group_ops import FormResult
@@ -428,6 +430,64 @@ class Store:
         """The newest version the trainer recorded for `policy`, with its step metrics."""
         async with self._engines.read.connect() as conn:
             return await adapter_ops.latest_adapter(conn, policy)
+
+    # --- several replicas, one deployment (storage.coordination_ops) --------------------------
+
+    async def acquire_lease(
+        self, name: str, holder: str, ttl_s: float, *, now: float | None = None
+    ) -> bool:
+        """Take or renew the lease `name` for `holder` for `ttl_s` seconds: True when `holder`
+        holds it now (it was free, expired, or already its own)."""
+        t = time.time() if now is None else now
+        held: bool = await self._writer.submit(
+            self._run_ops,
+            lambda conn: coordination_ops.acquire_lease(conn, name, holder, ttl_s, t),
+        )
+        return held
+
+    async def release_lease(self, name: str, holder: str) -> bool:
+        """Give the lease up if `holder` holds it; False otherwise."""
+        released: bool = await self._writer.submit(
+            self._run_ops, lambda conn: coordination_ops.release_lease(conn, name, holder)
+        )
+        return released
+
+    async def get_lease(self, name: str) -> LeaseRecord | None:
+        async with self._engines.read.connect() as conn:
+            return await coordination_ops.get_lease(conn, name)
+
+    async def set_policy_state(self, policy: str, *, by: str | None = None, **changes: Any) -> None:
+        """Set what `policy` serves on every replica: `active_version` (0: the base model),
+        `canary_version` (None: no canary) and `canary_share`."""
+        now = time.time()
+        await self._writer.submit(
+            self._run_ops,
+            lambda conn: coordination_ops.set_policy_state(conn, policy, changes, by, now),
+        )
+
+    async def get_policy_state(self, policy: str) -> PolicyStateRecord | None:
+        async with self._engines.read.connect() as conn:
+            return await coordination_ops.get_policy_state(conn, policy)
+
+    async def heartbeat_replica(self, replica_id: str, policy: str, versions: list[int]) -> None:
+        """Record that `replica_id` is alive and keeps `versions` loaded."""
+        now = time.time()
+        await self._writer.submit(
+            self._run_ops,
+            lambda conn: coordination_ops.heartbeat_replica(
+                conn, replica_id, policy, versions, now
+            ),
+        )
+
+    async def remove_replica(self, replica_id: str) -> None:
+        await self._writer.submit(
+            self._run_ops, lambda conn: coordination_ops.remove_replica(conn, replica_id)
+        )
+
+    async def live_replicas(self, policy: str, since: float) -> list[ReplicaRecord]:
+        """The replicas of `policy` whose last heartbeat is not older than `since`."""
+        async with self._engines.read.connect() as conn:
+            return await coordination_ops.live_replicas(conn, policy, since)
 
     async def paired_rewards(
         self, *, old: int, new: int, since: float, reward_policy: str = "explicit"

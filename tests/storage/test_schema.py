@@ -307,6 +307,40 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "indexes": {},
         "fks": [],
     },
+    "leases": {
+        "columns": ["name str", "holder str", "acquired_at float", "expires_at float"],
+        "pk": ["name"],
+        "unique": [],
+        "indexes": {},
+        "fks": [],
+    },
+    "policy_state": {
+        "columns": [
+            "policy str",
+            "active_version int",
+            "canary_version int null",
+            "canary_share float null",
+            "changed_at float",
+            "changed_by str null",
+        ],
+        "pk": ["policy"],
+        "unique": [],
+        "indexes": {},
+        "fks": [],
+    },
+    "replicas": {
+        "columns": [
+            "id str",
+            "policy str",
+            "versions text",
+            "started_at float",
+            "heartbeat_at float",
+        ],
+        "pk": ["id"],
+        "unique": [],
+        "indexes": {},
+        "fks": [],
+    },
 }
 
 
