@@ -29,6 +29,12 @@ all but the last two grow with the tokens run through the decoder. Sharing the p
 tokens there instead of 1,024; the log-softmax is one fused cross-entropy and AdamW one fused
 kernel.
 
+Data-parallel (`trainer.distributed`, `rlproxy train` under torchrun): with `collective` set,
+rank 0's `train_step` first broadcasts the examples to the other ranks, every rank runs its
+share of the rows (`step_shard`), the LoRA gradients and the step's sums are all-reduced, and
+every rank makes the same AdamW update; `load` and `reset_adapter` on rank 0 send the weights
+and optimizer state to the others (`apply_state`).
+
 It is not the background loop: it reads no database, forms no groups and computes no
 advantages; it never serves requests (the engine loads the checkpoints it writes).
 """
@@ -55,6 +61,7 @@ from transformers.cache_utils import DynamicLayer
 
 from trainer import checkpoints
 from trainer.config import TrainerConfig
+from trainer.distributed import Collective, all_reduce_gradients, shard
 from trainer.grpo import TrainingExample, grpo_loss, sample_row_weights, token_logprobs
 
 logger = logging.getLogger(__name__)
@@ -161,6 +168,8 @@ class PeftTrainer:
         )
         self.step = 0
         self.last_metrics: StepMetrics | None = None
+        self.collective: Collective | None = None
+        """Set for `rlproxy train` under torchrun (`trainer.distributed`); None: one process."""
         logger.info(
             "LoRA trainer (%s) on %s in %s: %.2f M trainable parameters (r=%d on %s)",
             self.backend,
@@ -209,7 +218,17 @@ class PeftTrainer:
 
     def train_step(self, examples: Sequence[TrainingExample]) -> StepMetrics:
         """One AdamW step on the GRPO loss of all `examples` (gradients accumulate over
-        micro-batches; the result equals one full-batch step)."""
+        micro-batches; the result equals one full-batch step). Data-parallel, on rank 0: the
+        examples go to every rank first, and all of them make this step together."""
+        if not examples:
+            raise ValueError("train_step needs at least one example")
+        if self.collective is not None and self.collective.leader:
+            self.collective.broadcast(("step", self.step, list(examples)))
+        return self.step_shard(examples)
+
+    def step_shard(self, examples: Sequence[TrainingExample]) -> StepMetrics:
+        """The step of `train_step` on this rank's share of the rows (all of them in one
+        process); the gradients and the metrics' sums are all-reduced over the ranks."""
         if not examples:
             raise ValueError("train_step needs at least one example")
         start = time.perf_counter()
@@ -229,6 +248,11 @@ class PeftTrainer:
             range(len(rows)),
             key=lambda i: (rows[i].input_ids[: rows[i].first], len(rows[i].input_ids)),
         )
+        group = self.collective
+        if group is not None:  # this rank's contiguous run of rows, about 1/N of the tokens
+            order = order[
+                shard([len(rows[i].input_ids) for i in order], group.world_size, group.rank)
+            ]
 
         loss_sum = 0.0
         computed = 0
@@ -245,6 +269,14 @@ class PeftTrainer:
                     for key in METRIC_MEANS:
                         totals[key] += metrics[key] * metrics["tokens"]
                     totals["tokens"] += metrics["tokens"]
+            if group is not None:
+                # The shards' losses add up to the full batch's (weights over the whole
+                # batch): summed gradients are the full batch's gradient on every rank.
+                all_reduce_gradients(self._params.values(), group)
+                keys = ["tokens", *METRIC_MEANS]
+                summed = group.sum_floats([loss_sum, computed, *(totals[k] for k in keys)])
+                loss_sum, computed = summed[0], int(summed[1])
+                totals.update(zip(keys, summed[2:], strict=True))
             grad_norm = float(
                 torch.nn.utils.clip_grad_norm_(
                     list(self._params.values()), self.config.max_grad_norm
@@ -475,6 +507,24 @@ class PeftTrainer:
         set_peft_model_state_dict(self.model, self._initial_adapter)
         self.optimizer.state.clear()
         logger.info("LoRA weights reset to their initial values")
+        self.sync_followers()
+
+    def sync_followers(self) -> None:
+        """Data-parallel, on rank 0: send the LoRA weights, optimizer state and step to the
+        other ranks (`apply_state` there). Nothing in one process."""
+        if self.collective is None or not self.collective.leader:
+            return
+        optimizer = {k: v.detach().to("cpu") for k, v in self.optimizer_state().items()}
+        self.collective.broadcast(("sync", self.step, self.adapter_state(), optimizer))
+
+    def apply_state(
+        self, lora: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor], step: int
+    ) -> None:
+        """Take LoRA weights, optimizer state and step as `sync_followers` sends them."""
+        set_peft_model_state_dict(self.model, lora)
+        self.optimizer.state.clear()
+        checkpoints.load_optimizer_tensors(self.optimizer, self._params, optimizer)
+        self.step = step
 
     def load(self, path: Path) -> dict[str, Any]:
         """Resume from a checkpoint folder: LoRA weights, optimizer state and step.
@@ -504,6 +554,7 @@ class PeftTrainer:
         state = checkpoints.read_trainer_state(path)
         self.step = int(state["step"])
         logger.info("resumed LoRA training from %s at step %d", path, self.step)
+        self.sync_followers()
         return state
 
 

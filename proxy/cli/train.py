@@ -6,6 +6,10 @@ complete checkpoint, then trains whenever enough scored groups wait. SIGTERM sto
 steps or mid-step; a killed step leaves no checkpoint behind. With `--steps N` on a terminal it
 draws a progress bar; with `WANDB_PROJECT` set it logs each step's metrics to Weights & Biases
 (`trainer.wandb_log`).
+
+Data-parallel: under `torchrun --nproc-per-node N -m proxy.cli train` (or `accelerate launch`)
+rank 0 does all of the above and the other ranks only train their share of each step
+(`trainer.distributed`): they open no database, write nothing, and stop when rank 0 stops.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ import dataclasses
 import logging
 import signal
 from contextlib import AsyncExitStack
+from pathlib import Path
 
 from proxy.cli.progress import progress
 from proxy.settings import Settings
+from trainer import distributed
 from trainer.loop import TrainingLoop
 from trainer.wandb_log import WandbLog
 
@@ -39,13 +45,38 @@ async def train_command(settings: Settings, steps: int | None = None) -> int:
 
         torch.set_num_threads(settings.train_threads)
     config = TrainerConfig(**settings.trainer)
-    # The base model the server serves (RLPROXY_BASE_MODEL), as a folder from_pretrained loads.
-    model_dir = await asyncio.to_thread(
-        resolve_model_dir, settings.base_model, settings.model_dir or settings.data_dir
-    )
+    collective = await asyncio.to_thread(distributed.from_env)  # None: one process
+    device = None if collective is None else str(collective.device)
+
+    def model_dir_() -> Path:
+        # The base model the server serves (RLPROXY_BASE_MODEL), as a folder from_pretrained
+        # loads. Data-parallel: rank 0 first (it may convert or unpack it), then the others.
+        if collective is not None and not collective.leader:
+            collective.barrier()
+        found = resolve_model_dir(settings.base_model, settings.model_dir or settings.data_dir)
+        if collective is not None and collective.leader:
+            collective.barrier()
+        return found
+
+    if collective is not None and not collective.leader:
+        try:
+            model_dir = await asyncio.to_thread(model_dir_)
+            follower = await asyncio.to_thread(open_trainer, model_dir, config, device=device)
+            follower.collective = collective
+            await asyncio.to_thread(distributed.follow, follower, collective)
+        finally:
+            collective.close()
+        return 0
+    model_dir = await asyncio.to_thread(model_dir_)
     async with open_runtime(settings) as rt, AsyncExitStack() as stack:
+        if collective is not None:
+            stack.callback(collective.close)
+            stack.callback(_stop_followers, collective)
         # The backend RLPROXY_TRAINER names (peft, or unsloth in the GPU trainer image).
-        trainer = await asyncio.to_thread(open_trainer, model_dir, config)
+        trainer = await asyncio.to_thread(open_trainer, model_dir, config, device=device)
+        if collective is not None:
+            trainer.collective = collective
+            await asyncio.to_thread(trainer.sync_followers)  # the same starting weights
         wandb = WandbLog.from_env(dataclasses.asdict(config), settings.model_name)
         if wandb is not None:
             stack.callback(wandb.close)
@@ -69,6 +100,14 @@ async def train_command(settings: Settings, steps: int | None = None) -> int:
         except asyncio.CancelledError:
             logger.info("trainer stopping")
         return 0
+
+
+def _stop_followers(collective: distributed.Collective) -> None:
+    """Rank 0 is done: tell the other ranks (best effort: they may be gone already)."""
+    try:
+        collective.broadcast(("stop",))
+    except Exception as exc:
+        logger.warning("could not tell the other trainer ranks to stop: %s", exc)
 
 
 async def _train(loop: TrainingLoop, steps: int | None, poll_s: float) -> None:
