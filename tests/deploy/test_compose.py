@@ -134,6 +134,37 @@ def test_only_rlproxy_is_published_and_backends_are_internal(base_env: dict[str,
                 assert list(services[name]["networks"]) == ["internal"], name
 
 
+def test_scale_profile_puts_two_replicas_behind_the_balancer(base_env: dict[str, str]) -> None:
+    """Profile scale (with cpu, which runs the one trainer): a second replica on the same
+    database and data volume, HAProxy in front with deploy/haproxy.cfg (tests/scale/ runs that
+    file on loopback), Redis for the shared rate. Only the balancer and rlproxy publish."""
+    env = {**base_env, "LIMITS_REDIS_PASSWORD": "l1mits"}
+    proc = compose_config(env, "--profile", "cpu", "--profile", "scale")
+    assert proc.returncode == 0, proc.stderr
+    services = {
+        name: s
+        for name, s in yaml.safe_load(proc.stdout)["services"].items()
+        if not s.get("profiles") or {"cpu", "scale"} & set(s["profiles"])
+    }
+    assert {"postgres", "rlproxy", "rlproxy-b", "balancer", "limits-redis", "trainer"} <= set(
+        services
+    )
+    a, b = services["rlproxy"], services["rlproxy-b"]
+    assert a["environment"]["RLPROXY_TRAIN"] == b["environment"]["RLPROXY_TRAIN"] == "false"
+    assert a["environment"]["RLPROXY_DATABASE_URL"] == b["environment"]["RLPROXY_DATABASE_URL"]
+    assert a["volumes"] == b["volumes"] and a["image"] == b["image"]
+    assert b["environment"]["RLPROXY_BOOTSTRAP_KEY"] == "false"  # replica a made the admin key
+    assert b["depends_on"]["rlproxy"]["condition"] == "service_healthy"
+    published = {name for name, s in services.items() if s.get("ports")}
+    assert published == {"rlproxy", "balancer"}
+    assert [str(p) for p in services["balancer"]["ports"]] == ["127.0.0.1:8080:8000/tcp"]
+    balancer = services["balancer"]
+    assert any(v.endswith(":/usr/local/etc/haproxy/haproxy.cfg:ro") for v in balancer["volumes"])
+    assert balancer["environment"]["RLPROXY_REPLICA_B"] == "rlproxy-b:8000"
+    assert list(services["limits-redis"]["networks"]) == ["internal"]
+    assert services["limits-redis"]["environment"]["LIMITS_REDIS_PASSWORD"] == "l1mits"
+
+
 def test_observability_profile_has_no_default_secrets(base_env: dict[str, str]) -> None:
     services = rendered(base_env, "observability")["services"]
     web = services["langfuse-web"]["environment"]

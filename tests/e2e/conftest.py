@@ -40,9 +40,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(data_dir: Path, model_dir: Path, env_extra: dict[str, str] | None = None):
+def start_server(
+    data_dir: Path,
+    model_dir: Path,
+    env_extra: dict[str, str] | None = None,
+    log: Path | None = None,
+):
+    """`rlproxy serve` on a free loopback port, healthy; its output goes to `log` (default
+    `data_dir/server.log`; replicas sharing a data directory each need their own)."""
     port = free_port()
-    log = data_dir / "server.log"
+    log = log or data_dir / "server.log"
     data_dir.mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
