@@ -273,6 +273,13 @@ class Settings(BaseSettings):
         description="The command line of serve's trainer child (default: this interpreter's "
         '`-m proxy.cli train`), e.g. ["nice", "-n", "10", "/opt/rlproxy/bin/rlproxy", "train"].',
     )
+    trainer_processes: int = Field(
+        1,
+        ge=1,
+        description="Processes of serve's trainer child. Above 1 it trains data-parallel under "
+        "torchrun (`torchrun --standalone --nproc-per-node N -m proxy.cli train`): gloo on CPU, "
+        "NCCL with one GPU per process on CUDA. Ignored when RLPROXY_TRAINER_COMMAND is set.",
+    )
     trainer_restart_s: float = Field(
         1.0,
         gt=0,

@@ -14,6 +14,8 @@ that is longer) counts as healthy, and its next exit starts from the short delay
 never waits on any of it: the supervisor is one asyncio task that spawns, awaits and sleeps.
 `TrainerProcess.status()` (shown by /health under "trainer") says what it is doing, how often it
 exited in a row, its last exit code, when it restarts next, and the last lines of its log.
+With RLPROXY_TRAINER_PROCESSES > 1 the child is torchrun running N ranks of `rlproxy train`
+(`trainer.distributed`); a SIGTERM to it reaches every rank.
 """
 
 from __future__ import annotations
@@ -94,7 +96,13 @@ class TrainerProcess:
         self._task: asyncio.Task[None] | None = None
 
     def command(self) -> list[str]:
-        return list(self.settings.trainer_command or [sys.executable, "-m", "proxy.cli", "train"])
+        if self.settings.trainer_command:
+            return list(self.settings.trainer_command)
+        if self.settings.trainer_processes > 1:  # data-parallel: trainer.distributed
+            n = str(self.settings.trainer_processes)
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+            return [*launcher, "--nproc-per-node", n, "-m", "proxy.cli", "train"]
+        return [sys.executable, "-m", "proxy.cli", "train"]
 
     def environment(self) -> dict[str, str]:
         s = self.settings
