@@ -34,7 +34,10 @@ async def train_command(settings: Settings, steps: int | None = None) -> int:
     """Train until stopped (or for `steps` steps); return an exit code."""
     from proxy.cli.trainer_process import stop_with_parent
 
-    stop_with_parent()
+    if distributed.launched():
+        _stop_with_server()  # our parent is torchrun; the server is its parent
+    else:
+        stop_with_parent()
     from proxy.engines.loader import resolve_model_dir
     from proxy.runtime import open_runtime
     from trainer.config import TrainerConfig
@@ -100,6 +103,45 @@ async def train_command(settings: Settings, steps: int | None = None) -> int:
         except asyncio.CancelledError:
             logger.info("trainer stopping")
         return 0
+
+
+def _stop_with_server() -> None:
+    """A rank of a data-parallel trainer that `rlproxy serve` started through torchrun
+    (RLPROXY_TRAINER_PROCESSES > 1): SIGTERM when torchrun dies (the kernel's parent-death
+    signal), and when the server that started torchrun dies (a thread checks every 2 s that
+    torchrun's parent is still the server); torchrun then stops the other ranks."""
+    import ctypes
+    import os
+    import sys
+    import threading
+    import time
+
+    from proxy.cli.trainer_process import PARENT_PID_ENV
+
+    server = os.environ.get(PARENT_PID_ENV)
+    if not server or sys.platform != "linux":
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    launcher = os.getppid()
+
+    def launcher_parent() -> int:
+        try:
+            stat = Path(f"/proc/{launcher}/stat").read_text()
+        except OSError:
+            return 0
+        return int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state
+
+    if launcher_parent() != int(server):
+        return  # not started by the server's supervisor (torchrun run by hand)
+
+    def watch() -> None:
+        while launcher_parent() == int(server):
+            time.sleep(2.0)
+        logger.warning("the server that started this trainer is gone; stopping")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="rlproxy-server-watch", daemon=True).start()
 
 
 def _stop_followers(collective: distributed.Collective) -> None:
