@@ -23,6 +23,12 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.adapters.deployment import (
+    LeaseKeeper,
+    SharedVersions,
+    default_replica_id,
+    trainer_lease_name,
+)
 from proxy.adapters.manager import AdapterManager
 from proxy.adapters.publisher import Publisher
 from proxy.adapters.registry import ServedModels
@@ -292,8 +298,16 @@ async def _serve(
         aliases=tuple(settings.aliases),
         base_model=settings.base_model_name,
     )
+    replica_id = settings.replica_id or default_replica_id()
+    # Heartbeats say which versions this replica keeps; a version is unloaded from a shared
+    # engine (vLLM) only when no other live replica keeps it.
+    shared = SharedVersions(store, settings.model_name, replica_id, stale_s=settings.lease_s)
     adapters = AdapterManager(
-        engine, registry, settings.checkpoints_dir, keep_previous=settings.keep_adapters
+        engine,
+        registry,
+        settings.checkpoints_dir,
+        keep_previous=settings.keep_adapters,
+        shared=shared if settings.engine == "vllm" else None,
     )
     chat = ChatService(
         engine,
@@ -312,12 +326,23 @@ async def _serve(
         max_queued_rows=settings.max_queued_rows,
         tool_format=settings.tool_format,
     )
-    publisher = Publisher(adapters, store, rollout_config(settings))
+    publisher = Publisher(
+        adapters,
+        store,
+        rollout_config(settings),
+        replica_id=replica_id,
+        lease_s=settings.lease_s,
+        shared=shared,
+    )
     served = Served(engine, registry, chat, adapters, publisher)
     if settings.publish_adapters:
         await served.publisher.check()  # a restart serves the newest good version
+        stack.push_async_callback(served.publisher.leave)
     if settings.train:
-        served.trainer = TrainerProcess(settings, redact=redact)
+        lease = LeaseKeeper(
+            store, trainer_lease_name(settings.model_name), replica_id, settings.lease_s
+        )
+        served.trainer = TrainerProcess(settings, redact=redact, lease=lease)
         served.trainer.start()
         stack.push_async_callback(served.trainer.stop)
     if settings.upstream_models:

@@ -312,7 +312,23 @@ class Settings(BaseSettings):
         "rollback; older ones are unloaded (and loaded again when a client pins `NAME@N`).",
     )
     adapter_poll_s: float = Field(
-        2.0, gt=0, description="How often serving looks for new adapter versions to publish."
+        2.0,
+        gt=0,
+        description="How often serving looks for new adapter versions to publish; also how "
+        "often each replica follows the active version and canary recorded in the database and "
+        "writes its heartbeat.",
+    )
+    replica_id: str | None = Field(
+        None,
+        description="This replica's name in the database's leases and heartbeats (several "
+        "`rlproxy serve` on one database). Unset: host:pid:random, new on every start.",
+    )
+    lease_s: float = Field(
+        15.0,
+        gt=0,
+        description="Length of the trainer and publisher leases (renewed every third of it): "
+        "with several replicas on one database, a replica that dies without giving its leases "
+        "up hands them to another one after at most this long.",
     )
     reward_policy: Literal["explicit", "ruler"] = Field(
         "explicit",

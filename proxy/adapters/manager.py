@@ -11,6 +11,10 @@ What stays loaded: the active version and the `keep_previous` versions that were
 its weights once no request in flight uses it (requests finish on the version they started
 with). A client that pins an unloaded `NAME@N` gets it loaded again on demand; it stays until the
 next activation.
+
+On an engine several replicas share (vLLM; `shared` given, `proxy.adapters.deployment`), a
+version another live replica keeps, or that the database names active or canary, stays loaded
+here too until nobody needs it (a later `evict`, on each publisher poll, unloads it then).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import asyncio
 import logging
 from pathlib import Path
 
+from proxy.adapters.deployment import SharedVersions
 from proxy.adapters.registry import ServedModels, adapter_name
 from proxy.api.errors import APIError, InvalidRequestError, NotFoundError
 from proxy.engines.base import Engine
@@ -29,7 +34,13 @@ logger = logging.getLogger(__name__)
 
 class AdapterManager:
     def __init__(
-        self, engine: Engine, registry: ServedModels, root: Path, *, keep_previous: int = 2
+        self,
+        engine: Engine,
+        registry: ServedModels,
+        root: Path,
+        *,
+        keep_previous: int = 2,
+        shared: SharedVersions | None = None,
     ) -> None:
         if keep_previous < 0:
             raise ValueError("keep_previous must be >= 0")
@@ -41,6 +52,9 @@ class AdapterManager:
         self._history: list[int] = []  # versions activated, oldest first, no repeats
         self.swaps = 0  # activations that changed what the policy name serves
         self._evicting = asyncio.Lock()
+        self.shared = shared
+        """Set when the engine is shared with other replicas: what they still need."""
+        self._deferred: set[int] = set()  # not kept here, but needed by another replica
 
     def path_for(self, version: int) -> Path:
         return checkpoints.version_dir(self.root, version)
@@ -128,19 +142,49 @@ class AdapterManager:
             )
         if version not in self.registry.loaded_versions():
             return False
+        if self.shared is not None:
+            needed = await self.shared.needed_elsewhere()
+            if needed is None or version in needed:
+                raise InvalidRequestError(
+                    f"adapter version {version} is still served by another replica on the "
+                    "shared engine (or the database cannot say which versions are); it is "
+                    "unloaded once none serves it",
+                    param="version",
+                    code="adapter_in_use",
+                )
+        await self._drop(version)
+        return True
+
+    async def _drop(self, version: int) -> None:
         self.registry.remove_version(version)
         await self.engine.unload_adapter(adapter_name(version))
         logger.info("adapter version %d unloaded", version)
-        return True
 
     async def evict(self) -> list[int]:
         """Unload every loaded version that is not kept; return them."""
         async with self._evicting:
             keep = self.kept()
             gone = [v for v in self.registry.loaded_versions() if v not in keep]
+            if gone and self.shared is not None:
+                needed = await self.shared.needed_elsewhere()
+                wanted = gone
+                gone = [] if needed is None else [v for v in gone if v not in needed]
+                self._deferred = set(wanted) - set(gone)
+                if self._deferred:
+                    logger.info(
+                        "adapter versions %s stay loaded: another replica still serves them",
+                        sorted(self._deferred),
+                    )
             for version in gone:
-                await self.unload(version)
+                await self._drop(version)
             return gone
+
+    async def evict_deferred(self) -> list[int]:
+        """Unload the versions an earlier `evict` left loaded for another replica, once none
+        needs them (called on each publisher poll); return them."""
+        if not self._deferred:
+            return []
+        return await self.evict()
 
     async def ensure_servable(self, model: str) -> None:
         """Load `NAME@N` on demand when a client pins a version that is on disk, not loaded."""

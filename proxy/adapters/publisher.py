@@ -20,6 +20,15 @@ Never published again, whatever the setting: a version a rollout rejected (rolle
 one trained from a rolled-back version (its trainer state's `parent` chain passes through one; a
 version without `parent`, written before the trainer recorded it, counts as trained from the
 version before it). A version the engine refused is tried again after a restart, as before.
+
+Several replicas on one database (`proxy.adapters.deployment`): what the policy name serves is
+the policy's state in the database (active version, canary and share), written by whoever
+changes it (publishing, a rollout's decision, `/rl/adapters/{v}/activate` on any replica). On
+every poll each replica first follows that state, then, only if it holds the publisher lease,
+publishes new versions and runs the canary's rollout: one replica decides, the others follow
+within a poll. A version that was active before is not published again by a new lease holder
+(a rollback made by hand holds). Each poll also writes the replica's heartbeat (the versions it
+keeps loaded) and unloads versions left loaded for other replicas that none needs any more.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import asyncio
 import logging
 import time
 
+from proxy.adapters.deployment import LeaseKeeper, SharedVersions, publisher_lease_name
 from proxy.adapters.manager import AdapterManager
 from proxy.adapters.rollout import ROLLED_BACK, Rollout, RolloutConfig
 from proxy.api.errors import APIError
@@ -40,29 +50,61 @@ logger = logging.getLogger(__name__)
 
 class Publisher:
     def __init__(
-        self, adapters: AdapterManager, store: Store, rollout: RolloutConfig | None = None
+        self,
+        adapters: AdapterManager,
+        store: Store,
+        rollout: RolloutConfig | None = None,
+        *,
+        replica_id: str | None = None,
+        lease_s: float | None = None,
+        shared: SharedVersions | None = None,
     ) -> None:
+        """`lease_s`: hold the publisher lease (as `replica_id`) to publish and decide; None:
+        always publish (one replica alone). `shared`: write this replica's heartbeat."""
         self.adapters = adapters
         self.store = store
         self.policy = adapters.registry.policy
+        self.replica_id = replica_id
         self._seen: set[int] = set()
         self.rollout = None if rollout is None else Rollout(adapters, store, rollout, self._note)
+        if self.rollout is not None:
+            self.rollout.replica_id = replica_id
+        self.lease = (
+            None
+            if lease_s is None
+            else LeaseKeeper(store, publisher_lease_name(self.policy), replica_id or "", lease_s)
+        )
+        self.shared = shared
         self._restored = False
+        self._left = False
 
     async def check(self) -> int | None:
-        """Publish the newest unseen version that loads (with a rollout: put it on canary, once
-        the running canary is decided); return it (None: nothing new)."""
+        """Follow the policy's state in the database; then, holding the publisher lease, publish
+        the newest unseen version that loads (with a rollout: put it on canary, once the running
+        canary is decided); return it (None: nothing new)."""
+        if self._left:
+            return None
+        leader = True if self.lease is None else await self.lease.tick()
+        await self.follow()
+        if self.shared is not None:
+            await self.shared.heartbeat(sorted(self.adapters.kept()))
+            await self.adapters.evict_deferred()
+        if not leader:
+            return None
         if self.rollout is not None:
             return await self._check_rollout(self.rollout)
         active = self.adapters.registry.active or 0
         unseen = [v for v in self.adapters.available() if v not in self._seen]
-        barred = await self._barred(unseen)
+        records = {a.version: a for a in await self.store.list_adapters(self.policy)}
+        barred = await self._barred(unseen, records)
         for version in sorted(unseen, reverse=True):
             self._seen.add(version)
             if version <= active:
                 continue  # older than what serves now: loadable on demand, not published
             if version in barred:
                 continue
+            if version in records and records[version].activated_at is not None:
+                continue  # served before and replaced since (a rollback by hand): not again
             try:
                 await self.adapters.activate(version)
             except APIError as exc:
@@ -74,6 +116,7 @@ class Publisher:
                 continue
             now = time.time()
             await self._note(version, status="loaded", loaded_at=now, activated_at=now)
+            await self._set_active(version)
             logger.info("published adapter version %d", version)
             self._seen.update(unseen)
             return version
@@ -83,6 +126,14 @@ class Publisher:
         if not self._restored:
             await self._restore()
             self._restored = True
+        canary = self.adapters.registry.canary
+        if rollout.version is None and canary is not None:
+            # a canary another replica started (it held the lease before): its trial goes on
+            # here, with the evidence gathered since it began
+            records = {a.version: a for a in await self.store.list_adapters(self.policy)}
+            record = records.get(canary.version)
+            await rollout.start(canary.version, previous=record.rollout if record else None)
+            self._seen.add(canary.version)
         if rollout.version is not None:
             await rollout.evaluate()
             if rollout.version is not None:
@@ -109,9 +160,58 @@ class Publisher:
             return version
         return None
 
+    async def follow(self) -> None:
+        """Serve what the policy's state in the database says: its active version and its
+        canary (another replica, or a hand on any replica, may have changed them)."""
+        state = await self.store.get_policy_state(self.policy)
+        if state is None:
+            return  # nothing recorded yet: the lease holder's first publication writes it
+        registry = self.adapters.registry
+        active = state.active_version or None
+        if active != registry.active:
+            try:
+                await self.adapters.activate(active)
+            except APIError as exc:
+                logger.error(
+                    "the database says %s serves %s, which cannot be served here: %s",
+                    self.policy,
+                    active or "the base model",
+                    exc.message,
+                )
+                return
+            logger.info("following the database: %s serves %s", self.policy, active or "base")
+        canary = registry.canary
+        if state.canary_version is None:
+            if canary is not None:
+                registry.end_canary()
+                await self.adapters.evict()
+            return
+        if canary is not None and canary.version == state.canary_version:
+            return
+        share = state.canary_share or (self.rollout.config.share if self.rollout else 0.0)
+        try:
+            await self.adapters.load(state.canary_version)
+            registry.start_canary(state.canary_version, share)
+        except (APIError, ValueError) as exc:
+            logger.error("canary %d cannot be served here: %s", state.canary_version, exc)
+            return
+        logger.info("following the database: %d on canary", state.canary_version)
+
+    async def _set_active(self, version: int | None) -> None:
+        await self.store.set_policy_state(
+            self.policy,
+            by=self.replica_id,
+            active_version=version or 0,
+            canary_version=None,
+            canary_share=None,
+        )
+
     async def _restore(self) -> None:
-        """Serve the newest version that was active before (not rejected) again."""
+        """Serve the newest version that was active before (not rejected) again: a database
+        from before the policy's state was recorded."""
         if self.adapters.registry.active is not None:
+            return
+        if await self.store.get_policy_state(self.policy) is not None:
             return
         on_disk = set(self.adapters.available())
         records = await self.store.list_adapters(self.policy)
@@ -127,6 +227,7 @@ class Publisher:
                 logger.error("adapter %d, active before, cannot serve: %s", version, exc.message)
                 continue
             logger.info("serving adapter %d again, the last version that was active", version)
+            await self._set_active(version)
             return
 
     async def _barred(
@@ -162,9 +263,18 @@ class Publisher:
         return barred
 
     async def note_activation(self, version: int | None) -> None:
-        """Record a manual activation (roll back or forward)."""
+        """Record a manual activation (roll back or forward); every replica follows it."""
         if version is not None:
             await self._note(version, activated_at=time.time())
+        await self._set_active(version)
+
+    async def leave(self) -> None:
+        """On a clean stop: give the publisher lease up and drop this replica's heartbeat."""
+        self._left = True
+        if self.lease is not None:
+            await self.lease.release()
+        if self.shared is not None:
+            await self.shared.leave()
 
     async def run(self, interval_s: float) -> None:
         while True:

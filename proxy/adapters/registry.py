@@ -7,8 +7,13 @@
 
 During a canary rollout (`proxy.adapters.rollout`) NAME and the aliases mean one of two
 versions per call: the canary for a share of the traffic, the active version for the rest
-(`route`). A multi-turn conversation stays on the version its first turn drew (`StickyRoutes`).
-Pins (`NAME@N`, `NAME@base`) are never split.
+(`route`). Which one is a stable hash of the conversation (`canary_draw`: blake2b of its key,
+keyed by the policy and the canary's version), so every replica, before and after a restart,
+sends a conversation to the same version. A conversation's key is its explicit trajectory id,
+else its opening up to the first answer; a first turn without an id has no key yet and draws at
+random, and the replica that served it keeps the conversation on that draw (`StickyRoutes`);
+on another replica its later turns follow the hash (send a trajectory id to have every turn
+agree everywhere). Pins (`NAME@N`, `NAME@base`) are never split.
 
 The registry only maps names to versions; loading weights is the engine's job, and the
 `AdapterManager` (`manager.py`) changes the registry only after an engine load succeeded.
@@ -68,6 +73,15 @@ def conversation_key(
             digest = hashlib.sha256(json.dumps(opening, ensure_ascii=False).encode()).hexdigest()
             return f"m:{digest}"
     return None
+
+
+def canary_draw(key: str, policy: str, canary_version: int) -> float:
+    """Where conversation `key` falls in [0, 1) for this canary: the same on every replica and
+    across restarts; a new canary version draws a new, independent split."""
+    digest = hashlib.blake2b(
+        key.encode(), digest_size=8, key=f"{policy}@{canary_version}".encode()[:64]
+    ).digest()
+    return int.from_bytes(digest, "big") / 2.0**64
 
 
 def _message_text(m: dict[str, Any]) -> list[Any]:
@@ -197,7 +211,8 @@ class ServedModels:
     def route(self, resolved: Resolved, key: str | None = None) -> Resolved:
         """The version this call gets: `resolved` unchanged unless it names the policy while a
         canary runs; then the version `key`'s conversation drew before, else a fresh draw (the
-        canary with probability `share`), remembered under `key`."""
+        canary when `key`'s stable draw falls under `share`; without a key at random),
+        remembered under `key`."""
         canary = self._canary
         if canary is None or not self.is_policy_name(resolved.requested):
             return resolved
@@ -205,7 +220,8 @@ class ServedModels:
             known, version = self.sticky.get(key)
             if known and (version in (canary.version, self._active)):
                 return Resolved(resolved.requested, version)
-        version = canary.version if self.rng.random() < canary.share else self._active
+        draw = self.rng.random() if key is None else canary_draw(key, self.policy, canary.version)
+        version = canary.version if draw < canary.share else self._active
         if key is not None:
             self.sticky.put(key, version)
         return Resolved(resolved.requested, version)

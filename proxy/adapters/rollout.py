@@ -18,6 +18,10 @@ What it does, in order (driven by `proxy.adapters.publisher.Publisher.check`):
    Every decision is kept in the version's `rollout.decisions` with its figures (`GET
    /rl/adapters`).
 
+Each start and decision is also written to the policy's state (`Store.set_policy_state`), which
+every replica follows (`proxy.adapters.publisher`); only the replica holding the publisher lease
+runs a rollout, so decisions are made once.
+
 A manual activation through `/rl/adapters/{v}/activate` ends a canary (the comparison was
 against the version that served before); it is recorded as "abandoned".
 
@@ -81,6 +85,8 @@ class Rollout:
         self.policy = adapters.registry.policy
         self._trial: _Trial | None = None
         self._last: dict[str, Any] | None = None
+        self.replica_id: str | None = None
+        """Who writes the policy's state (shown as `changed_by`)."""
 
     @property
     def version(self) -> int | None:
@@ -103,6 +109,13 @@ class Rollout:
             started_at = float(previous.get("started_at") or now)
             decisions = list(previous.get("decisions") or [])
         self.registry.start_canary(version, self.config.share)
+        await self.store.set_policy_state(
+            self.policy,
+            by=self.replica_id,
+            active_version=baseline or 0,
+            canary_version=version,
+            canary_share=self.config.share,
+        )
         state = {
             "state": "canary",
             "baseline": baseline or 0,
@@ -149,10 +162,12 @@ class Rollout:
         if result.decision == "promote":
             await self.adapters.activate(trial.version)  # ends the registry's canary
             await self._finish(trial, "promoted", result, result.reason)
+            await self._state(active_version=trial.version)
         elif result.decision == "roll_back":
             self.registry.end_canary()
-            await self.adapters.evict()
             await self._finish(trial, ROLLED_BACK, result, result.reason)
+            await self._state(active_version=trial.baseline or 0)
+            await self.adapters.evict()
         elif figures != self._last:
             self._last = figures
             trial.state["latest"] = figures
@@ -177,6 +192,16 @@ class Rollout:
         self._trial = None
         log = logger.warning if state == ROLLED_BACK else logger.info
         log("adapter %d %s: %s", trial.version, state.replace("_", " "), reason)
+
+    async def _state(self, active_version: int) -> None:
+        """The decision holds on every replica: `active_version` serves, no canary."""
+        await self.store.set_policy_state(
+            self.policy,
+            by=self.replica_id,
+            active_version=active_version,
+            canary_version=None,
+            canary_share=None,
+        )
 
     async def _write(self, version: int, **changes: Any) -> None:
         await self._note(version, **changes)

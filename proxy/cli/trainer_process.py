@@ -16,6 +16,13 @@ never waits on any of it: the supervisor is one asyncio task that spawns, awaits
 exited in a row, its last exit code, when it restarts next, and the last lines of its log.
 With RLPROXY_TRAINER_PROCESSES > 1 the child is torchrun running N ranks of `rlproxy train`
 (`trainer.distributed`); a SIGTERM to it reaches every rank.
+
+Several replicas on one database (`proxy.adapters.deployment`): the child runs only while this
+replica holds the trainer lease (`lease` given). Without it the supervisor waits ("standby",
+naming the holder) and tries again every third of the lease's length; while the child runs it
+renews the lease as often, and stops the child if the lease is lost (the database unreachable
+for a whole lease: another replica may have taken over). A replica that dies stops renewing;
+its child dies with it (`stop_with_parent`) and another replica takes the lease once it expires.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from proxy.adapters.deployment import LeaseKeeper
 from proxy.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -52,7 +60,8 @@ def restart_delay(exits_in_a_row: int, first_s: float, max_s: float) -> float:
 class TrainerStatus:
     """What the supervisor knows about its child (a snapshot for /health and the logs)."""
 
-    state: Literal["starting", "running", "restarting", "stopped"] = "starting"
+    state: Literal["standby", "starting", "running", "restarting", "stopped"] = "starting"
+    """standby: another replica holds the trainer lease (see `lease`)."""
     pid: int | None = None
     started_at: float | None = None
     """Epoch seconds of the current (or last) start."""
@@ -71,6 +80,9 @@ class TrainerStatus:
     log: str = ""
     log_tail: list[str] = field(default_factory=list)
     """The last lines of the log after the last exit (credentials scrubbed)."""
+    lease: dict[str, Any] | None = None
+    """The trainer lease: its name, this replica, whether it holds it, the holder (None when
+    the supervisor runs without one)."""
 
 
 class TrainerProcess:
@@ -82,8 +94,10 @@ class TrainerProcess:
         redact: Callable[[str], str] = str,
         *,
         healthy_run_s: float | None = None,
+        lease: LeaseKeeper | None = None,
     ) -> None:
         self.settings = settings
+        self.lease = lease
         self.redact = redact
         self.healthy_run_s = (
             max(HEALTHY_RUN_S, settings.trainer_restart_max_s)
@@ -94,6 +108,8 @@ class TrainerProcess:
         self.proc: asyncio.subprocess.Process | None = None
         self._status = TrainerStatus(log=str(self.log_path))
         self._task: asyncio.Task[None] | None = None
+        if lease is not None:
+            self._status.lease = {"name": lease.name, "replica": lease.holder, "held": False}
 
     def command(self) -> list[str]:
         if self.settings.trainer_command:
@@ -140,12 +156,49 @@ class TrainerProcess:
             logger.warning("trainer did not stop in %.0f s; killing it", timeout_s)
             proc.kill()
             await proc.wait()
+        if self.lease is not None:
+            await self.lease.release()
+            self._note_lease(None)
+
+    # --- the trainer lease -----------------------------------------------------------------
+
+    def _note_lease(self, holder: str | None) -> None:
+        if self.lease is not None and self._status.lease is not None:
+            self._status.lease.update(held=self.lease.held, holder=holder)
+
+    async def _wait_for_lease(self) -> None:
+        """Return once this replica holds the trainer lease ("standby" until then)."""
+        lease = self.lease
+        if lease is None:
+            return
+        while not await lease.tick():
+            try:
+                held = await lease.store.get_lease(lease.name)
+            except Exception:
+                held = None
+            self._status.state, self._status.pid = "standby", None
+            self._note_lease(held.holder if held is not None else None)
+            await asyncio.sleep(lease.renew_every_s)
+        self._note_lease(lease.holder)
+
+    async def _keep_lease(self) -> None:
+        """Renew the trainer lease while the child runs; return when it is lost."""
+        lease = self.lease
+        if lease is None:
+            await asyncio.Event().wait()  # never lost
+            return
+        while True:
+            await asyncio.sleep(lease.renew_every_s)
+            if not await lease.tick():
+                self._note_lease(None)
+                return
 
     # --- supervision -----------------------------------------------------------------------
 
     async def _supervise(self) -> None:
         s, st = self.settings, self._status
         while True:
+            await self._wait_for_lease()
             started = time.monotonic()
             code, error = await self._run_once()
             ran_s = time.monotonic() - started
@@ -193,7 +246,20 @@ class TrainerProcess:
             return None, f"{type(e).__name__}: {e}"
         st.state, st.pid = "running", self.proc.pid
         logger.info("trainer started (pid %d); its log is %s", self.proc.pid, self.log_path)
-        return await self.proc.wait(), None
+        exited = asyncio.ensure_future(self.proc.wait())
+        lost = asyncio.ensure_future(self._keep_lease())
+        try:
+            await asyncio.wait({exited, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+        if not exited.done():
+            logger.error("the trainer lease was lost; stopping the trainer (pid %d)", st.pid)
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(asyncio.shield(exited), 30)
+            except TimeoutError:
+                self.proc.kill()
+        return await exited, None
 
     def _log_tail(self) -> list[str]:
         try:

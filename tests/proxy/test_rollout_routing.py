@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.adapters.registry import Resolved, ServedModels, conversation_key
+from proxy.adapters.registry import Resolved, ServedModels, canary_draw, conversation_key
 from trainer import checkpoints
 
 
@@ -75,6 +75,23 @@ def test_an_explicit_trajectory_id_keys_the_conversation() -> None:
     assert key == "t:traj-1"
     first = reg.route(reg.resolve("rlproxy"), key).version
     assert {reg.route(reg.resolve("rlproxy"), key).version for _ in range(50)} == {first}
+
+
+def test_a_keyed_conversation_draws_the_same_on_every_replica_and_after_a_restart() -> None:
+    """Two registries with different random generators (two replicas, or one restarted) send
+    every keyed conversation to the same version: the draw is a stable hash of its key, not
+    the generator's; the split still follows the share; another canary draws anew."""
+    a, b = _registry(share=0.25, seed=1), _registry(share=0.25, seed=2)
+    keys = [conversation_key([{"role": "user", "content": "hi"}], f"traj-{i}") for i in range(4000)]
+    on_a = [a.route(a.resolve("rlproxy"), k).version for k in keys]
+    on_b = [b.route(b.resolve("rlproxy"), k).version for k in reversed(keys)][::-1]
+    assert on_a == on_b
+    # binomial(4000, 0.25): sd 0.0068; 0.04 is about six of them
+    assert on_a.count(2) / len(on_a) == pytest.approx(0.25, abs=0.04)
+    assert canary_draw("t:traj-1", "rlproxy", 2) == canary_draw("t:traj-1", "rlproxy", 2)
+    draws_2 = [canary_draw(k, "rlproxy", 2) < 0.25 for k in keys if k]
+    draws_3 = [canary_draw(k, "rlproxy", 3) < 0.25 for k in keys if k]
+    assert draws_2 != draws_3  # a new canary does not always pick the same conversations
 
 
 def test_tool_calls_key_the_same_as_the_client_sends_them_back() -> None:

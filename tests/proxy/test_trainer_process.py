@@ -121,3 +121,64 @@ async def test_the_log_tail_is_scrubbed(tmp_path: Path) -> None:
         await trainer.stop()
     tail = "\n".join(trainer.status()["log_tail"])
     assert "connecting with key [REDACTED]" in tail and "sk-abcdefgh" not in tail
+
+
+async def test_only_the_lease_holder_runs_a_trainer_and_a_lost_lease_stops_it(
+    tmp_path: Path,
+) -> None:
+    """Two supervisors (two replicas) on one SQLite database: one runs its child, the other
+    stands by naming the holder. When the holder's lease is taken from it (it expired and a
+    third replica took it, as after a stall) its child is stopped; when that one lets it go, one
+    of the two runs again, and when it stops cleanly (the lease given up) the other starts."""
+    import time
+
+    from proxy.adapters.deployment import LeaseKeeper
+    from storage import Store
+
+    forever = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"]
+    (tmp_path / "b").mkdir()
+    store = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'rlproxy.db'}")
+    a = TrainerProcess(
+        _settings(tmp_path, forever, first_s=0.01, max_s=0.02),
+        lease=LeaseKeeper(store, "trainer:p", "A", ttl_s=0.3),
+    )
+    b = TrainerProcess(
+        _settings(tmp_path / "b", forever, first_s=0.01, max_s=0.02),
+        lease=LeaseKeeper(store, "trainer:p", "B", ttl_s=0.3),
+    )
+    try:
+        a.start()
+        while a.status()["state"] != "running":
+            await asyncio.sleep(0.01)
+        b.start()
+        while b.status()["state"] != "standby":
+            await asyncio.sleep(0.01)
+        assert b.status()["lease"] == {
+            "name": "trainer:p",
+            "replica": "B",
+            "held": False,
+            "holder": "A",
+        }
+        assert a.status()["lease"]["held"] is True and a.status()["lease"]["holder"] == "A"
+        # C takes the lease as if A's had expired (its clock says A's expiry is long past).
+        first = a.proc
+        assert first is not None
+        assert await store.acquire_lease("trainer:p", "C", 3600, now=time.time() + 60)
+        while first.returncode is None:  # A's next renewal fails: its child is stopped
+            await asyncio.sleep(0.01)
+        assert a.status()["lease"]["held"] is False and b.status()["state"] == "standby"
+        assert await store.release_lease("trainer:p", "C")
+        running = [t for t in (a, b) if t.status()["state"] == "running"]
+        while not running:  # the first to tick takes it
+            await asyncio.sleep(0.01)
+            running = [t for t in (a, b) if t.status()["state"] == "running"]
+        holder, other = (a, b) if running == [a] else (b, a)
+        assert len(running) == 1 and other.status()["state"] in ("standby", "restarting")
+        await holder.stop()  # a clean stop gives the lease up: the other one takes over
+        while other.status()["state"] != "running":
+            await asyncio.sleep(0.01)
+        assert other.status()["lease"]["held"] is True
+    finally:
+        await a.stop()
+        await b.stop()
+        await store.close()
