@@ -99,8 +99,10 @@ test-vllm: setup
 # Several replicas on one Postgres behind HAProxy (tests/scale/, marker `scale`): groups through
 # both train one version both serve, a replica SIGKILLed under load loses nothing acknowledged,
 # a key's rate holds across replicas through Redis. Postgres and Redis are the machine's.
+# tests/replicas/: two replicas on one Postgres without a balancer: one trainer (the lease moves
+# on SIGKILL), activations and the canary split hold on both, a shared vLLM keeps what either serves.
 test-scale: setup haproxy
-	$(BIN)/python -m pytest -q -m scale tests/scale
+	$(BIN)/python -m pytest -q -m scale tests/scale tests/replicas
 
 test-all: setup
 	$(BIN)/python -m pytest -q -m "slow or not slow"; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
