@@ -176,7 +176,13 @@ def test_a_server_killed_mid_answer_fails_that_answer_and_comes_back_with_the_ad
         served_before = _serving(server, victim)["served"]
         # Back in rotation only after the active adapter was loaded on it again.
         assert f"rlproxy@{active}" in victim.models()
-        load.wait_for(2 * CLIENTS)
+        # It answers again. Not counted within a fixed number of completions: a server just
+        # restarted answers its first requests slowly on a loaded machine, and the survivor can
+        # finish the next 2 x CLIENTS meanwhile (seen with other jobs on the 2 cores).
+        wait_for(
+            lambda: _serving(server, victim)["served"] > served_before,
+            180,
+            "the restarted server answers again",
+        )
     assert [o for o in load.outcomes if not o["ok"]] == []
-    assert _serving(server, victim)["served"] > served_before
     assert _serving(server, survivor)["served"] > 0
