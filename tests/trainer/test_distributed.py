@@ -8,10 +8,15 @@ from both groups (groups_per_step 2). The LoRA weights of the two versions must 
 TOLERANCE (max |delta|, against an update whose own max is reported): the two ranks sum the
 gradients of their halves of the batch, which equals the full batch's gradient up to float32
 rounding. Only rank 0 wrote: one version folder, the groups marked used once.
+
+`rlproxy serve`'s supervisor starts the same torchrun with RLPROXY_TRAINER_PROCESSES=2 (the
+real supervisor class and a real torchrun child, in the slow run: `make test-slow`): its ranks
+train version 1 and stop with it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -24,6 +29,8 @@ from typing import Any
 import pytest
 import torch
 
+from proxy.cli.trainer_process import TrainerProcess
+from proxy.settings import Settings
 from storage import CallRecord, ChoiceRecord, Store
 from storage.grouping import SignatureGrouper
 from storage.records import JudgeOutcome
@@ -172,3 +179,67 @@ async def test_two_cpu_ranks_make_the_same_update_as_one(
         1e-6
     )
     assert torch.isfinite(torch.cat([v.flatten() for v in parallel.values()])).all()
+
+
+def test_the_supervisor_runs_torchrun_for_several_processes(tmp_path: Path) -> None:
+    one = TrainerProcess(Settings(data_dir=tmp_path)).command()
+    assert one[1:] == ["-m", "proxy.cli", "train"]
+    two = TrainerProcess(Settings(data_dir=tmp_path, trainer_processes=2)).command()
+    assert two[1:] == [
+        *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"),
+        *("-m", "proxy.cli", "train"),
+    ]
+    mine = ["nice", "rlproxy", "train"]
+    assert (
+        TrainerProcess(
+            Settings(data_dir=tmp_path, trainer_processes=2, trainer_command=mine)
+        ).command()
+        == mine
+    )
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(x) for x in text.split()]
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="session")
+async def test_serve_supervisor_starts_the_trainer_data_parallel(
+    tmp_path: Path, model_data_dir: Path, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    await _scored_groups(f"sqlite+aiosqlite:///{data / 'rlproxy.db'}", tokenizer)
+    monkeypatch.setenv("RLPROXY_TRAIN_POLL_S", "0.5")  # the child gets this environment
+    monkeypatch.setenv("RLPROXY_TRAINER", json.dumps({"groups_per_step": 2}))
+    settings = Settings(
+        data_dir=data, model_dir=model_data_dir, trainer_processes=2, train_threads=1
+    )
+    supervisor = TrainerProcess(settings)
+    supervisor.start()
+    root = data / "checkpoints" / "rlproxy"
+    ranks: list[int] = []
+    try:
+        async with asyncio.timeout(600):
+            while not checkpoints.list_versions(root):
+                status = supervisor.status()
+                assert status["restarts"] == 0, status  # the ranks did not exit on their own
+                if status["pid"] and not ranks:
+                    ranks = _children(status["pid"])  # torchrun's children: the two ranks
+                await asyncio.sleep(0.5)
+        ranks = ranks or _children(supervisor.status()["pid"])
+        assert len(ranks) == 2
+    finally:
+        await supervisor.stop()
+    assert checkpoints.list_versions(root) == [1]
+    assert supervisor.proc is not None and supervisor.proc.returncode is not None
+    for pid in ranks:
+        assert (
+            not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+        )
+    log = (data / "trainer.log").read_text()
+    assert "rank 0 of 2" in log and "rank 1 of 2" in log, log[-3000:]
