@@ -1,0 +1,17 @@
+"""Fixtures for the scale tests (marker `scale`, `make test-scale`): several replicas on one
+Postgres behind HAProxy (`tests/scale/deployment.py`). Without haproxy they skip and say how to
+get it; Postgres and Redis are the machine's (always running here and in CI)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def haproxy() -> str:
+    binary = shutil.which("haproxy")
+    if binary is None:
+        pytest.skip("no haproxy on this machine: `make test-scale` installs it (apt-get)")
+    return binary
