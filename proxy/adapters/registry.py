@@ -99,8 +99,8 @@ def _message_text(m: dict[str, Any]) -> list[Any]:
 class StickyRoutes:
     """Which version a conversation drew, by a key of its opening (bounded, oldest forgotten).
 
-    In memory only: after a restart (or on another replica) a conversation that is already
-    under way draws again."""
+    In memory only: it matters for conversations whose first turn drew at random (no trajectory
+    id); after a restart, or on another replica, their later turns follow the stable hash."""
 
     def __init__(self, capacity: int = 100_000) -> None:
         self.capacity = capacity
