@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/bench_overhead.py [--long-calls 20000] [--rounds 5] [--quick]
     .venv/bin/python bench/bench_overhead.py --only rlproxy --profile x.svg   # one target
+    .venv/bin/python bench/bench_overhead.py --only rlproxy --rounds 0 --long-calls 0 \
+        --postgres postgresql+asyncpg://postgres@127.0.0.1:5432/test     # store on Postgres
 
 Targets, all answering chat completions from one "instant" OpenAI-compatible server (a raw
 asyncio HTTP server in a subprocess: a fixed completion, or a fixed chunk stream, at once,
@@ -34,6 +36,11 @@ Phases, in order:
 4. the zero-error rate: every target stepped up through `--step-rates` (interleaved per rate,
    open loop, `--step-duration` s each) until it has an error, falls behind, or its p99 passes
    `--slo-ms`; the last rate before that is the one it holds.
+
+With `--postgres URL` rlproxy stores into a fresh database on that server (dropped afterwards)
+instead of SQLite, and each step of phase 4 also prints the calls committed per second and what
+Postgres did meanwhile (transactions committed and rows written per second, from
+pg_stat_database): the store's commit rate at each request rate.
 
 The load generator is open-loop where a rate is given (request i is due at t0 + i/rate, latency
 counts from the due time, so queueing shows), and shares the machine with the servers: direct's
@@ -424,6 +431,50 @@ def stored_calls(db: Path) -> int:
         return int(conn.execute("SELECT count(*) FROM calls").fetchone()[0])
 
 
+class PostgresStore:
+    """A fresh database on a Postgres server for rlproxy to store into, and its counters."""
+
+    def __init__(self, server_url: str) -> None:
+        from sqlalchemy.engine import make_url
+
+        self.name = f"bench_overhead_{os.getpid()}_{int(time.time())}"
+        server = make_url(server_url)
+        self.url = server.set(database=self.name).render_as_string(hide_password=False)
+        self._admin = server.set(drivername="postgresql").render_as_string(hide_password=False)
+        self._dsn = make_url(self.url).set(drivername="postgresql")
+        self._dsn_text = self._dsn.render_as_string(hide_password=False)
+
+    def _run(self, dsn: str, sql: str) -> Any:
+        import asyncpg
+
+        async def go() -> Any:
+            conn = await asyncpg.connect(dsn)
+            try:
+                return await conn.fetchrow(sql)
+            finally:
+                await conn.close()
+
+        return asyncio.run(go())
+
+    def create(self) -> None:
+        self._run(self._admin, f'CREATE DATABASE "{self.name}"')
+
+    def drop(self) -> None:
+        self._run(self._admin, f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
+
+    def calls(self) -> int:
+        return int(self._run(self._dsn_text, "SELECT count(*) FROM calls")[0])
+
+    def counters(self) -> tuple[int, int]:
+        """(transactions committed, rows inserted + updated) in this database so far."""
+        row = self._run(
+            self._dsn_text,
+            "SELECT pg_stat_force_next_flush(), xact_commit, tup_inserted + tup_updated "
+            f"FROM pg_stat_database WHERE datname = '{self.name}'",
+        )
+        return int(row[1]), int(row[2])
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument(
@@ -459,6 +510,12 @@ def parse_args() -> argparse.Namespace:
         type=Path,
         help="record rlproxy with py-spy during the sequential rounds into this file "
         "(collapsed stacks; `--profile x.svg` writes a flame graph)",
+    )
+    parser.add_argument(
+        "--postgres",
+        metavar="URL",
+        help="store into a fresh database on this Postgres server (SQLAlchemy URL of any "
+        "database on it) instead of SQLite, and print the commit rates at each step",
     )
     parser.add_argument("--serve-instant", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -503,8 +560,14 @@ def main() -> int:
         "RLPROXY_CALLER_CONCURRENCY": "0",
         "RLPROXY_UPSTREAM_MODELS": json.dumps(upstreams),
     }
+    pg = PostgresStore(args.postgres) if args.postgres else None
+    if pg is not None:
+        pg.create()
+        rl_env["RLPROXY_DATABASE_URL"] = pg.url
     print(f"work dir {work}; event loop: {'uvloop' if has_uvloop() else 'asyncio'}", flush=True)
     with ExitStack() as stack:
+        if pg is not None:
+            stack.callback(pg.drop)
         instant_cmd = [sys.executable, __file__, "--serve-instant", str(p_instant)]
         health = f"{instant_base}/models"
         stack.enter_context(process(instant_cmd, base_env, work / "instant.log", health))
@@ -552,7 +615,9 @@ def main() -> int:
         if args.only:
             targets = [t for t in targets if t.name == "direct" or t.name in args.only]
         db = work / "rlproxy-data" / "rlproxy.db"
-        run(args, targets, lambda: stored_calls(db), rl_proc.pid)
+        stored = pg.calls if pg is not None else lambda: stored_calls(db)
+        print(f"store: {'Postgres, database ' + pg.name if pg else 'SQLite ' + str(db)}")
+        run(args, targets, stored, rl_proc.pid, pg)
     return 0
 
 
@@ -569,7 +634,11 @@ def has_uvloop() -> bool:
 
 
 def run(
-    args: argparse.Namespace, targets: list[Target], stored: Callable[[], int], rl_pid: int
+    args: argparse.Namespace,
+    targets: list[Target],
+    stored: Callable[[], int],
+    rl_pid: int,
+    pg: PostgresStore | None = None,
 ) -> None:
     # 1. warm-up: connections, imports, caches, the database's first pages; not measured.
     print("warm-up ...", flush=True)
@@ -584,7 +653,7 @@ def run(
     if args.long_calls:
         run_long(args, targets, stored)
     if args.step_rates:
-        run_steps(args, targets, stored)
+        run_steps(args, targets, stored, pg)
 
 
 def run_sequential(
@@ -655,8 +724,15 @@ def run_long(args: argparse.Namespace, targets: list[Target], stored: Callable[[
     )
 
 
-def run_steps(args: argparse.Namespace, targets: list[Target], stored: Callable[[], int]) -> None:
-    """4. the zero-error rate, interleaved per rate: a target steps on while it has no error."""
+def run_steps(
+    args: argparse.Namespace,
+    targets: list[Target],
+    stored: Callable[[], int],
+    pg: PostgresStore | None = None,
+) -> None:
+    """4. the zero-error rate, interleaved per rate: a target steps on while it has no error.
+    Beside each rlproxy step: calls committed per second (and with Postgres, its transactions
+    and rows written per second) over the step."""
     print("\nZero-error rate (open loop, interleaved per rate):", flush=True)
     header = f"{'target':<16} {'rate/s':>6} {'sent':>5} {'err':>4} {'p50':>7} {'p95':>7} {'p99':>8}"
     print(header + "\n" + "-" * len(header), flush=True)
@@ -666,11 +742,25 @@ def run_steps(args: argparse.Namespace, targets: list[Target], stored: Callable[
     for rate in args.step_rates:
         for t in list(alive):
             settle(t)
+            counted = t.name.startswith("rlproxy")  # its calls are stored
+            before = (stored(), pg.counters() if pg else None) if counted else None
+            started = time.monotonic()
             res = asyncio.run(open_loop(t, rate, args.step_duration, args.timeout))
+            store_rates = ""
+            if before is not None:
+                settle(t)  # the step's last calls committed
+                seconds = time.monotonic() - started
+                store_rates = f"  stored {(stored() - before[0]) / seconds:.0f} calls/s"
+                if pg is not None and before[1] is not None:
+                    commits, rows = pg.counters()
+                    store_rates += (
+                        f"; Postgres {(commits - before[1][0]) / seconds:.0f} commits/s, "
+                        f"{(rows - before[1][1]) / seconds:.0f} rows written/s"
+                    )
             print(
                 f"{t.name:<16} {rate:>6g} {res.sent:>5} {res.errors + res.late:>4} "
                 f"{pct(res.latencies_ms, 50):>7.1f} {pct(res.latencies_ms, 95):>7.1f} "
-                f"{pct(res.latencies_ms, 99):>8.1f}",
+                f"{pct(res.latencies_ms, 99):>8.1f}{store_rates}",
                 flush=True,
             )
             if res.errors or res.late or res.ok < res.sent:
