@@ -44,13 +44,9 @@ import json
 import math
 import os
 import sys
-import tempfile
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx
 from openai import AsyncOpenAI
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,9 +54,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "examples"))
 
 import arithmetic_agent  # noqa: E402
-from servers import start_server  # noqa: E402
-
-POLL_S = 0.25
+import proof_loop  # noqa: E402
 
 
 def practise(url: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -72,31 +66,12 @@ def practise(url: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
                 client, "rlproxy", args.questions, args.runs, seed, args.max_tokens
             )
 
-    return asyncio.run(run())
+    result = asyncio.run(run())
+    result["usable"] = result["questions_with_varied_rewards"]
+    return result
 
 
-def adapters(url: str) -> dict[int, dict[str, Any]]:
-    data = httpx.get(f"{url}/rl/adapters", timeout=30).json()["data"]
-    return {int(a["version"]): a for a in data}
-
-
-def wait_for_version(url: str, version: int, timeout_s: float) -> dict[str, Any] | None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        a = adapters(url).get(version)
-        if a is not None and a.get("status") == "loaded":
-            return a
-        time.sleep(POLL_S)
-    return None
-
-
-def evaluate(eval_url: str, version: int | None, args: argparse.Namespace) -> dict[str, Any]:
-    model = "rlproxy@base"
-    if version is not None:
-        r = httpx.post(f"{eval_url}/rl/adapters/{version}/load", timeout=120)
-        r.raise_for_status()
-        model = f"rlproxy@{version}"
-
+def evaluate(eval_url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
     async def run() -> tuple[dict[str, Any], dict[str, Any]]:
         async with AsyncOpenAI(
             base_url=f"{eval_url}/v1", api_key="sk-agent", timeout=600
@@ -110,7 +85,6 @@ def evaluate(eval_url: str, version: int | None, args: argparse.Namespace) -> di
             return sampled, greedy
 
     result, greedy = asyncio.run(run())
-    result["version"] = version or 0
     result["greedy"] = {k: greedy[k] for k in ("mean_reward", "stderr", "exact", "episodes")}
     print(
         f"  held-out {model}: {result['mean_reward']:.3f} ± {result['stderr']:.3f} "
@@ -119,40 +93,6 @@ def evaluate(eval_url: str, version: int | None, args: argparse.Namespace) -> di
         flush=True,
     )
     return result
-
-
-def plot(path: Path, steps: list[dict[str, Any]], evals: list[dict[str, Any]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(
-        [s["version"] for s in steps],
-        [s["train_reward"] for s in steps],
-        ".-",
-        color="tab:blue",
-        alpha=0.6,
-        label="practice reward (mean of the step's groups)",
-    )
-    ax.errorbar(
-        [e["version"] for e in evals],
-        [e["mean_reward"] for e in evals],
-        yerr=[e["stderr"] for e in evals],
-        fmt="o-",
-        color="tab:red",
-        capsize=3,
-        label="held-out reward (± 1 s.e.)",
-    )
-    ax.set_xlabel("training step (adapter version)")
-    ax.set_ylabel("reward")
-    ax.set_ylim(0, 1)
-    ax.set_title("SmolLM2-135M, arithmetic agent through rlproxy (CPU)")
-    ax.legend(loc="lower right")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
@@ -188,128 +128,27 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
-    work = Path(tempfile.mkdtemp(prefix="rlproxy-proof-"))
-    train_dir, eval_dir = work / "train", work / "eval"
-    (train_dir / "checkpoints" / "rlproxy").mkdir(parents=True)
-    eval_dir.mkdir()
-    (eval_dir / "checkpoints").symlink_to(train_dir / "checkpoints")
-    trainer_cfg = {"groups_per_step": args.questions, "learning_rate": args.lr}
-    engine_env = {
-        "RLPROXY_MAX_BATCH_SIZE": str(args.max_batch),
-        # the evaluation sends its 100 x eval-samples requests at once: no per-caller limits
-        "RLPROXY_CALLER_CONCURRENCY": "0",
-        "RLPROXY_CALLER_REQUESTS_PER_MINUTE": "0",
-        "RLPROXY_MAX_QUEUED_ROWS": "0",
-    }
-    train_env = {
-        **engine_env,
-        "RLPROXY_TRAIN": "true",
-        "RLPROXY_SCORING": "true",
-        "RLPROXY_PUBLISH_ADAPTERS": "true",
-        "RLPROXY_SCORING_INTERVAL_S": str(POLL_S),
-        "RLPROXY_TRAIN_POLL_S": str(POLL_S),
-        "RLPROXY_ADAPTER_POLL_S": str(POLL_S),
-        "RLPROXY_GROUP_MIN_SIZE": str(args.runs),
-        "RLPROXY_GROUP_MAX_SIZE": str(args.runs),
-        "RLPROXY_GROUP_WINDOW_S": "1e9",
-        "RLPROXY_TRAINER": json.dumps(trainer_cfg),
-    }
-    settings = {k: str(v) for k, v in vars(args).items()} | {"server_env": train_env}
-    print(f"working in {work}", flush=True)
-    print(f"settings: {json.dumps(settings)}", flush=True)
+    print(f"settings: {json.dumps({k: str(v) for k, v in vars(args).items()})}", flush=True)
     print(f"load average at start: {os.getloadavg()}", flush=True)
-    train_proc, train_url = start_server(train_dir, args.model_dir, train_env)
-    eval_proc, eval_url = start_server(eval_dir, args.model_dir, engine_env)  # serve only
-    steps: list[dict[str, Any]] = []
-    evals: list[dict[str, Any]] = []
-    eval_s = 0.0  # wall time spent evaluating since training started
-    to_3se: dict[str, Any] | None = None
-
-    def held_out(version: int) -> None:
-        nonlocal eval_s, to_3se
-        began = time.monotonic()
-        train_minutes, wall_minutes = (began - started - eval_s) / 60, (began - started) / 60
-        result = evaluate(eval_url, version, args)
-        eval_s += time.monotonic() - began
-        base = evals[0]
-        se = math.hypot(base["stderr"], result["stderr"])
-        result["gain_in_standard_errors"] = (
-            (result["mean_reward"] - base["mean_reward"]) / se if se else None
-        )
-        result["train_minutes"], result["wall_minutes"] = train_minutes, wall_minutes
-        result["load_average"] = os.getloadavg()[0]
-        evals.append(result)
-        print(
-            f"  gain {result['gain_in_standard_errors'] or 0:+.1f} s.e. after "
-            f"{result['train_minutes']:.1f} min of training ({result['wall_minutes']:.1f} min "
-            f"with evaluations), load {result['load_average']:.1f}",
-            flush=True,
-        )
-        if to_3se is None and (result["gain_in_standard_errors"] or 0) >= 3:
-            to_3se = {
-                "version": version,
-                "train_minutes": result["train_minutes"],
-                "wall_minutes": result["wall_minutes"],
-            }
-
-    pool = ThreadPoolExecutor(1)
-    try:
-        evals.append(evaluate(eval_url, None, args))
-        started = time.monotonic()
-        version, rounds, usable = 0, 0, 0
-        pending: Future[dict[str, Any]] | None = None
-        while time.monotonic() - started - eval_s < args.minutes * 60:  # evaluations aside
-            if pending is None:
-                pending = pool.submit(practise, train_url, rounds, args)
-                rounds += 1
-            practice = pending.result()
-            pending = None
-            # The trainer steps once per `questions` usable groups (a group whose runs all got
-            # the same reward has no signal and is skipped): count them instead of waiting.
-            usable += practice["questions_with_varied_rewards"]
-            target = usable // args.questions
-            evaluation_due = any(v % args.eval_every == 0 for v in range(version + 1, target + 1))
-            if args.ahead and not evaluation_due:
-                pending = pool.submit(practise, train_url, rounds, args)
-                rounds += 1
-            while version < target:
-                published = wait_for_version(train_url, version + 1, timeout_s=600)
-                if published is None:
-                    raise RuntimeError(f"version {version + 1} never appeared; see {train_dir}")
-                version += 1
-                metrics = published.get("metrics") or {}
-                steps.append(
-                    {
-                        "version": version,
-                        "elapsed_s": time.monotonic() - started,
-                        "agent_reward": practice["mean_reward"],
-                        "agent_exact": practice["exact"],
-                        "train_reward": metrics.get("mean_reward", practice["mean_reward"]),
-                        "loss": metrics.get("loss"),
-                        "step_seconds": metrics.get("step_seconds"),
-                        "skipped_groups": metrics.get("skipped_groups"),
-                    }
-                )
-                print(
-                    f"step {version:3d}  {steps[-1]['elapsed_s']:6.0f} s  practice reward "
-                    f"{practice['mean_reward']:.3f} (exact {practice['exact']:.0%})  step "
-                    f"{metrics.get('step_seconds', 0):.1f} s  load {os.getloadavg()[0]:.1f}",
-                    flush=True,
-                )
-                if version % args.eval_every == 0:
-                    held_out(version)
-            if args.stop_at_exact is not None and evals[-1]["exact"] >= args.stop_at_exact:
-                break
-        if pending is not None:
-            pending.result()
-        wall = time.monotonic() - started
-        if version and evals[-1]["version"] != version:
-            held_out(version)
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-        for proc in (train_proc, eval_proc):
-            proc.terminate()
-            proc.wait(timeout=60)
+    servers = proof_loop.start_servers(
+        args.model_dir, args.runs, args.questions, args.lr, args.max_batch
+    )
+    settings = {k: str(v) for k, v in vars(args).items()} | {"server_env": servers.settings_env}
+    print(f"server settings: {json.dumps(servers.settings_env)}", flush=True)
+    result = proof_loop.run(
+        servers,
+        lambda url, seed: practise(url, seed, args),
+        lambda url, model: evaluate(url, model, args),
+        minutes=args.minutes,
+        groups_per_step=args.questions,
+        eval_every=args.eval_every,
+        ahead=bool(args.ahead),
+        describe=lambda p: f"practice reward {p['mean_reward']:.3f} (exact {p['exact']:.0%})",
+        step_fields=lambda p: {"agent_reward": p["mean_reward"], "agent_exact": p["exact"]},
+        stop=lambda e: args.stop_at_exact is not None and e["exact"] >= args.stop_at_exact,
+    )
+    steps, evals, version, wall = result.steps, result.evals, result.version, result.wall_s
+    eval_s, to_3se = result.eval_s, result.to_3se
 
     base, last = evals[0], evals[-1]
     gain = last["mean_reward"] - base["mean_reward"]
@@ -371,7 +210,12 @@ def main() -> None:
             f"({to_3se['wall_minutes']:.1f} min with evaluations)"
         )
     (args.out / "learning.json").write_text(json.dumps(summary, indent=2))
-    plot(args.out / "learning.png", steps, evals)
+    proof_loop.plot(
+        args.out / "learning.png",
+        steps,
+        evals,
+        "SmolLM2-135M, arithmetic agent through rlproxy (CPU)",
+    )
     print(f"wrote {args.out / 'learning.json'} and {args.out / 'learning.png'}")
 
 

@@ -1,0 +1,295 @@
+"""The machinery the learning proofs share: two servers, the practise/step/evaluate loop, a plot.
+
+A proof (`bench/learning_proof.py`, `bench/agent_proof.py`) supplies an agent's practice round
+and its held-out evaluation; this module does the rest:
+
+- `start_servers`: the training server (`rlproxy serve` with its trainer, background scoring
+  and publishing on, groups of exactly `runs` trajectories, one GRPO step per `groups_per_step`
+  usable groups) and an evaluation server with no trainer and its own database, reading the
+  same checkpoint folder, so held-out traffic never becomes training data;
+- `run`: practice rounds until the training budget is spent (with `ahead`, the next round is
+  generated while the trainer steps on the last one: one-step-off-policy, corrected by GRPO's
+  ratio against the stored logprobs), each published version waited for, held-out evaluation
+  of the base, every `eval_every` versions and of the last one (no practice round in flight
+  during an evaluation), the gain over the base in standard errors after each, and the first
+  version at +3 standard errors (training minutes with the time spent evaluating left out, and
+  with it);
+- `plot`: practice reward per step and the held-out measure with its standard errors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from servers import start_server
+
+POLL_S = 0.25
+
+Practise = Callable[[str, int], dict[str, Any]]
+"""(training server URL, round number) -> the round's summary; it must hold `mean_reward` and
+`usable` (groups whose runs got different rewards: the trainer skips the others)."""
+Evaluate = Callable[[str, str], dict[str, Any]]
+"""(evaluation server URL, model name) -> the held-out result."""
+
+
+@dataclass
+class Servers:
+    work: Path
+    train_dir: Path
+    train_url: str
+    eval_url: str
+    procs: list[subprocess.Popen[bytes]]
+    settings_env: dict[str, str]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+def start_servers(
+    model_dir: Path,
+    runs: int,
+    groups_per_step: int,
+    lr: float,
+    max_batch: int,
+    prefix: str = "rlproxy-proof-",
+) -> Servers:
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    train_dir, eval_dir = work / "train", work / "eval"
+    (train_dir / "checkpoints" / "rlproxy").mkdir(parents=True)
+    eval_dir.mkdir()
+    (eval_dir / "checkpoints").symlink_to(train_dir / "checkpoints")
+    trainer_cfg = {"groups_per_step": groups_per_step, "learning_rate": lr}
+    engine_env = {
+        "RLPROXY_MAX_BATCH_SIZE": str(max_batch),
+        # an evaluation sends all its requests at once: no per-caller limits
+        "RLPROXY_CALLER_CONCURRENCY": "0",
+        "RLPROXY_CALLER_REQUESTS_PER_MINUTE": "0",
+        "RLPROXY_MAX_QUEUED_ROWS": "0",
+    }
+    train_env = {
+        **engine_env,
+        "RLPROXY_TRAIN": "true",
+        "RLPROXY_SCORING": "true",
+        "RLPROXY_PUBLISH_ADAPTERS": "true",
+        "RLPROXY_SCORING_INTERVAL_S": str(POLL_S),
+        "RLPROXY_TRAIN_POLL_S": str(POLL_S),
+        "RLPROXY_ADAPTER_POLL_S": str(POLL_S),
+        "RLPROXY_GROUP_MIN_SIZE": str(runs),
+        "RLPROXY_GROUP_MAX_SIZE": str(runs),
+        "RLPROXY_GROUP_WINDOW_S": "1e9",
+        "RLPROXY_TRAINER": json.dumps(trainer_cfg),
+    }
+    print(f"working in {work}", flush=True)
+    train_proc, train_url = start_server(train_dir, model_dir, train_env)
+    try:
+        eval_proc, eval_url = start_server(eval_dir, model_dir, engine_env)  # serve only
+    except Exception:
+        train_proc.terminate()
+        raise
+    return Servers(work, train_dir, train_url, eval_url, [train_proc, eval_proc], train_env)
+
+
+def adapters(url: str) -> dict[int, dict[str, Any]]:
+    data = httpx.get(f"{url}/rl/adapters", timeout=30).json()["data"]
+    return {int(a["version"]): a for a in data}
+
+
+def wait_for_version(url: str, version: int, timeout_s: float) -> dict[str, Any] | None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        a = adapters(url).get(version)
+        if a is not None and a.get("status") == "loaded":
+            return a
+        time.sleep(POLL_S)
+    return None
+
+
+def model_for(eval_url: str, version: int | None) -> str:
+    """The model name that reaches `version` on the evaluation server (loaded first)."""
+    if version is None:
+        return "rlproxy@base"
+    r = httpx.post(f"{eval_url}/rl/adapters/{version}/load", timeout=120)
+    r.raise_for_status()
+    return f"rlproxy@{version}"
+
+
+@dataclass
+class Run:
+    """What `run` measured."""
+
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    version: int = 0
+    wall_s: float = 0.0
+    eval_s: float = 0.0
+    to_3se: dict[str, Any] | None = None
+
+
+def run(
+    servers: Servers,
+    practise: Practise,
+    evaluate: Evaluate,
+    *,
+    minutes: float,
+    groups_per_step: int,
+    eval_every: int,
+    ahead: bool,
+    score: str = "mean_reward",
+    stderr: str = "stderr",
+    describe: Callable[[dict[str, Any]], str] = lambda p: f"practice reward {p['mean_reward']:.3f}",
+    step_fields: Callable[[dict[str, Any]], dict[str, Any]] = lambda p: {},
+    stop: Callable[[dict[str, Any]], bool] = lambda e: False,
+) -> Run:
+    """Practise, step, evaluate (see the module's text). `score` and `stderr` name the held-out
+    measure in `evaluate`'s result that the gain is counted in; `stop` ends the run early after
+    an evaluation."""
+    out = Run()
+    started = 0.0
+
+    def held_out(version: int | None) -> None:
+        began = time.monotonic()
+        result = evaluate(servers.eval_url, model_for(servers.eval_url, version))
+        result["version"] = version or 0
+        if version is None:
+            out.evals.append(result)
+            return
+        result["train_minutes"] = (began - started - out.eval_s) / 60
+        result["wall_minutes"] = (began - started) / 60
+        out.eval_s += time.monotonic() - began
+        base = out.evals[0]
+        se = math.hypot(base[stderr], result[stderr])
+        result["gain_in_standard_errors"] = (result[score] - base[score]) / se if se else None
+        result["load_average"] = os.getloadavg()[0]
+        out.evals.append(result)
+        gain = result["gain_in_standard_errors"] or 0
+        print(
+            f"  gain {gain:+.1f} s.e. after {result['train_minutes']:.1f} min of training "
+            f"({result['wall_minutes']:.1f} min with evaluations), load "
+            f"{result['load_average']:.1f}",
+            flush=True,
+        )
+        if out.to_3se is None and gain >= 3:
+            out.to_3se = {
+                "version": version,
+                "train_minutes": result["train_minutes"],
+                "wall_minutes": result["wall_minutes"],
+            }
+
+    pool = ThreadPoolExecutor(1)
+    try:
+        held_out(None)
+        started = time.monotonic()
+        rounds, usable = 0, 0
+        pending: Future[dict[str, Any]] | None = None
+        while time.monotonic() - started - out.eval_s < minutes * 60:  # evaluations aside
+            if pending is None:
+                pending = pool.submit(practise, servers.train_url, rounds)
+                rounds += 1
+            practice = pending.result()
+            pending = None
+            # The trainer steps once per `groups_per_step` usable groups (a group whose runs all
+            # got the same reward has no signal and is skipped): count them instead of waiting.
+            usable += practice["usable"]
+            target = usable // groups_per_step
+            due = any(v % eval_every == 0 for v in range(out.version + 1, target + 1))
+            if ahead and not due:
+                pending = pool.submit(practise, servers.train_url, rounds)
+                rounds += 1
+            while out.version < target:
+                published = wait_for_version(servers.train_url, out.version + 1, timeout_s=900)
+                if published is None:
+                    raise RuntimeError(
+                        f"version {out.version + 1} never appeared; see {servers.train_dir}"
+                    )
+                out.version += 1
+                metrics = published.get("metrics") or {}
+                out.steps.append(
+                    {
+                        "version": out.version,
+                        "elapsed_s": time.monotonic() - started,
+                        "train_reward": metrics.get("mean_reward", practice["mean_reward"]),
+                        "loss": metrics.get("loss"),
+                        "step_seconds": metrics.get("step_seconds"),
+                        "skipped_groups": metrics.get("skipped_groups"),
+                    }
+                    | step_fields(practice)
+                )
+                print(
+                    f"step {out.version:3d}  {out.steps[-1]['elapsed_s']:6.0f} s  "
+                    f"{describe(practice)}  step {metrics.get('step_seconds') or 0:.1f} s  "
+                    f"load {os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
+                if out.version % eval_every == 0:
+                    held_out(out.version)
+            if len(out.evals) > 1 and stop(out.evals[-1]):
+                break
+        if pending is not None:
+            pending.result()
+        out.wall_s = time.monotonic() - started
+        if out.version and out.evals[-1]["version"] != out.version:
+            held_out(out.version)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        servers.stop()
+    return out
+
+
+def plot(
+    path: Path,
+    steps: list[dict[str, Any]],
+    evals: list[dict[str, Any]],
+    title: str,
+    score: str = "mean_reward",
+    stderr: str = "stderr",
+    score_label: str = "held-out reward (± 1 s.e.)",
+    ylabel: str = "reward",
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(
+        [s["version"] for s in steps],
+        [s["train_reward"] for s in steps],
+        ".-",
+        color="tab:blue",
+        alpha=0.6,
+        label="practice reward (mean of the step's groups)",
+    )
+    ax.errorbar(
+        [e["version"] for e in evals],
+        [e[score] for e in evals],
+        yerr=[e[stderr] for e in evals],
+        fmt="o-",
+        color="tab:red",
+        capsize=3,
+        label=score_label,
+    )
+    ax.set_xlabel("training step (adapter version)")
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, 1)
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
