@@ -8,10 +8,8 @@ never share a bucket. Time is the test's fake clock, passed to the script in pla
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import shutil
 import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -20,13 +18,13 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from proxy.api.auth import Principal
 from proxy.api.limits import CallerLimitsMiddleware, TokenBucket
 from proxy.api.redis_limits import KEY_PREFIX, RedisTokenBucket
 from tests.e2e.conftest import free_port
 from tests.proxy.test_limits import FakeClock, Reply, assert_openai_429, call
+from tests.redis_server import redis_server
 
 REDIS_URL = os.environ.get("RLPROXY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -115,40 +113,14 @@ async def test_two_middlewares_sharing_redis_refuse_a_caller_over_its_rate(bucke
 
 @pytest.fixture
 def own_redis() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """A redis-server of this test's own on a free port (no persistence), stopped afterwards."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("no redis-server on this machine (apt-get install redis-server)")
-    port = free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        yield f"redis://127.0.0.1:{port}/0", proc
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-async def _until_up(url: str) -> None:
-    async with Redis.from_url(url) as redis:
-        for _ in range(100):
-            try:
-                if await redis.ping():
-                    return
-            except (OSError, RedisError):  # not listening yet
-                pass
-            await asyncio.sleep(0.05)
-    raise AssertionError(f"{url} did not start")
+    with redis_server() as running:
+        yield running
 
 
 async def test_while_redis_is_down_each_replica_counts_its_own_and_says_so(
     buckets: Any, own_redis: tuple[str, subprocess.Popen[bytes]], caplog: Any
 ) -> None:
     url, proc = own_redis
-    await _until_up(url)
     errors: list[int] = []
     clock = FakeClock()
     a = buckets(2, url=url, clock=clock, retry_s=0.0, on_error=lambda: errors.append(1))

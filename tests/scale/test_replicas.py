@@ -3,8 +3,9 @@ balancer: rewarded groups that arrived through both replicas train one version t
 and a replica SIGKILLed under load loses nothing it acknowledged while the balancer routes
 around it.
 
-Replica "a" runs the trainer; "b" serves only (RLPROXY_TRAIN=false): exactly one trainer per
-deployment, as the compose profile runs it. Both score, publish and serve. No API keys here
+Both replicas run with training on (RLPROXY_TRAIN=true): the trainer lease lets exactly one of
+them run a trainer (docs/scaling.md, "Several proxies on one database"). Both score, follow the
+policy's active version in the database and serve. No API keys here
 (loopback): the default limits never refuse this load.
 
 The load of the kill test is calls to an upstream model, `teacher`: the fake OpenAI provider on
@@ -65,11 +66,12 @@ def pair(
         "RLPROXY_PUBLISH_ADAPTERS": "true",
         "RLPROXY_ADAPTER_POLL_S": "1",
         "RLPROXY_GROUP_MIN_SIZE": "4",
+        "RLPROXY_TRAIN": "true",
         "RLPROXY_TRAIN_POLL_S": "1",
         # The smallest real step: both groups (8 samples of at most 8 tokens) in one update.
         "RLPROXY_TRAINER": json.dumps({"groups_per_step": 2, "micro_batch_size": 4}),
     }
-    replicas = {"a": {"RLPROXY_TRAIN": "true"}, "b": {"RLPROXY_TRAIN": "false"}}
+    replicas: dict[str, dict[str, str]] = {"a": {}, "b": {}}
     work = tmp_path_factory.mktemp("scale-pair")
     with deployment(work, model_data_dir, replicas, common) as (d, _):
         yield d
@@ -117,6 +119,12 @@ def test_groups_through_both_replicas_train_one_version_that_both_serve(pair: De
             ("scored", 1, 4),
             ("scored", 1, 4),
         ], detail
+
+        # One trainer ran: the lease's holder; the other replica stood by.
+        states = sorted(
+            http.get(f"{r.url}/health").json()["trainer"]["state"] for r in pair.replicas.values()
+        )
+        assert states == ["running", "standby"], states
 
         # Each replica answers the policy name with version 1: the stored calls say so.
         for replica in pair.replicas:

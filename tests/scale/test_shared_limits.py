@@ -1,13 +1,17 @@
 """A caller's rate holds across two replicas behind HAProxy when they share Redis.
 
 The replicas run with API keys and a per-key rate of 10 a minute (a token every 6 s), both
-naming the machine's Redis (RLPROXY_REDIS_URL). The balancer alternates between them, so with
+naming one Redis (RLPROXY_REDIS_URL: a redis-server of this module's own, so that the last test
+can stop it). The balancer alternates between them, so with
 per-replica buckets every one of 20 quick requests would be served (10 on each); with the shared
-bucket about 10 are, and both replicas refuse the rest.
+bucket about 10 are, and both replicas refuse the rest. With Redis gone, requests are still
+served (each replica counts on its own) and each replica counts the failure in /metrics.
 """
 
 from __future__ import annotations
 
+import re
+import subprocess
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.scale.deployment import REDIS_URL, REPLICA_HEADER, Deployment, deployment
+from tests.redis_server import redis_server
+from tests.scale.deployment import REPLICA_HEADER, Deployment, deployment
 
 pytestmark = pytest.mark.scale
 
@@ -23,20 +28,30 @@ PER_MINUTE = 10
 
 
 @pytest.fixture(scope="module")
+def redis() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    with redis_server() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
 def keyed(
-    tmp_path_factory: pytest.TempPathFactory, model_data_dir: Path
+    tmp_path_factory: pytest.TempPathFactory,
+    model_data_dir: Path,
+    redis: tuple[str, subprocess.Popen[bytes]],
 ) -> Iterator[tuple[Deployment, dict[str, str]]]:
     common = {
         "RLPROXY_SCORING": "false",
         "RLPROXY_TRAIN": "false",
         "RLPROXY_PUBLISH_ADAPTERS": "false",
         "RLPROXY_CALLER_REQUESTS_PER_MINUTE": str(PER_MINUTE),
-        "RLPROXY_REDIS_URL": REDIS_URL,
+        "RLPROXY_REDIS_URL": redis[0],
         "RLPROXY_KEY_REFRESH_S": "1",
     }
     work = tmp_path_factory.mktemp("scale-limits")
     replicas: dict[str, dict[str, str]] = {"a": {}, "b": {}}
-    with deployment(work, model_data_dir, replicas, common, keys=["agents", "other"]) as made:
+    with deployment(
+        work, model_data_dir, replicas, common, keys=["agents", "other", "later"]
+    ) as made:
         yield made
 
 
@@ -66,3 +81,20 @@ def test_a_keys_rate_holds_across_both_replicas(
         other = [http.get(f"{d.base_url}/models") for _ in range(4)]
     assert [r.status_code for r in other] == [200] * 4
     assert {r.headers[REPLICA_HEADER] for r in other} == {"a", "b"}
+
+
+def test_with_redis_gone_both_replicas_serve_and_count_the_failure(
+    keyed: tuple[Deployment, dict[str, str]], redis: tuple[str, subprocess.Popen[bytes]]
+) -> None:
+    d, keys = keyed
+    redis[1].kill()
+    redis[1].wait()
+    with httpx.Client(headers={"authorization": f"Bearer {keys['later']}"}, timeout=60) as http:
+        answers = [http.get(f"{d.base_url}/models") for _ in range(PER_MINUTE)]
+    # Fail open to each replica's own bucket: 10 requests, about 5 on each, all served.
+    assert [r.status_code for r in answers] == [200] * PER_MINUTE
+    assert {r.headers[REPLICA_HEADER] for r in answers} == {"a", "b"}
+    for replica in d.replicas.values():
+        metrics = httpx.get(f"{replica.url}/metrics", timeout=30).text
+        found = re.search(r"^rlproxy_caller_limit_redis_errors_total (\S+)$", metrics, re.M)
+        assert found and float(found.group(1)) >= 1, replica.name
