@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +32,9 @@ from storage import Store  # noqa: E402
 POSTGRES_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
 
 
-async def _timed(out: dict[str, list[float]], name: str, op: Callable[[], Awaitable[Any]]) -> None:
+async def _timed(out: dict[str, list[float]], name: str, op: Awaitable[Any]) -> None:
     t = time.perf_counter()
-    await op()
+    await op
     out.setdefault(name, []).append(time.perf_counter() - t)
 
 
@@ -48,14 +48,12 @@ async def run(url: str, replicas: int, polls: int, schema: str | None) -> dict[s
             s = stores[i % replicas]
             rid = f"r{i % replicas}"
             t = time.perf_counter()
-            await _timed(out, "publisher lease", lambda: s.acquire_lease("publisher:p", rid, 15))
-            await _timed(out, "policy state read", lambda: s.get_policy_state("rlproxy"))
-            await _timed(out, "heartbeat", lambda: s.heartbeat_replica(rid, "rlproxy", [1, 2, 3]))
+            await _timed(out, "publisher lease", s.acquire_lease("publisher:p", rid, 15))
+            await _timed(out, "policy state read", s.get_policy_state("rlproxy"))
+            await _timed(out, "heartbeat", s.heartbeat_replica(rid, "rlproxy", [1, 2, 3]))
             out.setdefault("whole poll", []).append(time.perf_counter() - t)
-            await _timed(out, "trainer lease", lambda: s.acquire_lease("trainer:p", rid, 15))
-            await _timed(
-                out, "live replicas read", lambda: s.live_replicas("rlproxy", time.time() - 15)
-            )
+            await _timed(out, "trainer lease", s.acquire_lease("trainer:p", rid, 15))
+            await _timed(out, "live replicas read", s.live_replicas("rlproxy", time.time() - 15))
     finally:
         for s in stores:
             await s.close()
