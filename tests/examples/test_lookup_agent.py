@@ -10,7 +10,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 from agents import ModelSettings, StopAtTools
-
 from lookup_agent import (
     HELD_OUT_COUNT,
     Episode,
