@@ -17,9 +17,10 @@ the last minute, as in-process. The time is Redis's own clock (`TIME`), one cloc
 replica; tests pass their own.
 
 When Redis fails (down, unreachable, too slow: 0.5 s): fail open to per-replica limits. The
-request is counted by this replica's own bucket instead, a warning is logged once per outage,
-`rlproxy_caller_limit_redis_errors_total` counts each failure, and Redis is tried again after
-`retry_s`. So a caller may get up to N times its rate across N replicas while Redis is down,
+request is counted by this replica's own bucket instead, and so are the next ones until Redis is
+tried again after `retry_s` (so at most one request per `retry_s` waits for the timeout); a
+warning is logged once per outage and `rlproxy_caller_limit_redis_errors_total` counts each
+failed attempt. So a caller may get up to N times its rate across N replicas while Redis is down,
 never unlimited, and never refused because Redis is. Failing closed would turn a Redis outage
 into a full serving outage for a limit that is about fairness, not security.
 """

@@ -225,8 +225,9 @@ class Metrics:
         )
         self.caller_limit_redis_errors = Counter(
             "rlproxy_caller_limit_redis_errors",
-            "Requests whose shared rate limit could not be read from Redis (RLPROXY_REDIS_URL): "
-            "counted by the replica's own bucket instead.",
+            "Failed attempts to take a token from the shared rate limit's Redis "
+            "(RLPROXY_REDIS_URL); after each, the replica counts callers with its own bucket for "
+            "5 s.",
             registry=r,
         )
         self._models: set[str] = set()
