@@ -195,6 +195,11 @@ def all_reduce_gradients(params: Iterable[torch.nn.Parameter], collective: Colle
         offset += n
 
 
+def lora_checksum(weights: dict[str, torch.Tensor]) -> float:
+    """sum |w| over LoRA weights, in float64: what a follower logs after taking rank 0's."""
+    return float(sum(float(w.double().abs().sum()) for w in weights.values()))
+
+
 def follow(trainer: PeftTrainer, collective: Collective) -> int:
     """A follower's whole life: carry out rank 0's commands until it says stop; return the
     number of steps made."""
@@ -208,6 +213,12 @@ def follow(trainer: PeftTrainer, collective: Collective) -> int:
         if kind == "sync":
             _, step, lora, optimizer = command
             trainer.apply_state(lora, optimizer, step)
+            logger.info(
+                "rank %d took rank 0's weights at step %d (LoRA sum |w| %.6e)",
+                collective.rank,
+                step,
+                lora_checksum(lora),
+            )
             continue
         if kind == "step":
             _, step, examples = command

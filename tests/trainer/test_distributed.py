@@ -35,7 +35,7 @@ from storage import CallRecord, ChoiceRecord, Store
 from storage.grouping import SignatureGrouper
 from storage.records import JudgeOutcome
 from trainer import checkpoints
-from trainer.distributed import shard
+from trainer.distributed import lora_checksum, shard
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,6 +45,13 @@ itself, which is about learning_rate (1e-4) per weight (AdamW's first step is ab
 lr * sign(g)). The two runs differ only by the float32 rounding of the summed gradient;
 measured here: 5.6e-10. Both runs take about 30 s of CPU (a minute of wall time on the loaded
 2-core machine), so the test is in the default run."""
+
+RESUMED_TOLERANCE = 1e-5
+"""The bound on version 2, made by a resumed run (rank 1 got version 1 from rank 0): 10 % of one
+update. Looser than version 1's: in the second step the LoRA A matrices move for the first time
+(their gradient is zero while B is), and AdamW's first move of a weight is about lr whatever its
+gradient's size, so the float rounding of a gradient entry near zero shows in full. Measured:
+2.6e-6."""
 
 
 def test_shard_splits_by_tokens_contiguously() -> None:
@@ -114,14 +121,15 @@ async def _trained_steps(db_url: str) -> list[int | None]:
         await store.close()
 
 
-def _train(data_dir: Path, model_dir: Path, ranks: int) -> str:
+def _train(data_dir: Path, model_dir: Path, ranks: int, groups_per_step: int = 2) -> str:
+    trainer = {"groups_per_step": groups_per_step, "micro_batch_size": 2}
     env = {
         **os.environ,
         "RLPROXY_DATA_DIR": str(data_dir),
         "RLPROXY_MODEL_DIR": str(model_dir),
         "RLPROXY_TRAIN_POLL_S": "0.5",
         "RLPROXY_TRAIN_THREADS": "1",
-        "RLPROXY_TRAINER": json.dumps({"groups_per_step": 2, "micro_batch_size": 2}),
+        "RLPROXY_TRAINER": json.dumps(trainer),
     }
     if ranks == 1:
         command = [sys.executable, "-m", "proxy.cli", "train", "--steps", "1"]
@@ -179,6 +187,40 @@ async def test_two_cpu_ranks_make_the_same_update_as_one(
         1e-6
     )
     assert torch.isfinite(torch.cat([v.flatten() for v in parallel.values()])).all()
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="session")
+async def test_resumed_ranks_start_from_rank_0s_checkpoint(
+    tmp_path: Path, model_data_dir: Path, tokenizer: Any
+) -> None:
+    """Two runs of one step each (one group a step): the second resumes from version 1, which
+    rank 0 loads and sends to rank 1; version 2 matches one process's version 2."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    await _scored_groups(f"sqlite+aiosqlite:///{one / 'rlproxy.db'}", tokenizer)
+    two.mkdir()
+    shutil.copy(one / "rlproxy.db", two / "rlproxy.db")
+    for _ in range(2):
+        _train(one, model_data_dir, 1, groups_per_step=1)
+        out = _train(two, model_data_dir, 2, groups_per_step=1)
+    assert "resumes after step 1" in out, out
+    # rank 1 took version 1's weights from rank 0 (not its own fresh LoRA)
+    v1 = checkpoints.read_adapter_state(checkpoints.version_dir(two / "checkpoints/rlproxy", 1))
+    took = [
+        float(line.rsplit("|w| ", 1)[1].rstrip(")"))
+        for line in out.splitlines()
+        if "rank 1 took rank 0's weights at step 1" in line
+    ]
+    assert took and took[-1] == pytest.approx(lora_checksum(v1), rel=1e-6), out
+    root_one, root_two = (d / "checkpoints" / "rlproxy" for d in (one, two))
+    assert checkpoints.list_versions(root_one) == checkpoints.list_versions(root_two) == [1, 2]
+    single = checkpoints.read_adapter_state(checkpoints.version_dir(root_one, 2))
+    parallel = checkpoints.read_adapter_state(checkpoints.version_dir(root_two, 2))
+    delta = max(float((single[k] - parallel[k]).abs().max()) for k in single)
+    moved = max(float(v.abs().max()) for v in single.values())
+    print(f"version 2: max |delta| between 1 and 2 ranks {delta:.3g}, max |weight| {moved:.3g}")
+    assert delta <= RESUMED_TOLERANCE, (delta, moved)
 
 
 def test_the_supervisor_runs_torchrun_for_several_processes(tmp_path: Path) -> None:
