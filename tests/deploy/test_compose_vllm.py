@@ -337,7 +337,7 @@ def test_a_version_trained_by_the_trainer_service_is_served_by_vllm(vllm_stack: 
 
     wait_for(active, 900, "version 1 active", trainer_log)
     took = time.monotonic() - started
-    report(f"compose (vllm-cpu): version 1 trained and active {took:.0f} s after the first reward")
+    report(f"compose (vllm-cpu): version 1 active {took:.0f} s after the first of the 4 calls")
     assert "rlproxy@1" in s.vllm_models()
     after = s.client().chat.completions.create(
         model="rlproxy", messages=PROMPT, max_tokens=8, temperature=1.0
