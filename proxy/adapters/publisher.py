@@ -93,8 +93,13 @@ class Publisher:
             return None
         if self.rollout is not None:
             return await self._check_rollout(self.rollout)
+        if not self._restored:  # a database from before the policy's state was recorded
+            await self._restore()
+            self._restored = True
         active = self.adapters.registry.active or 0
         unseen = [v for v in self.adapters.available() if v not in self._seen]
+        if not unseen:
+            return None
         records = {a.version: a for a in await self.store.list_adapters(self.policy)}
         barred = await self._barred(unseen, records)
         for version in sorted(unseen, reverse=True):
