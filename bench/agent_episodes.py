@@ -2,12 +2,12 @@
 
 For the episodes of `examples/lookup_agent.py` stored in a server's SQLite file (the agent
 proof's evaluation server: `<work>/eval/rlproxy.db`), one line per model and temperature:
-finished episodes, how often the first call looked up the task's word, the second call was
-`add`, `add` got the looked-up number and the task's n, and the success rate (the episode's
-`add` summed to the right answer); then a few episodes as the calls the model wrote.
+finished episodes, how often the first call looked up one of the task's words, both words were
+looked up, a lookup was repeated, `add` was called, and the success rate (the episode's `add`
+summed to the right answer); then a few episodes as the calls the model wrote.
 
 An episode is one trajectory (the proof checks that); it is finished when it called `add` (the
-agent stops there) or reached the agent's 3 turns. Episodes still in flight are left out.
+agent stops there) or reached the agent's 4 turns. Episodes still in flight are left out.
 
     .venv/bin/python bench/agent_episodes.py /tmp/rlproxy-agent-proof-XXXX/eval/rlproxy.db
 """
@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import lookup_agent
 
-TASK = re.compile(r"number of (\w+) plus (\d+)\?")
-MAX_TURNS = 3
+TASK = re.compile(r"number of (\w+) plus the number of (\w+)\?")
+MAX_TURNS = 4
 
 
 def calls_of(response: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -61,32 +61,32 @@ def episodes(db: Path) -> list[dict[str, Any]]:
         match = TASK.search(user if isinstance(user, str) else json.dumps(user))
         if match is None:
             continue
-        task = (match.group(1), int(match.group(2)))
+        task = (match.group(1), match.group(2))
         calls = [c for t in turns for c in calls_of(json.loads(t[5]))]
         finished = any(name == "add" for name, _ in calls) or len(turns) >= MAX_TURNS
         if not finished:
             continue
         add = next((args for name, args in calls if name == "add"), None)
-        answer = lookup_agent.answer_of(task)
         total = None
         if add is not None:
             try:
                 total = int(add.get("a", 0)) + int(add.get("b", 0))
             except (TypeError, ValueError):
                 total = None
-        number = lookup_agent.number_of(task[0])
+        words = [args.get("word") for name, args in calls if name == "lookup"]
         out.append(
             {
                 "model": turns[0][2],
                 "temperature": json.loads(turns[0][3]).get("temperature"),
                 "task": task,
                 "calls": calls,
-                "first_lookup_right": bool(calls) and calls[0] == ("lookup", {"word": task[0]}),
-                "second_is_add": len(calls) > 1 and calls[1][0] == "add",
-                "add_args_right": add is not None
-                and sorted([add.get("a"), add.get("b")], key=str)
-                == sorted([number, task[1]], key=str),
-                "success": total == answer,
+                "first_call_looks_up_a_task_word": bool(words)
+                and calls[0][0] == "lookup"
+                and words[0] in task,
+                "both_words_looked_up": set(task) <= set(words),
+                "a_lookup_repeated": len(words) > len(set(words)),
+                "add_called": add is not None,
+                "success": total == lookup_agent.answer_of(task),
             }
         )
     return out
@@ -101,20 +101,28 @@ def report(eps: list[dict[str, Any]], examples: int = 4) -> dict[str, Any]:
         n = len(group)
         rate = {
             k: sum(e[k] for e in group) / n
-            for k in ("first_lookup_right", "second_is_add", "add_args_right", "success")
+            for k in (
+                "first_call_looks_up_a_task_word",
+                "both_words_looked_up",
+                "a_lookup_repeated",
+                "add_called",
+                "success",
+            )
         }
         se = math.sqrt(rate["success"] * (1 - rate["success"]) / (n - 1)) if n > 1 else 0.0
         key = f"{model} t={temperature}"
         result[key] = {"episodes": n, **rate, "success_stderr": se}
         print(
-            f"{key}: {n} episodes, first call lookup(task word) {rate['first_lookup_right']:.0%}, "
-            f"second call add {rate['second_is_add']:.0%}, add(number, n) "
-            f"{rate['add_args_right']:.0%}, success {rate['success']:.1%} ± {se:.1%}"
+            f"{key}: {n} episodes; first call looks up a task word "
+            f"{rate['first_call_looks_up_a_task_word']:.0%}, both words looked up "
+            f"{rate['both_words_looked_up']:.0%}, a lookup repeated "
+            f"{rate['a_lookup_repeated']:.0%}, add called {rate['add_called']:.0%}; "
+            f"success {rate['success']:.1%} ± {se:.1%}"
         )
         for e in group[:examples]:
             calls = "; ".join(f"{name}({json.dumps(args)})" for name, args in e["calls"])
-            number, answer = lookup_agent.number_of(e["task"][0]), lookup_agent.answer_of(e["task"])
-            print(f"    {e['task']} (number {number}, answer {answer}): {calls}")
+            numbers = [lookup_agent.number_of(w) for w in e["task"]]
+            print(f"    {e['task']} (numbers {numbers}): {calls}")
     return result
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -162,6 +163,8 @@ def run(
     an evaluation."""
     out = Run()
     started = 0.0
+    # a proof stopped with SIGTERM (kill, nohup'd runs) still stops its servers and trainer
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     def held_out(version: int | None) -> None:
         began = time.monotonic()

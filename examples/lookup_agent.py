@@ -1,24 +1,23 @@
 """A tool agent that knows nothing about rlproxy: the OpenAI Agents SDK, OPENAI_BASE_URL set.
 
-The task: "What is the number of red plus 7? Use lookup for red, then add 7." The number of a
-word is known only to the `lookup` tool, and the answer is what the `add` tool returns, so an
-episode needs at least two tool calls: `lookup(word)`, then `add(a, b)` with the number it got.
+The task: "What is the number of red plus the number of lime?" The number of a word is known
+only to the `lookup` tool, and the answer is what the `add` tool returns, so an episode needs
+at least three tool calls: `lookup` for each word, then `add` with the two numbers it got.
 The agent is written as the SDK's docs write one: an `Agent` with two `function_tool`s,
 `Runner.run`, the default Responses API model class. Settings a user of the SDK would choose
 for this task and a small model:
 
 - `tool_choice="required"` with `reset_tool_choice=False`: every turn calls a tool, and
   `tool_use_behavior=StopAtTools(["add"])`: the episode's final output is `add`'s result;
-- `parallel_tool_calls=False`: one call a turn; at most 3 turns;
+- `parallel_tool_calls=False`: one call a turn; at most 4 turns;
 - `auto_previous_response_id=True`: each turn names the previous response instead of resending
   the conversation (Responses API chaining), so the server keeps the episode as one chain;
 - `word` is typed as a `Literal` of the known words, so the tool's schema lists them.
 
 The environment's reward for an episode (`reward`):
 
-    1.0    the final output is the right number (the word's number plus n)
-    0.2    otherwise, when the right word was looked up
-    0      otherwise
+    1.0    the final output is the right number (the sum of the two words' numbers)
+    0.1    otherwise, for each of the two words the agent looked up (at most 0.2)
 
 The agent reports each episode's reward by the id of the last response it got, to
 `POST <server>/rl/trajectories/<response id>/reward`: the one rlproxy endpoint an agent calls
@@ -63,18 +62,21 @@ from openai import AsyncOpenAI
 set_tracing_disabled(True)  # the SDK would send its traces to OpenAI's platform
 
 Word = Literal[
-    "red", "blue", "gold", "pink", "gray", "lime", "navy", "teal",
-    "pear", "plum", "lemon", "mango", "peach", "grape", "melon", "olive", "rice", "corn",
+    "red", "blue", "gold", "pink", "gray", "lime", "navy", "teal", "rose", "jade", "ruby",
+    "pear", "plum", "lemon", "mango", "peach", "grape", "melon", "olive", "rice", "corn", "kiwi",
 ]  # fmt: skip
-# Held-out tasks use only the first 8 words, practice only the other 10: a held-out task's
-# number was never seen in practice.
+# Held-out tasks use only the first 11 words, practice only the other 11: a held-out task's
+# numbers were never seen in practice.
 WORDS: list[str] = list(get_args(Word))
-HELD_OUT_WORDS = WORDS[:8]
-PRACTICE_WORDS = WORDS[8:]
+HELD_OUT_WORDS = WORDS[:11]
+PRACTICE_WORDS = WORDS[11:]
 HELD_OUT_SEED = 12345
 HELD_OUT_COUNT = 100
 
-INSTRUCTIONS = "Use the tools: lookup the word, then add."
+INSTRUCTIONS = (
+    "You answer with the tools. lookup(word) gives the number of a word. add(a, b) adds two "
+    "numbers and gives the final answer. Look up both words, then add their numbers."
+)
 
 
 def number_of(word: str) -> int:
@@ -82,32 +84,32 @@ def number_of(word: str) -> int:
     return int(hashlib.sha256(word.encode()).hexdigest(), 16) % 40 + 1
 
 
-def question_text(word: str, n: int) -> str:
-    return f"What is the number of {word} plus {n}? Use lookup for {word}, then add {n}."
+def question_text(a: str, b: str) -> str:
+    return f"What is the number of {a} plus the number of {b}?"
 
 
-def answer_of(task: tuple[str, int]) -> int:
-    return number_of(task[0]) + task[1]
+def answer_of(task: tuple[str, str]) -> int:
+    return number_of(task[0]) + number_of(task[1])
 
 
-def all_tasks(words: list[str]) -> list[tuple[str, int]]:
-    return [(w, n) for w in words for n in range(2, 21)]
+def all_pairs(words: list[str]) -> list[tuple[str, str]]:
+    return [(a, b) for a in words for b in words if a != b]
 
 
-def held_out() -> list[tuple[str, int]]:
+def held_out() -> list[tuple[str, str]]:
     """100 tasks on words never used in practice."""
-    return random.Random(HELD_OUT_SEED).sample(all_tasks(HELD_OUT_WORDS), HELD_OUT_COUNT)
+    return random.Random(HELD_OUT_SEED).sample(all_pairs(HELD_OUT_WORDS), HELD_OUT_COUNT)
 
 
-def practice_tasks() -> list[tuple[str, int]]:
-    return all_tasks(PRACTICE_WORDS)
+def practice_tasks() -> list[tuple[str, str]]:
+    return all_pairs(PRACTICE_WORDS)
 
 
 @dataclass
 class Episode:
     """One run of the agent: what the tools saw, the answer, the response ids in order."""
 
-    task: tuple[str, int]
+    task: tuple[str, str]
     looked_up: list[str] = field(default_factory=list)
     added: list[tuple[int, int]] = field(default_factory=list)
     final_output: str = ""
@@ -120,7 +122,7 @@ def reward(episode: Episode) -> float:
     numbers = re.findall(r"-?\d+", episode.final_output)
     if numbers and int(numbers[-1]) == answer_of(episode.task):
         return 1.0
-    return 0.2 if episode.task[0] in episode.looked_up else 0.0
+    return 0.1 * len(set(episode.task) & set(episode.looked_up))
 
 
 def build_agent(episode: Episode, model: Any, settings: ModelSettings) -> Agent:
@@ -153,10 +155,10 @@ def build_agent(episode: Episode, model: Any, settings: ModelSettings) -> Agent:
 async def run_episode(
     client: AsyncOpenAI,
     model: str,
-    task: tuple[str, int],
+    task: tuple[str, str],
     max_tokens: int = 64,
     temperature: float = 1.0,
-    max_turns: int = 3,
+    max_turns: int = 4,
 ) -> Episode:
     episode = Episode(task)
     settings = ModelSettings(
@@ -223,7 +225,7 @@ async def train(
 ) -> dict[str, Any]:
     chosen = random.Random(seed).sample(practice_tasks(), tasks)
 
-    async def one(task: tuple[str, int]) -> tuple[Episode, float]:
+    async def one(task: tuple[str, str]) -> tuple[Episode, float]:
         episode = await run_episode(client, model, task, max_tokens)
         value = reward(episode)
         await report(client, episode, value)

@@ -25,21 +25,26 @@ from lookup_agent import (
 def test_held_out_tasks_use_words_never_practised() -> None:
     tasks = held_out()
     assert len(tasks) == HELD_OUT_COUNT == len(set(tasks))
-    assert not {w for w, _ in tasks} & {w for w, _ in practice_tasks()}
+    practised = {w for task in practice_tasks() for w in task}
+    assert not {w for task in tasks for w in task} & practised
 
 
-def test_the_right_final_number_earns_one_and_nothing_else_does() -> None:
-    task = ("red", 7)
+def test_the_right_final_number_earns_one_and_lookups_earn_a_little() -> None:
+    task = ("red", "lime")
     right = answer_of(task)
-    assert right == number_of("red") + 7
-    assert reward(Episode(task, looked_up=["red"], final_output=str(right))) == 1.0
-    assert reward(Episode(task, looked_up=["red"], final_output=str(right + 1))) == 0.2
-    assert reward(Episode(task, looked_up=["blue"], final_output=str(right + 1))) == 0.0
-    assert reward(Episode(task, looked_up=["red"], final_output="")) == 0.2
+    assert right == number_of("red") + number_of("lime")
+    assert reward(Episode(task, looked_up=["red", "lime"], final_output=str(right))) == 1.0
+    assert reward(Episode(task, looked_up=[], final_output=f"{right}")) == 1.0
+    wrong = str(right + 1)
+    assert reward(Episode(task, looked_up=["red", "lime"], final_output=wrong)) == 0.2
+    assert reward(Episode(task, looked_up=["red", "red", "red"], final_output=wrong)) == 0.1
+    assert reward(Episode(task, looked_up=["blue"], final_output="")) == 0.0
 
 
 def test_the_agent_must_call_a_tool_every_turn_and_ends_on_add() -> None:
-    agent = build_agent(Episode(("red", 7)), "gpt-4o-mini", ModelSettings(tool_choice="required"))
+    agent = build_agent(
+        Episode(("red", "lime")), "gpt-4o-mini", ModelSettings(tool_choice="required")
+    )
     assert [t.name for t in agent.tools] == ["lookup", "add"]
     assert agent.reset_tool_choice is False
     assert agent.tool_use_behavior == StopAtTools(stop_at_tool_names=["add"])
