@@ -2,11 +2,12 @@
 rlproxy, gets better at its task while it works.
 
 The agent (examples/lookup_agent.py: an `Agent` with a `lookup` and an `add` tool, no rlproxy
-import) answers "What is the number of red plus 7? Use lookup for red, then add 7.", where only
-`lookup` knows a word's number and `add`'s result is the final answer: at least two tool calls
-per episode. The environment rewards an episode 1 when the final answer is right (0.2 when the
-right word was looked up, else 0) and posts it by the episode's last response id. Success
-(reward 1) is the measure.
+import) answers "What is the number of red plus the number of lime?", where only `lookup` knows
+a word's number and `add`'s result is the final answer: at least three tool calls per episode.
+The environment rewards an episode 1 when the final answer is right (0.1 per task word looked
+up otherwise) and posts it by the episode's last response id. Success (reward 1) is the
+measure. Status (docs/benchmarks/agent.md): the base model's success on this task family was
+0 % in every probe, below the 5-40 % the proof needs; no training run has been made yet.
 
 Starts the two servers of `bench/proof_loop.py` (a training server with its trainer, scorer
 and publisher; an evaluation server with none, reading the same checkpoints) and runs its loop:
