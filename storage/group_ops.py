@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import and_, delete, exists, insert, or_, select, update
+from sqlalchemy import and_, delete, exists, insert, or_, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage.grouping import SignatureGrouper
@@ -32,6 +32,7 @@ from storage.records import (
 )
 
 _CANDIDATE_BATCH = 500
+_FORMING_LOCK = 0x726C70726F7879  # "rlproxy": Postgres advisory lock key of group formation
 CLAIMABLE = ("ready", "failed", "scored", "forming", "held")
 DEFAULT_LEASE_S = 60.0
 """How long a claim holds without renewal: the scorer renews it every third of this while the
@@ -219,7 +220,14 @@ class _Forming:
 
 
 async def form_groups(conn: AsyncConnection, grouper: SignatureGrouper, now: float) -> FormResult:
-    """Put closed, ungrouped trajectories into groups; mark forming groups ready."""
+    """Put closed, ungrouped trajectories into groups; mark forming groups ready.
+
+    On Postgres several replicas may run this at once; a transaction-scoped advisory lock makes
+    them take turns, so the next one reads the memberships the last one committed (under READ
+    COMMITTED both would otherwise read the same trajectories as ungrouped and each put them in
+    a group of its own). SQLite has one writer at a time already."""
+    if conn.dialect.name == "postgresql":
+        await conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _FORMING_LOCK})
     result = FormResult()
     forming = _Forming(conn, grouper.max_size, now)
     in_trajectory_group = exists().where(GM.c.trajectory_id == T.c.id, GM.c.call_id.is_(None))
