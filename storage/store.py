@@ -437,11 +437,14 @@ class Store:
         self, name: str, holder: str, ttl_s: float, *, now: float | None = None
     ) -> bool:
         """Take or renew the lease `name` for `holder` for `ttl_s` seconds: True when `holder`
-        holds it now (it was free, expired, or already its own)."""
-        t = time.time() if now is None else now
+        holds it now (it was free, expired, or already its own). The clock is read when the
+        write runs, not when it is queued: a renewal that waited in the writer's queue never
+        writes an expiry that has already passed."""
         held: bool = await self._writer.submit(
             self._run_ops,
-            lambda conn: coordination_ops.acquire_lease(conn, name, holder, ttl_s, t),
+            lambda conn: coordination_ops.acquire_lease(
+                conn, name, holder, ttl_s, time.time() if now is None else now
+            ),
         )
         return held
 

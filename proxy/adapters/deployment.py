@@ -18,11 +18,13 @@ With one replica all of it still runs and changes nothing: the replica holds bot
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from storage.store import Store
@@ -45,47 +47,108 @@ def publisher_lease_name(policy: str) -> str:
 
 class LeaseKeeper:
     """One replica's side of a lease: `await tick()` takes or renews it (call it at least every
-    `ttl_s / 3`), `held` says whether it held it at the last tick, `release()` gives it up."""
+    `ttl_s / 3`), `held` says whether it held it at the last tick, `release()` gives it up.
 
-    def __init__(self, store: Store, name: str, holder: str, ttl_s: float) -> None:
+    Holding is bounded by time, not only by the last tick's answer: a successful tick makes the
+    lease this replica's until `valid_until` (the local monotonic clock when the renewal was
+    queued, plus `ttl_s`: the database's expiry is at least that late). A tick that fails (the
+    database unreachable, or no answer within `ttl_s / 3`) does not end it at once, so a short
+    database blip does not stop a trainer; `still_held()` turns False `margin_s` (a quarter of
+    the lease) before `valid_until`, which leaves a job that time to stop before another
+    replica can take the lease over. A tick that finds another replica holding it ends it."""
+
+    def __init__(
+        self,
+        store: Store,
+        name: str,
+        holder: str,
+        ttl_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if ttl_s <= 0:
             raise ValueError("a lease's length must be positive")
         self.store = store
         self.name = name
         self.holder = holder
         self.ttl_s = ttl_s
+        self.clock = clock
         self.held = False
         self.since: float | None = None
         self.error: str | None = None
+        self.valid_until: float | None = None
+        """`clock()` time before which no other replica can have taken the lease (None: not
+        held)."""
 
     @property
     def renew_every_s(self) -> float:
         return self.ttl_s / 3
 
+    @property
+    def margin_s(self) -> float:
+        """How long before `valid_until` this replica stops acting as the holder."""
+        return self.ttl_s / 4
+
+    def seconds_left(self) -> float:
+        """How long this replica may still act as the holder (<= 0: no longer)."""
+        if self.valid_until is None:
+            return 0.0
+        return self.valid_until - self.margin_s - self.clock()
+
+    def still_held(self) -> bool:
+        """Whether this replica may act as the holder now (checked before each write a holder
+        makes, and between ticks)."""
+        held = self.held and self.seconds_left() > 0
+        if self.held and not held:
+            self._lost("its time ran out without a renewal")
+        return held
+
+    def kill_by_s(self) -> float:
+        """Seconds from now by which a job run under the lease must be gone: half the margin
+        before `valid_until` (0: at once)."""
+        if self.valid_until is None:
+            return 0.0
+        return max(0.0, self.valid_until - self.margin_s / 2 - self.clock())
+
     async def tick(self) -> bool:
-        """Take or renew the lease; False when another replica holds it or the database could
-        not be asked (then this replica stops acting as the holder: better no trainer for a
-        moment than two)."""
+        """Take or renew the lease; True while this replica may act as the holder: the renewal
+        succeeded, or it failed (the database could not be asked in time) but the last one is
+        still good for more than `margin_s`. False when another replica holds it."""
+        submitted = self.clock()
+        timeout = self.renew_every_s
+        if self.held:  # never wait past the moment the lease must count as lost
+            timeout = min(timeout, max(self.seconds_left(), 0.0))
+        answer: bool | None
         try:
-            held = await self.store.acquire_lease(self.name, self.holder, self.ttl_s)
+            answer = await asyncio.wait_for(
+                self.store.acquire_lease(self.name, self.holder, self.ttl_s), timeout
+            )
             self.error = None
-        except Exception as exc:
-            logger.warning("lease %s could not be renewed: %s", self.name, exc)
+        except Exception as exc:  # TimeoutError included: a hung connection is a failure
+            logger.warning("lease %s could not be renewed: %s", self.name, exc or type(exc))
             self.error = f"{type(exc).__name__}: {exc}"
-            held = False
+            answer = None
+        if answer is True:
+            self.valid_until = submitted + self.ttl_s
+        elif answer is False:
+            self.valid_until = None
+        held = self.valid_until is not None and self.seconds_left() > 0
         if held and not self.held:
             self.since = time.time()
             logger.info("this replica (%s) holds the lease %s", self.holder, self.name)
         elif self.held and not held:
-            self.since = None
-            logger.warning("this replica (%s) lost the lease %s", self.holder, self.name)
+            self._lost("another replica holds it" if answer is False else "renewals failed")
         self.held = held
         return held
+
+    def _lost(self, why: str) -> None:
+        self.held, self.since, self.valid_until = False, None, None
+        logger.warning("this replica (%s) lost the lease %s: %s", self.holder, self.name, why)
 
     async def release(self) -> None:
         if not self.held:
             return
-        self.held, self.since = False, None
+        self.held, self.since, self.valid_until = False, None, None
         try:
             await self.store.release_lease(self.name, self.holder)
         except Exception as exc:

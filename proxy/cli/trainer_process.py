@@ -20,9 +20,13 @@ With RLPROXY_TRAINER_PROCESSES > 1 the child is torchrun running N ranks of `rlp
 Several replicas on one database (`proxy.adapters.deployment`): the child runs only while this
 replica holds the trainer lease (`lease` given). Without it the supervisor waits ("standby",
 naming the holder) and tries again every third of the lease's length; while the child runs it
-renews the lease as often, and stops the child if the lease is lost (the database unreachable
-for a whole lease: another replica may have taken over). A replica that dies stops renewing;
-its child dies with it (`stop_with_parent`) and another replica takes the lease once it expires.
+renews the lease as often. A renewal that fails (the database unreachable, or no answer within a
+third of the lease) is tolerated while the last good one still covers more than a quarter of the
+lease; once it does not, or a renewal finds another replica holding the lease, the child gets
+SIGTERM and, if it is not gone by an eighth of the lease before the lease can expire, SIGKILL
+(its whole process group), so it is gone before another replica may take over. A replica that
+dies stops renewing; its child dies with it (`stop_with_parent`) and another replica takes the
+lease once it expires.
 """
 
 from __future__ import annotations
@@ -147,16 +151,15 @@ class TrainerProcess:
             await asyncio.gather(self._task, return_exceptions=True)
         self._status.state, self._status.next_restart_at = "stopped", None
         proc = self.proc
-        if proc is None or proc.returncode is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), timeout_s)
-        except TimeoutError:
-            logger.warning("trainer did not stop in %.0f s; killing it", timeout_s)
-            proc.kill()
-            await proc.wait()
-        if self.lease is not None:
+        if proc is not None and proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), timeout_s)
+            except TimeoutError:
+                logger.warning("trainer did not stop in %.0f s; killing it", timeout_s)
+                _kill_group(proc)
+                await proc.wait()
+        if self.lease is not None:  # also when the child had already exited (between restarts)
             await self.lease.release()
             self._note_lease(None)
 
@@ -182,14 +185,16 @@ class TrainerProcess:
         self._note_lease(lease.holder)
 
     async def _keep_lease(self) -> None:
-        """Renew the trainer lease while the child runs; return when it is lost."""
+        """Renew the trainer lease while the child runs; return when it is lost: another
+        replica holds it, or renewals failed until its time ran out (`LeaseKeeper`)."""
         lease = self.lease
         if lease is None:
             await asyncio.Event().wait()  # never lost
             return
         while True:
-            await asyncio.sleep(lease.renew_every_s)
-            if not await lease.tick():
+            # wake at the next renewal, or earlier when the lease's time runs out first
+            await asyncio.sleep(max(0.0, min(lease.renew_every_s, lease.seconds_left())))
+            if not lease.still_held() or not await lease.tick():
                 self._note_lease(None)
                 return
 
@@ -253,12 +258,19 @@ class TrainerProcess:
         finally:
             lost.cancel()
         if not exited.done():
-            logger.error("the trainer lease was lost; stopping the trainer (pid %d)", st.pid)
+            # It must be gone before another replica can take the lease: SIGTERM, and SIGKILL
+            # (the whole process group: torchrun's ranks too) once that time is up.
+            grace = self.lease.kill_by_s() if self.lease is not None else 30.0
+            logger.error(
+                "the trainer lease was lost; stopping the trainer (pid %d, %.1f s to exit)",
+                st.pid,
+                grace,
+            )
             self.proc.send_signal(signal.SIGTERM)
             try:
-                await asyncio.wait_for(asyncio.shield(exited), 30)
+                await asyncio.wait_for(asyncio.shield(exited), grace)
             except TimeoutError:
-                self.proc.kill()
+                _kill_group(self.proc)
         return await exited, None
 
     def _log_tail(self) -> list[str]:
@@ -270,6 +282,15 @@ class TrainerProcess:
             return [f"(the log could not be read: {e})"]
         lines = [line for line in text.splitlines() if line.strip()][-LOG_TAIL_LINES:]
         return [self.redact(line[:_LOG_LINE_CHARS]) for line in lines]
+
+
+def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL the child and everything in its process group (it was started in a new session:
+    with torchrun, its ranks)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
 
 
 def stop_with_parent() -> None:

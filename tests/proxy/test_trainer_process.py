@@ -182,3 +182,27 @@ async def test_only_the_lease_holder_runs_a_trainer_and_a_lost_lease_stops_it(
         await a.stop()
         await b.stop()
         await store.close()
+
+
+async def test_stop_gives_the_lease_up_even_when_the_child_had_already_exited(
+    tmp_path: Path,
+) -> None:
+    """Between restarts (the child crashed, the next start waits) a clean stop still hands the
+    trainer lease to another replica at once instead of leaving it to expire."""
+    from proxy.adapters.deployment import LeaseKeeper
+    from storage import Store
+
+    store = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'rlproxy.db'}")
+    try:
+        trainer = TrainerProcess(
+            _settings(tmp_path, CRASH, first_s=600, max_s=600),
+            lease=LeaseKeeper(store, "trainer:p", "A", ttl_s=600),
+        )
+        trainer.start()
+        await _until(trainer, "exits_in_a_row", 1)
+        assert (await store.get_lease("trainer:p")) is not None
+        await trainer.stop()
+        assert await store.get_lease("trainer:p") is None
+        assert trainer.status()["lease"]["held"] is False
+    finally:
+        await store.close()
