@@ -104,20 +104,35 @@ async def set_policy_state(
     changes: dict[str, Any],
     by: str | None,
     now: float,
-) -> None:
+    expect: dict[str, Any] | None = None,
+) -> bool:
     """Change the policy's row (active_version, canary_version, canary_share), creating it
-    (active: the base model, no canary) when there is none."""
-    unknown = set(changes) - {"active_version", "canary_version", "canary_share"}
+    (active: the base model, no canary) when there is none. With `expect` (field: value, None
+    meaning NULL) only a row that still has those values changes (compare-and-set; a missing
+    row counts as holding them): False when it did not."""
+    fields = {"active_version", "canary_version", "canary_share"}
+    unknown = (set(changes) | set(expect or {})) - fields
     if unknown:
         raise ValueError(f"cannot set policy state fields {sorted(unknown)}")
     values = {**changes, "changed_at": now, "changed_by": by}
-    updated = await conn.execute(update(P).where(P.c.policy == policy).values(**values))
+    where = [P.c.policy == policy]
+    for name, value in (expect or {}).items():
+        where.append(P.c[name].is_(None) if value is None else P.c[name] == value)
+    updated = await conn.execute(update(P).where(*where).values(**values))
     if updated.rowcount == 1:
-        return
-    row = {"policy": policy, "active_version": 0, **values}
-    await conn.execute(
-        _insert(conn, P).values(**row).on_conflict_do_update(index_elements=["policy"], set_=values)
+        return True
+    row = {"policy": policy, "active_version": 0, **(expect or {}), **values}
+    if expect is None:
+        await conn.execute(
+            _insert(conn, P)
+            .values(**row)
+            .on_conflict_do_update(index_elements=["policy"], set_=values)
+        )
+        return True
+    inserted = await conn.execute(
+        _insert(conn, P).values(**row).on_conflict_do_nothing(index_elements=["policy"])
     )
+    return inserted.rowcount == 1
 
 
 async def get_policy_state(conn: AsyncConnection, policy: str) -> PolicyStateRecord | None:

@@ -459,14 +459,24 @@ class Store:
         async with self._engines.read.connect() as conn:
             return await coordination_ops.get_lease(conn, name)
 
-    async def set_policy_state(self, policy: str, *, by: str | None = None, **changes: Any) -> None:
+    async def set_policy_state(
+        self,
+        policy: str,
+        *,
+        by: str | None = None,
+        expect: dict[str, Any] | None = None,
+        **changes: Any,
+    ) -> bool:
         """Set what `policy` serves on every replica: `active_version` (0: the base model),
-        `canary_version` (None: no canary) and `canary_share`."""
+        `canary_version` (None: no canary) and `canary_share`. `expect`: change it only if
+        those fields still hold those values (False when they did not: another replica or a
+        hand changed the state meanwhile)."""
         now = time.time()
-        await self._writer.submit(
+        changed: bool = await self._writer.submit(
             self._run_ops,
-            lambda conn: coordination_ops.set_policy_state(conn, policy, changes, by, now),
+            lambda conn: coordination_ops.set_policy_state(conn, policy, changes, by, now, expect),
         )
+        return changed
 
     async def get_policy_state(self, policy: str) -> PolicyStateRecord | None:
         async with self._engines.read.connect() as conn:

@@ -67,13 +67,14 @@ class Publisher:
         self.replica_id = replica_id
         self._seen: set[int] = set()
         self.rollout = None if rollout is None else Rollout(adapters, store, rollout, self._note)
-        if self.rollout is not None:
-            self.rollout.replica_id = replica_id
         self.lease = (
             None
             if lease_s is None
             else LeaseKeeper(store, publisher_lease_name(self.policy), replica_id or "", lease_s)
         )
+        if self.rollout is not None:
+            self.rollout.replica_id = replica_id
+            self.rollout.may_write = self._leading
         self.shared = shared
         self._restored = False
         self._left = False
@@ -90,6 +91,8 @@ class Publisher:
             await self.shared.heartbeat(sorted(self.adapters.kept()))
             await self.adapters.evict_deferred()
         if not leader:
+            if self.rollout is not None:
+                self.rollout.forget()  # another replica decides now; a trial here is stale
             return None
         if self.rollout is not None:
             return await self._check_rollout(self.rollout)
@@ -103,29 +106,41 @@ class Publisher:
         records = {a.version: a for a in await self.store.list_adapters(self.policy)}
         barred = await self._barred(unseen, records)
         for version in sorted(unseen, reverse=True):
-            self._seen.add(version)
-            if version <= active:
-                continue  # older than what serves now: loadable on demand, not published
-            if version in barred:
+            if version <= active or version in barred:
+                # older than what serves now (loadable on demand), or never to be published
+                self._seen.add(version)
                 continue
             if version in records and records[version].activated_at is not None:
+                self._seen.add(version)
                 continue  # served before and replaced since (a rollback by hand): not again
             try:
-                await self.adapters.activate(version)
+                await self.adapters.load(version)  # validated and in the engine, not yet served
             except APIError as exc:
                 serving = active or "the base model"
                 logger.error(
                     "adapter %d rejected, still serving %s: %s", version, serving, exc.message
                 )
                 await self._note(version, status="rejected", error=exc.message)
+                self._seen.add(version)
                 continue
+            if not self._leading():  # loading took long enough for the lease to run out
+                logger.warning("adapter %d not published: the publisher lease ran out", version)
+                return None
+            # The policy's state first: if that write fails the version stays unseen and is
+            # published on the next poll (and by a new lease holder: not marked served yet).
+            await self._set_active(version)
+            await self.adapters.activate(version)
             now = time.time()
             await self._note(version, status="loaded", loaded_at=now, activated_at=now)
-            await self._set_active(version)
             logger.info("published adapter version %d", version)
             self._seen.update(unseen)
             return version
         return None
+
+    def _leading(self) -> bool:
+        """Whether this replica may still write as the publisher (checked before each write of
+        the policy's state: a long load may outlast the lease's last renewal)."""
+        return self.lease is None or self.lease.still_held()
 
     async def _check_rollout(self, rollout: Rollout) -> int | None:
         if not self._restored:
@@ -137,7 +152,8 @@ class Publisher:
             # here, with the evidence gathered since it began
             records = {a.version: a for a in await self.store.list_adapters(self.policy)}
             record = records.get(canary.version)
-            await rollout.start(canary.version, previous=record.rollout if record else None)
+            if not await rollout.start(canary.version, previous=record.rollout if record else None):
+                return None  # the state changed meanwhile: the next poll follows it
             self._seen.add(canary.version)
         if rollout.version is not None:
             await rollout.evaluate()
@@ -155,12 +171,14 @@ class Publisher:
                 continue
             record = records.get(version)
             try:
-                await rollout.start(version, previous=record.rollout if record else None)
+                started = await rollout.start(version, previous=record.rollout if record else None)
             except APIError as exc:
                 logger.error("adapter %d rejected, not put on canary: %s", version, exc.message)
                 await self._note(version, status="rejected", error=exc.message)
                 self._seen.add(version)
                 continue
+            if not started:  # the state changed, or the lease ran out: not seen, tried again
+                return None
             self._seen.add(version)
             return version
         return None
@@ -232,7 +250,8 @@ class Publisher:
                 logger.error("adapter %d, active before, cannot serve: %s", version, exc.message)
                 continue
             logger.info("serving adapter %d again, the last version that was active", version)
-            await self._set_active(version)
+            if self._leading():
+                await self._set_active(version)
             return
 
     async def _barred(

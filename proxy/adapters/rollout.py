@@ -87,15 +87,20 @@ class Rollout:
         self._last: dict[str, Any] | None = None
         self.replica_id: str | None = None
         """Who writes the policy's state (shown as `changed_by`)."""
+        self.may_write: Callable[[], bool] = lambda: True
+        """Asked right before each write of the policy's state: False when this replica may no
+        longer decide (its publisher lease ran out meanwhile); nothing is written then."""
 
     @property
     def version(self) -> int | None:
         """The version on canary, if any."""
         return self._trial.version if self._trial is not None else None
 
-    async def start(self, version: int, previous: dict[str, Any] | None = None) -> None:
+    async def start(self, version: int, previous: dict[str, Any] | None = None) -> bool:
         """Put `version` on canary against the active version. `previous`: a rollout state
-        kept from before a restart, whose start time (and so its evidence) carries on."""
+        kept from before a restart, whose start time (and so its evidence) carries on. False
+        when the policy's active version changed while `version` loaded (an activation on
+        another replica): nothing is started, and the next poll follows that change."""
         await self.adapters.load(version)
         baseline = self.registry.active
         now = time.time()
@@ -108,14 +113,24 @@ class Rollout:
         ):
             started_at = float(previous.get("started_at") or now)
             decisions = list(previous.get("decisions") or [])
-        self.registry.start_canary(version, self.config.share)
-        await self.store.set_policy_state(
+        # Only the canary is written, and only over the baseline read above: an activation
+        # made meanwhile on another replica holds.
+        if not self.may_write():
+            logger.warning("adapter %d not put on canary: the publisher lease ran out", version)
+            return False
+        if not await self.store.set_policy_state(
             self.policy,
             by=self.replica_id,
-            active_version=baseline or 0,
+            expect={"active_version": baseline or 0},
             canary_version=version,
             canary_share=self.config.share,
-        )
+        ):
+            logger.info(
+                "adapter %d not put on canary: the active version changed while it loaded",
+                version,
+            )
+            return False
+        self.registry.start_canary(version, self.config.share)
         state = {
             "state": "canary",
             "baseline": baseline or 0,
@@ -141,6 +156,12 @@ class Rollout:
             self.policy,
             baseline or "the base model",
         )
+        return True
+
+    def forget(self) -> None:
+        """This replica no longer decides (it lost the publisher lease): drop the trial; if it
+        decides again it resumes from the policy's state and the version's rollout record."""
+        self._trial, self._last = None, None
 
     async def evaluate(self) -> Comparison | None:
         """Look at the evidence; promote, roll back or wait. None when no canary runs."""
@@ -159,15 +180,26 @@ class Rollout:
         )
         result = compare([(list(p.old), list(p.new)) for p in pairs], self.config.test)
         figures = result.to_dict()
-        if result.decision == "promote":
-            await self.adapters.activate(trial.version)  # ends the registry's canary
-            await self._finish(trial, "promoted", result, result.reason)
-            await self._state(active_version=trial.version)
-        elif result.decision == "roll_back":
-            self.registry.end_canary()
-            await self._finish(trial, ROLLED_BACK, result, result.reason)
-            await self._state(active_version=trial.baseline or 0)
-            await self.adapters.evict()
+        if result.decision in ("promote", "roll_back"):
+            promote = result.decision == "promote"
+            if not self.may_write():
+                logger.warning("adapter %d: no decision written, the lease ran out", trial.version)
+                self.forget()
+                return None
+            # Written only over this trial's canary: a hand (or another replica) that changed
+            # the state since is not undone, and the next poll follows it.
+            if not await self._state(trial, trial.version if promote else trial.baseline or 0):
+                await self._finish(
+                    trial, "abandoned", result, "the policy's state was changed meanwhile"
+                )
+                return result
+            if promote:
+                await self.adapters.activate(trial.version)  # ends the registry's canary
+                await self._finish(trial, "promoted", result, result.reason)
+            else:
+                self.registry.end_canary()
+                await self._finish(trial, ROLLED_BACK, result, result.reason)
+                await self.adapters.evict()
         elif figures != self._last:
             self._last = figures
             trial.state["latest"] = figures
@@ -193,11 +225,13 @@ class Rollout:
         log = logger.warning if state == ROLLED_BACK else logger.info
         log("adapter %d %s: %s", trial.version, state.replace("_", " "), reason)
 
-    async def _state(self, active_version: int) -> None:
-        """The decision holds on every replica: `active_version` serves, no canary."""
-        await self.store.set_policy_state(
+    async def _state(self, trial: _Trial, active_version: int) -> bool:
+        """The decision holds on every replica: `active_version` serves, no canary; only if the
+        state still names this trial's canary (False: it did not, nothing was written)."""
+        return await self.store.set_policy_state(
             self.policy,
             by=self.replica_id,
+            expect={"canary_version": trial.version},
             active_version=active_version,
             canary_version=None,
             canary_share=None,

@@ -87,3 +87,28 @@ async def test_heartbeats_list_what_each_live_replica_keeps(db: Database) -> Non
     assert await a.live_replicas("policy", since=time.time() + 60) == []
     await a.remove_replica("A")
     assert [r.id for r in await b.live_replicas("policy", since=0)] == ["B"]
+
+
+async def test_a_policy_state_change_can_require_what_it_replaces(db: Database) -> None:
+    """A rollout's decision is written only over the canary it decided on: a hand that changed
+    the state meanwhile (an activation on another replica) is not undone."""
+    a, b = await db.open(), await db.open()
+    # nothing recorded yet: a missing row counts as holding the expected values
+    assert await a.set_policy_state(
+        "policy", expect={"active_version": 2}, canary_version=3, canary_share=0.25
+    )
+    state = await b.get_policy_state("policy")
+    assert state is not None and (state.active_version, state.canary_version) == (2, 3)
+    await b.set_policy_state("policy", by="hand", active_version=7, canary_version=None)
+    assert not await a.set_policy_state(
+        "policy", expect={"canary_version": 3}, active_version=3, canary_version=None
+    )
+    assert not await a.set_policy_state(
+        "policy", expect={"active_version": 2}, canary_version=4, canary_share=0.25
+    )
+    state = await a.get_policy_state("policy")
+    assert state is not None and (state.active_version, state.canary_version) == (7, None)
+    assert state.changed_by == "hand"
+    assert await a.set_policy_state("policy", expect={"canary_version": None}, canary_version=8)
+    state = await b.get_policy_state("policy")
+    assert state is not None and (state.active_version, state.canary_version) == (7, 8)
