@@ -300,8 +300,10 @@ async def _serve(
     )
     replica_id = settings.replica_id or default_replica_id()
     # Heartbeats say which versions this replica keeps; a version is unloaded from a shared
-    # engine (vLLM) only when no other live replica keeps it.
-    shared = SharedVersions(store, settings.model_name, replica_id, stale_s=settings.lease_s)
+    # engine (vLLM) only when no other live replica keeps it. One is written each poll: a
+    # heartbeat counts as live for three polls (at least a lease), so one late poll is no death.
+    stale_s = max(settings.lease_s, 3 * settings.adapter_poll_s)
+    shared = SharedVersions(store, settings.model_name, replica_id, stale_s=stale_s)
     adapters = AdapterManager(
         engine,
         registry,

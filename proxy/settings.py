@@ -328,7 +328,8 @@ class Settings(BaseSettings):
         gt=0,
         description="Length of the trainer and publisher leases (renewed every third of it): "
         "with several replicas on one database, a replica that dies without giving its leases "
-        "up hands them to another one after at most this long.",
+        "up hands them to another one after at most this long. Must be more than three times "
+        "RLPROXY_ADAPTER_POLL_S.",
     )
     reward_policy: Literal["explicit", "ruler"] = Field(
         "explicit",
@@ -512,6 +513,12 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"RLPROXY_GROUP_MAX_SIZE ({self.group_max_size}) must be at least "
                 f"RLPROXY_GROUP_MIN_SIZE ({self.group_min_size})"
+            )
+        if self.adapter_poll_s >= self.lease_s / 3:
+            raise ValueError(
+                f"RLPROXY_ADAPTER_POLL_S ({self.adapter_poll_s}) must be under a third of "
+                f"RLPROXY_LEASE_S ({self.lease_s}): each poll renews the publisher lease and "
+                "writes this replica's heartbeat; lower the poll or lengthen the lease"
             )
         for name in self.upstream_models:
             if name == self.model_name or name.startswith(f"{self.model_name}@"):

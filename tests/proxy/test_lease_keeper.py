@@ -99,3 +99,15 @@ async def _expiry(store: Store) -> float:
     lease = await store.get_lease("trainer:p")
     assert lease is not None
     return lease.expires_at
+
+
+async def test_a_poll_too_slow_to_renew_the_lease_is_refused_at_start(tmp_path: Path) -> None:
+    """The publisher renews its lease and writes the heartbeat once per poll: a poll of a third
+    of the lease or more would let the lease lapse and the heartbeat go stale between polls."""
+    from pydantic import ValidationError
+
+    from proxy.settings import Settings
+
+    with pytest.raises(ValidationError, match=r"RLPROXY_ADAPTER_POLL_S .* under a third"):
+        Settings(data_dir=tmp_path, lease_s=15, adapter_poll_s=5)
+    assert Settings(data_dir=tmp_path, lease_s=15, adapter_poll_s=4.9).adapter_poll_s == 4.9
