@@ -78,9 +78,10 @@ def conversation_key(
 def canary_draw(key: str, policy: str, canary_version: int) -> float:
     """Where conversation `key` falls in [0, 1) for this canary: the same on every replica and
     across restarts; a new canary version draws a new, independent split."""
-    digest = hashlib.blake2b(
-        key.encode(), digest_size=8, key=f"{policy}@{canary_version}".encode()[:64]
-    ).digest()
+    secret = f"{policy}@{canary_version}".encode()
+    if len(secret) > 64:  # blake2b's key is at most 64 bytes: a long name is hashed down whole
+        secret = hashlib.blake2b(secret).digest()  # (cutting it would drop the version)
+    digest = hashlib.blake2b(key.encode(), digest_size=8, key=secret).digest()
     return int.from_bytes(digest, "big") / 2.0**64
 
 

@@ -156,3 +156,13 @@ def test_lineage_finds_a_rolled_back_ancestor(tmp_path: Path) -> None:
     assert checkpoints.rolled_back_ancestor(tmp_path, 3, rolled, trusted={3}) is None
     assert checkpoints.parent_version(tmp_path, 3) == 2
     assert checkpoints.parent_version(tmp_path, 9) == 8  # no folder: the version before
+
+
+async def test_a_long_policy_name_still_draws_a_new_split_for_each_canary() -> None:
+    """blake2b takes a key of at most 64 bytes: a long policy name is hashed down whole rather
+    than cut (which dropped the version, so every canary got the same split)."""
+    policy = "p" * 70
+    keys = [f"t:traj-{i}" for i in range(64)]
+    assert [canary_draw(k, policy, 1) for k in keys] != [canary_draw(k, policy, 2) for k in keys]
+    # short names keep the split they had before (a conversation's version survives upgrades)
+    assert canary_draw("conversation-1", "rlproxy", 7) == 0.246177779720674
