@@ -26,8 +26,11 @@ the policy's state in the database (active version, canary and share), written b
 changes it (publishing, a rollout's decision, `/rl/adapters/{v}/activate` on any replica). On
 every poll each replica first follows that state, then, only if it holds the publisher lease,
 publishes new versions and runs the canary's rollout: one replica decides, the others follow
-within a poll. A version that was active before is not published again by a new lease holder
-(a rollback made by hand holds). Each poll also writes the replica's heartbeat (the versions it
+within a poll. The leader writes the policy's state only while its lease still holds
+(`LeaseKeeper.still_held`, checked again after a load, which may take seconds), and marks a
+version served only after the state names it, so a failed write is retried on the next poll. A
+version that was active before is not published again by a new lease holder (a rollback made by
+hand holds). Each poll also writes the replica's heartbeat (the versions it
 keeps loaded) and unloads versions left loaded for other replicas that none needs any more.
 """
 
