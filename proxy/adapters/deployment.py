@@ -142,7 +142,9 @@ class LeaseKeeper:
         return held
 
     def _lost(self, why: str) -> None:
-        self.held, self.since, self.valid_until = False, None, None
+        # valid_until stays (None only when another replica holds it): a job under the lease
+        # still has until then to stop (`kill_by_s`)
+        self.held, self.since = False, None
         logger.warning("this replica (%s) lost the lease %s: %s", self.holder, self.name, why)
 
     async def release(self) -> None:

@@ -72,6 +72,7 @@ async def test_a_failed_renewal_is_tolerated_until_the_lease_runs_short(store: S
     assert keeper.kill_by_s() == pytest.approx(30 - 7.5 / 2 - 20)
     clock.now += 3  # less than a quarter of the lease (7.5 s) left: no longer the holder
     assert not keeper.still_held() and not keeper.held
+    assert keeper.kill_by_s() == pytest.approx(30 - 7.5 / 2 - 23)  # SIGTERM now, SIGKILL then
     assert not await keeper.tick()
     db.mode = "up"  # back: a new tick takes it again (nobody else did)
     assert await keeper.tick() and keeper.valid_until == clock.now + 30

@@ -206,3 +206,41 @@ async def test_stop_gives_the_lease_up_even_when_the_child_had_already_exited(
         assert trainer.status()["lease"]["held"] is False
     finally:
         await store.close()
+
+
+async def test_a_trainer_that_ignores_sigterm_is_killed_before_its_lease_can_expire(
+    tmp_path: Path,
+) -> None:
+    """The lease's time runs out without a renewal (the test moves the lease's clock past it, as
+    after stuck renewals): the child gets SIGTERM, ignores it, and is SIGKILLed an eighth of the
+    lease before another replica could take the lease, not after a fixed 30 s."""
+    import signal
+
+    from proxy.adapters.deployment import LeaseKeeper
+    from storage import Store
+
+    stubborn = [
+        sys.executable,
+        "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('up', flush=True); time.sleep(600)",
+    ]
+    now = [1000.0]
+    store = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'rlproxy.db'}")
+    lease = LeaseKeeper(store, "trainer:p", "A", ttl_s=0.3, clock=lambda: now[0])
+    trainer = TrainerProcess(_settings(tmp_path, stubborn, first_s=600, max_s=600), lease=lease)
+    try:
+        trainer.start()
+        log = tmp_path / "trainer.log"
+        while trainer.proc is None or "up" not in log.read_text():  # SIGTERM is ignored now
+            await asyncio.sleep(0.01)
+        child = trainer.proc
+        assert child is not None
+        now[0] += 0.25  # past valid_until - margin (0.3 - 0.075): no longer the holder
+        while child.returncode is None:
+            await asyncio.sleep(0.01)
+        assert child.returncode == -signal.SIGKILL
+        assert trainer.status()["lease"]["held"] is False
+    finally:
+        await trainer.stop()
+        await store.close()
