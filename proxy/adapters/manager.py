@@ -55,6 +55,7 @@ class AdapterManager:
         self.shared = shared
         """Set when the engine is shared with other replicas: what they still need."""
         self._deferred: set[int] = set()  # not kept here, but needed by another replica
+        self._on_demand: set[int] = set()  # pinned `NAME@N` loaded here until the next evict
 
     def path_for(self, version: int) -> Path:
         return checkpoints.version_dir(self.root, version)
@@ -81,6 +82,13 @@ class AdapterManager:
         canary = self.registry.canary
         trial = {canary.version} if canary is not None else set()
         return set(previous) | ({active} if active is not None else set()) | trial
+
+    def in_use(self) -> set[int]:
+        """What this replica's heartbeat lists: the kept versions and those loaded on demand for
+        a pinned `NAME@N` (until the next activation's evict), so that no replica on a shared
+        engine unloads them meanwhile. Versions left loaded only for others are not listed."""
+        loaded = set(self.registry.loaded_versions())
+        return self.kept() | (self._on_demand & loaded)
 
     async def load(self, version: int) -> None:
         lock = self._locks.setdefault(version, asyncio.Lock())
@@ -156,6 +164,7 @@ class AdapterManager:
         return True
 
     async def _drop(self, version: int) -> None:
+        self._on_demand.discard(version)
         self.registry.remove_version(version)
         await self.engine.unload_adapter(adapter_name(version))
         logger.info("adapter version %d unloaded", version)
@@ -164,6 +173,7 @@ class AdapterManager:
         """Unload every loaded version that is not kept; return them."""
         async with self._evicting:
             keep = self.kept()
+            self._on_demand &= keep  # a pin's load lasts until here: no longer listed as in use
             gone = [v for v in self.registry.loaded_versions() if v not in keep]
             if gone and self.shared is not None:
                 needed = await self.shared.needed_elsewhere()
@@ -202,6 +212,12 @@ class AdapterManager:
                 code="model_not_found",
             ) from exc
         logger.info("adapter version %d loaded on demand", version)
+        self._on_demand.add(version)
+        if self.shared is not None:  # at once: another replica may evict it before our next poll
+            try:
+                await self.shared.heartbeat(sorted(self.in_use()))
+            except Exception as exc:
+                logger.warning("heartbeat after loading version %d failed: %s", version, exc)
 
     def describe(self) -> list[dict[str, object]]:
         loaded = set(self.registry.loaded_versions())

@@ -91,7 +91,7 @@ class Publisher:
         leader = True if self.lease is None else await self.lease.tick()
         await self.follow()
         if self.shared is not None:
-            await self.shared.heartbeat(sorted(self.adapters.kept()))
+            await self.shared.heartbeat(sorted(self.adapters.in_use()))
             await self.adapters.evict_deferred()
         if not leader:
             if self.rollout is not None:

@@ -154,3 +154,32 @@ async def test_on_a_shared_engine_a_version_another_replica_keeps_is_not_unloade
     await a.check()
     assert sorted(engine_a.unloads) == ["v1", "v2"]
     assert ma.registry.loaded_versions() == [3]
+
+
+async def test_on_a_shared_engine_a_version_pinned_here_is_not_unloaded_by_another(
+    store: Store, tmp_path: Path
+) -> None:
+    """A pinned `NAME@N` loaded on demand is listed in this replica's heartbeat at once (not at
+    its next poll), so another replica that has it loaded too does not unload it meanwhile; once
+    both have evicted since, neither lists it and it is unloaded."""
+    root = tmp_path / "checkpoints" / "rlproxy"
+    a, ma, engine_a = _replica(store, root, "a", keep=0, shared=True)
+    b, mb, engine_b = _replica(store, root, "b", keep=0, shared=True)
+    for version in (1, 2):
+        _write_version(root, version)
+    for _ in range(3):
+        await a.check()
+        await b.check()
+    assert ma.registry.active == mb.registry.active == 2
+    assert ma.registry.loaded_versions() == mb.registry.loaded_versions() == [2]
+    await ma.ensure_servable("rlproxy@1")  # clients pin version 1 on both replicas
+    await mb.ensure_servable("rlproxy@1")
+    replicas = {r.id: r for r in await store.live_replicas("rlproxy", 0)}
+    assert replicas["b"].versions == (1, 2)
+    assert await ma.evict() == []  # a is done with 1; b still serves it: it stays loaded
+    assert "v1" not in engine_a.unloads and 1 in ma.registry.loaded_versions()
+    for _ in range(2):  # b is done with it too: no one lists it, and it goes
+        await b.check()
+        await mb.evict()
+        await a.check()
+    assert "v1" in engine_a.unloads and "v1" in engine_b.unloads
