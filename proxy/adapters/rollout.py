@@ -23,7 +23,11 @@ every replica follows (`proxy.adapters.publisher`); only the replica holding the
 runs a rollout, so decisions are made once.
 
 A manual activation through `/rl/adapters/{v}/activate` ends a canary (the comparison was
-against the version that served before); it is recorded as "abandoned".
+against the version that served before); it is recorded as "abandoned". Writes to the policy's
+state are compare-and-set, so such an activation on another replica is never overwritten: a
+start writes only the canary, and only if the active version is still the baseline it read
+before loading; a promotion or rollback only if the state still names its canary (else the
+trial is abandoned and the next poll follows the state).
 
 Not here: SQL (`storage.rollout`), the statistics (`rollout_stats`), which version to try next
 (`publisher`).
