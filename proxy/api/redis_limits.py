@@ -18,11 +18,21 @@ replica; tests pass their own.
 
 When Redis fails (down, unreachable, too slow: 0.5 s): fail open to per-replica limits. The
 request is counted by this replica's own bucket instead, and so are the next ones until Redis is
-tried again after `retry_s` (so at most one request per `retry_s` waits for the timeout); a
-warning is logged once per outage and `rlproxy_caller_limit_redis_errors_total` counts each
-failed attempt. So a caller may get up to N times its rate across N replicas while Redis is down,
-never unlimited, and never refused because Redis is. Failing closed would turn a Redis outage
-into a full serving outage for a limit that is about fairness, not security.
+tried again `retry_s` after the failure. Then one request probes it (a flag: one probe in
+flight) while the others go on counting locally without waiting, until the probe's answer says
+Redis is back. So while Redis is known to be down, at most one request per replica per
+`retry_s` waits for the timeout. Before the first timeout nothing says Redis is down: the
+requests already waiting on it wait too, at most `max_connections` of them (the connection pool
+is bounded; a request that finds every connection busy is counted locally at once, without
+marking Redis down, as a burst on a healthy Redis can fill the pool for a moment). A warning is
+logged once per outage and `rlproxy_caller_limit_redis_errors_total` counts each request Redis
+did not count (failed, timed out, or no free connection). So a caller may get up to N times its
+rate across N replicas while Redis is down, never unlimited, and never refused because Redis is.
+Failing closed would turn a Redis outage into a full serving outage for a limit that is about
+fairness, not security.
+
+Needs Redis 5 or newer: the script reads `TIME` and then writes, which older servers refuse
+(they replicate scripts verbatim, so a non-deterministic read must not precede a write).
 """
 
 from __future__ import annotations
@@ -34,13 +44,17 @@ from collections.abc import Callable
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import MaxConnectionsError, RedisError
 
 from proxy.api.limits import TokenBucket
 
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "rlproxy:rate:"
+
+MAX_CONNECTIONS = 64
+"""Connections a replica opens to Redis at most: a script call takes well under a millisecond,
+so this many busy at once means Redis is slow or hung, not a busy replica."""
 
 # KEYS[1]: the caller's bucket, a hash {tokens, ts (ms)}. ARGV: capacity, tokens per ms, and the
 # time in ms ("" for Redis's clock). Returns the ms until a token is there ("0": one was spent).
@@ -79,6 +93,7 @@ class RedisTokenBucket:
         *,
         timeout_s: float = 0.5,
         retry_s: float = 5.0,
+        max_connections: int = MAX_CONNECTIONS,
         on_error: Callable[[], None] = lambda: None,
         clock: Callable[[], float] | None = None,
     ) -> None:
@@ -97,23 +112,32 @@ class RedisTokenBucket:
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),
+            max_connections=max_connections,  # full: MaxConnectionsError at once, no waiting
         )
         self._take = self.redis.register_script(TAKE)
-        self._down_until = 0.0  # while Redis is known to be down: this replica's own bucket
-        self._down = False
+        self._down = False  # Redis failed last time: this replica's own bucket until retried
+        self._down_until = 0.0  # when Redis is due to be tried again
+        self._probing = False  # a request is trying the down Redis now: the others do not
 
     async def acquire(self, caller: str) -> float:
-        mono = time.monotonic()
-        if mono < self._down_until:
+        if self._down and (self._probing or time.monotonic() < self._down_until):
             return self.local.take(caller)
+        probe = self._down
+        if probe:
+            self._probing = True  # set before the first await: the requests after see it
         now = "" if self.clock is None else repr(self.clock() * 1000.0)
         try:
             reply = await self._take(
                 keys=[KEY_PREFIX + caller], args=[self.capacity, repr(self.rate_per_ms), now]
             )
+        except MaxConnectionsError:
+            # Every connection is waiting on Redis: count this one here rather than open more.
+            # Not a verdict on Redis (a burst can fill the pool): the waiting ones give that.
+            self.on_error()
+            return self.local.take(caller)
         except (RedisError, OSError) as exc:
             self.on_error()
-            self._down_until = mono + self.retry_s
+            self._down_until = time.monotonic() + self.retry_s
             if not self._down:
                 self._down = True
                 logger.warning(
@@ -124,6 +148,9 @@ class RedisTokenBucket:
                     self.retry_s,
                 )
             return self.local.take(caller)
+        finally:
+            if probe:
+                self._probing = False
         if self._down:
             self._down = False
             logger.warning("the shared rate limit's Redis answers again: rates are shared")

@@ -225,9 +225,9 @@ class Metrics:
         )
         self.caller_limit_redis_errors = Counter(
             "rlproxy_caller_limit_redis_errors",
-            "Failed attempts to take a token from the shared rate limit's Redis "
-            "(RLPROXY_REDIS_URL); after each, the replica counts callers with its own bucket for "
-            "5 s.",
+            "Requests the shared rate limit's Redis (RLPROXY_REDIS_URL) did not count: it failed "
+            "or timed out (the replica then counts callers with its own bucket for 5 s), or all "
+            "of the replica's connections to it were busy (that request alone counted locally).",
             registry=r,
         )
         self._models: set[str] = set()

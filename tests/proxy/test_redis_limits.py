@@ -8,11 +8,12 @@ never share a bucket. Time is the test's fake clock, passed to the script in pla
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -148,3 +149,61 @@ async def test_an_unreachable_redis_never_refuses_nor_fails_a_request(buckets: A
     key = Principal(f"test-{uuid.uuid4().hex}", "inference")
     assert [(await call(limited, principal=key))[0] for _ in range(20)] == [200] * 20
     assert len(errors) == 1  # tried once, then not again for retry_s (5 s)
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def silent_redis() -> AsyncIterator[tuple[str, list[int]]]:
+    """A port that accepts connections and never answers (a hung Redis, a half-dead route):
+    its URL and the number of connections it took, one per request that went to it and waited
+    for the timeout (each timed-out connection is dropped, never reused)."""
+    taken: list[int] = []
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        taken.append(1)
+        await reader.read()  # until the client gives up
+        writer.close()
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"redis://127.0.0.1:{port}/0", taken
+    finally:
+        server.close()
+
+
+def _together(n: int, acquire: Callable[[], Awaitable[float]]) -> Awaitable[list[float]]:
+    return asyncio.gather(*(acquire() for _ in range(n)))
+
+
+async def test_while_redis_hangs_one_request_at_a_time_waits_for_it(
+    buckets: Any, silent_redis: tuple[str, list[int]]
+) -> None:
+    """Redis takes connections but never answers. The first request waits for the timeout and
+    finds it down; from then on, each time it is due to be tried again, one request probes it
+    while those arriving meanwhile count on this replica's bucket without waiting."""
+    url, taken = silent_redis
+    errors: list[int] = []
+    rate = buckets(
+        100, url=url, timeout_s=0.2, retry_s=0.0, on_error=lambda: errors.append(1)
+    )  # retry_s 0: due to be tried again at once, by every request that comes
+    who = caller()
+    assert await rate.acquire(who) == 0.0  # waited, then its own bucket
+    assert len(taken) == 1
+    for round_ in range(2):
+        waits = await _together(20, lambda: rate.acquire(who))
+        assert waits == [0.0] * 20  # every one served (100 a minute here)
+        assert len(taken) == 2 + round_  # one probe each time, not 20
+    assert len(errors) == len(taken)
+
+
+async def test_requests_held_up_by_a_hung_redis_are_bounded_by_the_pool(
+    buckets: Any, silent_redis: tuple[str, list[int]]
+) -> None:
+    """Before the first timeout nothing says Redis hangs: requests go to it together, but at
+    most `max_connections` of them wait on it; the others count on this replica's bucket at
+    once (the pool is full) rather than open a connection each."""
+    url, taken = silent_redis
+    rate = buckets(100, url=url, timeout_s=0.2, retry_s=60.0, max_connections=4)
+    who = caller()
+    assert await _together(30, lambda: rate.acquire(who)) == [0.0] * 30
+    assert len(taken) == 4
