@@ -36,13 +36,25 @@ batch (DDP averages).
 
 Followers wait for rank 0 without a time limit (it may wait hours for groups). When a rank dies,
 torchrun stops the others; a follower's SIGTERM ends it at once (it holds nothing to write).
+
+A failure during a step is the same on every rank only before the step's collectives (the
+examples are checked on every rank) or after them (a non-finite loss or gradient, summed over
+the ranks): those refuse the step on every rank and training goes on. Anything else raised in
+between (out of memory on one GPU, a failed all-reduce) is this rank's alone while the others go
+on to the next collective, so the ranks no longer agree on what comes next: with a 365-day
+timeout, the next collective would wait for ever, or pair a broadcast with an all-reduce. Such
+an error becomes `OutOfStep` (`Collective.lockstep`), which the training loop never retries: the
+rank exits with it, torchrun stops the other ranks, and `rlproxy serve`'s supervisor starts them
+all again from the last checkpoint. After it, this rank makes no further collective (rank 0 does
+not send "stop").
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -68,6 +80,12 @@ def launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+class OutOfStep(RuntimeError):
+    """This rank failed part-way through a data-parallel step while the other ranks went on:
+    the ranks no longer agree on the next collective, and the process must exit (torchrun then
+    stops the others). Never retried."""
+
+
 @dataclass
 class Collective:
     """This process's place in the process group and the few collectives the trainer uses."""
@@ -77,19 +95,43 @@ class Collective:
     local_rank: int
     backend: str
     device: torch.device
+    out_of_step: OutOfStep | None = None
+    """Set once `lockstep` saw this rank fail: every later collective raises it again."""
 
     @property
     def leader(self) -> bool:
         return self.rank == 0
 
+    @contextmanager
+    def lockstep(self) -> Iterator[None]:
+        """Around the part of a step between its first and last collective: an error raised
+        there is this rank's alone, and is raised again as `OutOfStep`."""
+        try:
+            yield
+        except OutOfStep:
+            raise
+        except Exception as exc:
+            self.out_of_step = OutOfStep(
+                f"rank {self.rank} of {self.world_size} failed inside a data-parallel step "
+                f"({type(exc).__name__}: {exc}); the other ranks went on to the step's next "
+                "collective, so this process exits and torchrun stops the others"
+            )
+            raise self.out_of_step from exc
+
+    def _check(self) -> None:
+        if self.out_of_step is not None:
+            raise self.out_of_step
+
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0's `obj` on every rank (pickled; NCCL carries it through the GPU)."""
+        self._check()
         box = [obj if self.leader else None]
         dist.broadcast_object_list(box, src=0, device=self._object_device())
         return box[0]
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` over all ranks, in place."""
+        self._check()
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
 
     def sum_floats(self, values: Sequence[float]) -> list[float]:
@@ -100,6 +142,7 @@ class Collective:
         return [float(x) for x in t.tolist()]
 
     def barrier(self) -> None:
+        self._check()
         if self.backend == "nccl":
             dist.barrier(device_ids=[self.device.index or 0])
         else:

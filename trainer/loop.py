@@ -49,6 +49,7 @@ from typing import Any
 from storage.records import AdapterRecord, GroupDetail
 from storage.store import Store
 from trainer import checkpoints
+from trainer.distributed import OutOfStep
 from trainer.grpo import TrainingExample, group_advantages
 from trainer.peft_backend import PeftTrainer
 from trainer.staleness import group_staleness, lineage, staleness_weight
@@ -138,11 +139,13 @@ class TrainingLoop:
         return step
 
     async def run(self) -> None:
-        """Train whenever enough scored groups are waiting; never stops on a bad step."""
+        """Train whenever enough scored groups are waiting; a failed step is tried again, except
+        one that left the ranks of a data-parallel trainer out of step (`OutOfStep`: the process
+        exits, torchrun stops the other ranks, the supervisor starts them all again)."""
         while True:
             try:
                 report = await self.step_once()
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, OutOfStep):
                 raise
             except Exception:
                 logger.exception("training step failed; trying again in %.0f s", self.poll_s)

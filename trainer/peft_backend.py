@@ -219,11 +219,13 @@ class PeftTrainer:
     def train_step(self, examples: Sequence[TrainingExample]) -> StepMetrics:
         """One AdamW step on the GRPO loss of all `examples` (gradients accumulate over
         micro-batches; the result equals one full-batch step). Data-parallel, on rank 0: the
-        examples go to every rank first, and all of them make this step together."""
+        examples go to every rank first, and all of them make this step together; an error
+        only this rank meets on the way is `trainer.distributed.OutOfStep` (exit, never retry)."""
         if not examples:
             raise ValueError("train_step needs at least one example")
         if self.collective is not None and self.collective.leader:
-            self.collective.broadcast(("step", self.step, list(examples)))
+            with self.collective.lockstep():
+                self.collective.broadcast(("step", self.step, list(examples)))
         return self.step_shard(examples)
 
     def step_shard(self, examples: Sequence[TrainingExample]) -> StepMetrics:
@@ -259,35 +261,40 @@ class PeftTrainer:
         totals: dict[str, float] = defaultdict(float)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        # Data-parallel: the examples' checks above failed on every rank alike, and so does the
+        # finiteness check below (on summed values); an error in between is this rank's alone.
+        lockstep = group.lockstep if group is not None else contextlib.nullcontext
         try:
-            with self._rng(self.config.seed + self.step):  # per-step dropout, same on resume
-                for chunk in _chunks(order, self.config.micro_batch_size):
-                    loss, metrics = self._micro_batch([rows[i] for i in chunk], weights[chunk])
-                    computed += int(metrics["computed_tokens"])
-                    loss.backward()  # type: ignore[no-untyped-call]
-                    loss_sum += float(loss.detach())
-                    for key in METRIC_MEANS:
-                        totals[key] += metrics[key] * metrics["tokens"]
-                    totals["tokens"] += metrics["tokens"]
-            if group is not None:
-                # The shards' losses add up to the full batch's (weights over the whole
-                # batch): summed gradients are the full batch's gradient on every rank.
-                all_reduce_gradients(self._params.values(), group)
-                keys = ["tokens", *METRIC_MEANS]
-                summed = group.sum_floats([loss_sum, computed, *(totals[k] for k in keys)])
-                loss_sum, computed = summed[0], int(summed[1])
-                totals.update(zip(keys, summed[2:], strict=True))
-            grad_norm = float(
-                torch.nn.utils.clip_grad_norm_(
-                    list(self._params.values()), self.config.max_grad_norm
+            with lockstep():
+                with self._rng(self.config.seed + self.step):  # per-step dropout, as on resume
+                    for chunk in _chunks(order, self.config.micro_batch_size):
+                        loss, metrics = self._micro_batch([rows[i] for i in chunk], weights[chunk])
+                        computed += int(metrics["computed_tokens"])
+                        loss.backward()  # type: ignore[no-untyped-call]
+                        loss_sum += float(loss.detach())
+                        for key in METRIC_MEANS:
+                            totals[key] += metrics[key] * metrics["tokens"]
+                        totals["tokens"] += metrics["tokens"]
+                if group is not None:
+                    # The shards' losses add up to the full batch's (weights over the whole
+                    # batch): summed gradients are the full batch's gradient on every rank.
+                    all_reduce_gradients(self._params.values(), group)
+                    keys = ["tokens", *METRIC_MEANS]
+                    summed = group.sum_floats([loss_sum, computed, *(totals[k] for k in keys)])
+                    loss_sum, computed = summed[0], int(summed[1])
+                    totals.update(zip(keys, summed[2:], strict=True))
+                grad_norm = float(
+                    torch.nn.utils.clip_grad_norm_(
+                        list(self._params.values()), self.config.max_grad_norm
+                    )
                 )
-            )
             if not math.isfinite(grad_norm) or not math.isfinite(loss_sum):
                 # One NaN update would poison the adapter for good: refuse the step instead.
                 raise FloatingPointError(
                     f"non-finite loss {loss_sum} or gradient norm {grad_norm}; step skipped"
                 )
-            self.optimizer.step()
+            with lockstep():  # a rank whose update failed would train on other weights
+                self.optimizer.step()
         finally:
             self.optimizer.zero_grad(set_to_none=True)
             self.model.eval()

@@ -145,7 +145,11 @@ def _stop_with_server() -> None:
 
 
 def _stop_followers(collective: distributed.Collective) -> None:
-    """Rank 0 is done: tell the other ranks (best effort: they may be gone already)."""
+    """Rank 0 is done: tell the other ranks (best effort: they may be gone already). Not after
+    a step left the ranks out of step: they wait in another collective, which the broadcast
+    would be paired with; rank 0 exits and torchrun stops them."""
+    if collective.out_of_step is not None:
+        return
     try:
         collective.broadcast(("stop",))
     except Exception as exc:

@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -221,6 +222,60 @@ async def test_resumed_ranks_start_from_rank_0s_checkpoint(
     moved = max(float(v.abs().max()) for v in single.values())
     print(f"version 2: max |delta| between 1 and 2 ranks {delta:.3g}, max |weight| {moved:.3g}")
     assert delta <= RESUMED_TOLERANCE, (delta, moved)
+
+
+@pytest.mark.parametrize("rank,error", [(0, "RuntimeError"), (1, "ValueError")])
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_rank_failing_mid_step_stops_every_rank(
+    tmp_path: Path, model_data_dir: Path, tokenizer: Any, rank: int, error: str
+) -> None:
+    """One rank's first micro-batch raises (what CUDA running out of memory on one GPU looks
+    like; injected by tests/trainer/fail_once_on_rank0.py, as CPUs cannot provoke it) after the
+    step's examples went out, while the other rank goes on to the gradient all-reduce. The
+    ranks no longer agree on the next collective: the failing rank must exit with the error
+    (torchrun then stops the other and the supervisor restarts both). Before, rank 0 tried the
+    step again (the loop runs without --steps here, so it is the loop that retries), pairing its
+    next broadcast with rank 1's pending all-reduce; rank 1 took a ValueError for a refusal
+    every rank shares and went back to waiting for a command while rank 0 sat in the
+    all-reduce. Both waited for ever."""
+    data = tmp_path / "data"
+    data.mkdir()
+    await _scored_groups(f"sqlite+aiosqlite:///{data / 'rlproxy.db'}", tokenizer)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "RLPROXY_DATA_DIR": str(data),
+        "RLPROXY_MODEL_DIR": str(model_data_dir),
+        "RLPROXY_TRAIN_POLL_S": "0.5",
+        "RLPROXY_TRAIN_THREADS": "1",
+        "RLPROXY_TRAINER": json.dumps({"groups_per_step": 2, "micro_batch_size": 2}),
+        "FAIL_RANK": str(rank),
+        "FAIL_ERROR": error,
+    }
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"),
+        *("2", str(REPO / "tests" / "trainer" / "fail_once_on_rank0.py"), "train"),
+    ]
+    proc = subprocess.Popen(
+        command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=300)  # a hang detector: the run takes about a minute
+    except subprocess.TimeoutExpired:
+        for pid in [*_children(proc.pid), proc.pid]:  # the ranks run in sessions of their own
+            os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+        pytest.fail(f"the ranks hung after rank {rank} failed mid-step:\n{out[-6000:]}")
+    assert proc.returncode != 0, out[-6000:]
+    assert f"injected on rank {rank}: out of memory" in out, out[-6000:]
+    assert f"OutOfStep: rank {rank} of 2 failed inside a data-parallel step" in out, out[-6000:]
+    assert "trying again" not in out and "step refused" not in out, out[-6000:]
+    assert checkpoints.list_versions(data / "checkpoints" / "rlproxy") == []
+    store = await Store.open(f"sqlite+aiosqlite:///{data / 'rlproxy.db'}")
+    try:  # both groups wait for the restarted trainer
+        assert [g.trained_step for g in (await store.list_groups()).items] == [None, None]
+    finally:
+        await store.close()
 
 
 def test_the_supervisor_runs_torchrun_for_several_processes(tmp_path: Path) -> None:
