@@ -142,6 +142,7 @@ def test_function_call_chain_is_one_trajectory(client: OpenAI, server: Server) -
         tool_choice="required",
         parallel_tool_calls=False,
         max_output_tokens=64,
+        temperature=0,  # sampled, a long argument can run past 64 tokens and cut the call
     )
     [call] = [o for o in first.output if o.type == "function_call"]
     assert call.name == "get_weather" and call.id.startswith("fc_")
@@ -178,6 +179,7 @@ def test_a_full_history_without_previous_id_links_by_prefix(client: OpenAI, serv
         tool_choice="required",
         parallel_tool_calls=False,
         max_output_tokens=64,
+        temperature=0,  # sampled, a long argument can run past 64 tokens and cut the call
     )
     [call] = [o for o in first.output if o.type == "function_call"]
     history += [o.model_dump(exclude_none=True) for o in first.output]
@@ -265,6 +267,7 @@ def test_tool_choice_none_and_named(client: OpenAI) -> None:
         tool_choice={"type": "function", "name": "get_time"},
         parallel_tool_calls=False,
         max_output_tokens=64,
+        temperature=0,  # sampled, a long argument can run past 64 tokens and cut the call
     )
     assert [o.name for o in named.output if o.type == "function_call"] == ["get_time"]
 
