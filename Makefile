@@ -1,5 +1,5 @@
-# rlproxy: one target each for setup, serve, test, lint, docs and bench. CI runs `make docs-check`
-# and `make test`.
+# rlproxy: one target each for setup, serve, test, lint, docs and bench. CI runs `make docs-check`,
+# `make test`, `make test-scale` and `make test-vllm` (.ci/run).
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
