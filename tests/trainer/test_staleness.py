@@ -120,8 +120,16 @@ async def store(tmp_path: Path) -> AsyncIterator[Store]:
         await s.close()
 
 
-async def _scored_group(store: Store, key: str, version: int | None) -> str:
-    """A scored group of two answers with different rewards, both served by `version`."""
+async def _scored_group(
+    store: Store,
+    key: str,
+    version: int | None,
+    *,
+    engine: str = "local",
+    params: Sequence[dict[str, Any]] = ({}, {}),
+) -> str:
+    """A scored group of two answers with different rewards, both served by `version`
+    (`params`: each answer's call parameters)."""
     for i in range(2):
         now = time.time()
         tid = await store.record_call(
@@ -130,8 +138,9 @@ async def _scored_group(store: Store, key: str, version: int | None) -> str:
                 created_at=now,
                 finished_at=now + 0.1,
                 model_requested="rlproxy",
-                engine="local",
+                engine=engine,
                 request_messages=[{"role": "user", "content": key}],
+                params=dict(params[i]),
                 prompt_token_ids=[1, 2, 3],
                 explicit_trajectory_id=f"{key}-t{i}",
                 explicit_group_key=key,
