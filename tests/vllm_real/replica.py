@@ -19,86 +19,48 @@ adapters per batch, raw logprobs. Here each server gets one thread (two share th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
-import subprocess
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from proxy.cli.vllm_cpu import ensure_venv, server_args, server_env
+from proxy.cli.vllm_cpu import VLLMServer, ensure_venv, server_args, server_env
 
 
-@dataclass
-class RealReplica:
-    """One real vLLM server on loopback; `start` again after `kill` comes back on the same port."""
+class RealReplica(VLLMServer):
+    """One real vLLM server on loopback (the product's `VLLMServer`, as `serve --vllm-cpu`
+    starts it); `start` again after `kill` comes back on the same port, with a new log."""
 
-    port: int
-    model: Path  # the fp32 model folder (what `--model` names)
-    folder: Path  # logs
-    max_lora_rank: int = 16
-    threads: int = 1  # OpenMP threads: one per server when two share the 2 cores
-    dtype: str = "float32"
-    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-    starts: int = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def log(self) -> Path:
-        return self.folder / f"vllm-{self.starts}.log"
-
-    def start(self) -> None:
-        python = ensure_venv(self.folder.parent / "vllm-venv-build.log")
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.starts += 1
-        self.proc = subprocess.Popen(
-            [str(python), *server_args(self.model, self.port, self.max_lora_rank, self.dtype)],
-            stdout=self.log.open("w"),
-            stderr=subprocess.STDOUT,
-            env=server_env(self.threads),
-            start_new_session=True,  # its engine core is a child: signals go to the group
+    def __init__(
+        self,
+        port: int,
+        model: Path,  # the fp32 model folder (what `--model` names)
+        folder: Path,  # logs
+        max_lora_rank: int = 16,
+        threads: int = 1,  # OpenMP threads: one per server when two share the 2 cores
+        dtype: str = "float32",
+    ) -> None:
+        super().__init__(
+            model, port, folder / "vllm-0.log", threads=threads, lora_rank=max_lora_rank
         )
+        self.folder, self.dtype, self.starts = folder, dtype, 0
+
+    def command(self, python: Path) -> list[str]:
+        # The rank exactly as given: tests set one vLLM refuses.
+        return [str(python), *server_args(self.model, self.port, self.lora_rank, self.dtype)]
+
+    def start(self) -> None:  # type: ignore[override]
+        python = ensure_venv(self.folder.parent / "vllm-venv-build.log")
+        self.starts += 1
+        self.log = self.folder / f"vllm-{self.starts}.log"
+        # Not tied to the test process's death: the session fixture stops it.
+        super().start(python, with_parent=False)
 
     def wait(self, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM on {self.port} exited: {self.log_text()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"vLLM on {self.port} did not start: {self.log_text()}")
-
-    def kill(self) -> None:
-        """SIGKILL to the server and its engine core: connections cut mid-answer."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.kill()
-        else:  # the group may outlive its leader for a moment
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        super().wait(timeout_s)
 
     def log_text(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
+        return self.log_tail()
 
     def models(self) -> list[str]:
         return [m["id"] for m in httpx.get(f"{self.url}/v1/models", timeout=30).json()["data"]]
