@@ -23,7 +23,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +31,8 @@ import torch
 
 from proxy.cli.trainer_process import TrainerProcess
 from proxy.settings import Settings
-from storage import CallRecord, ChoiceRecord, Store
-from storage.grouping import SignatureGrouper
-from storage.records import JudgeOutcome
+from storage import Store
+from tests.trainer.test_trainer_crash import _scored_groups
 from trainer import checkpoints
 from trainer.distributed import lora_checksum, shard
 
@@ -67,51 +65,6 @@ def test_shard_splits_by_tokens_contiguously() -> None:
     assert [i for p in three for i in [0, 1][p]] == [0, 1]  # fewer rows than ranks: some idle
     with pytest.raises(ValueError):
         shard(lengths, 2, 2)
-
-
-async def _scored_groups(db_url: str, tokenizer: Any) -> None:
-    store = await Store.open(db_url)
-    try:
-        for key, question in (("g1", "Name a color."), ("g2", "Name a fruit.")):
-            for i, answer in enumerate(["Red", "Blue is nice", "Green", "I like yellow"]):
-                messages = [{"role": "user", "content": question}]
-                text = tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=False
-                )
-                prompt = tokenizer.encode(text, add_special_tokens=False)
-                completion = [*tokenizer.encode(answer, add_special_tokens=False), 2]
-                now = time.time()
-                record = CallRecord(
-                    id=f"{key}-{i}",
-                    created_at=now,
-                    finished_at=now + 0.1,
-                    model_requested="rlproxy",
-                    engine="local",
-                    request_messages=messages,
-                    prompt_token_ids=list(prompt),
-                    explicit_trajectory_id=f"{key}-t{i}",
-                    explicit_group_key=key,
-                    choices=[
-                        ChoiceRecord(
-                            index=0,
-                            message={"role": "assistant", "content": answer},
-                            finish_reason="stop",
-                            completion_token_ids=completion,
-                            completion_logprobs=[-1.0 - 0.1 * i] * len(completion),
-                        )
-                    ],
-                )
-                tid = await store.record_call(record)
-                await store.add_reward(tid, float(i) / 3, "env")
-        ready = (await store.form_groups(SignatureGrouper(min_size=4))).ready
-        assert len(ready) == 2
-        for group_id in ready:
-            assert await store.claim_group(group_id) == group_id
-            await store.finish_scoring(
-                group_id, JudgeOutcome(status="scored", scores=[], judge_model="explicit")
-            )
-    finally:
-        await store.close()
 
 
 async def _trained_steps(db_url: str) -> list[int | None]:
@@ -153,7 +106,7 @@ async def test_two_cpu_ranks_make_the_same_update_as_one(
 ) -> None:
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
-    await _scored_groups(f"sqlite+aiosqlite:///{one / 'rlproxy.db'}", tokenizer)
+    await _scored_groups(f"sqlite+aiosqlite:///{one / 'rlproxy.db'}", tokenizer, logprob_step=0.1)
     two.mkdir()
     shutil.copy(one / "rlproxy.db", two / "rlproxy.db")
 
@@ -199,7 +152,7 @@ async def test_resumed_ranks_start_from_rank_0s_checkpoint(
     rank 0 loads and sends to rank 1; version 2 matches one process's version 2."""
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
-    await _scored_groups(f"sqlite+aiosqlite:///{one / 'rlproxy.db'}", tokenizer)
+    await _scored_groups(f"sqlite+aiosqlite:///{one / 'rlproxy.db'}", tokenizer, logprob_step=0.1)
     two.mkdir()
     shutil.copy(one / "rlproxy.db", two / "rlproxy.db")
     for _ in range(2):
@@ -240,7 +193,7 @@ async def test_a_rank_failing_mid_step_stops_every_rank(
     all-reduce. Both waited for ever."""
     data = tmp_path / "data"
     data.mkdir()
-    await _scored_groups(f"sqlite+aiosqlite:///{data / 'rlproxy.db'}", tokenizer)
+    await _scored_groups(f"sqlite+aiosqlite:///{data / 'rlproxy.db'}", tokenizer, logprob_step=0.1)
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
@@ -310,7 +263,7 @@ async def test_serve_supervisor_starts_the_trainer_data_parallel(
 ) -> None:
     data = tmp_path / "data"
     data.mkdir()
-    await _scored_groups(f"sqlite+aiosqlite:///{data / 'rlproxy.db'}", tokenizer)
+    await _scored_groups(f"sqlite+aiosqlite:///{data / 'rlproxy.db'}", tokenizer, logprob_step=0.1)
     monkeypatch.setenv("RLPROXY_TRAIN_POLL_S", "0.5")  # the child gets this environment
     monkeypatch.setenv("RLPROXY_TRAINER", json.dumps({"groups_per_step": 2}))
     settings = Settings(

@@ -30,7 +30,9 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 REPO = Path(__file__).resolve().parents[2]
 
 
-async def _scored_groups(db_url: str, tokenizer: Any) -> list[str]:
+async def _scored_groups(db_url: str, tokenizer: Any, logprob_step: float = 0.0) -> list[str]:
+    """Two groups of four rewarded answers, scored; the i-th answer's stored logprobs are
+    -1 - i x `logprob_step`."""
     store = await Store.open(db_url)
     try:
         for key, question in (("g1", "Name a color."), ("g2", "Name a fruit.")):
@@ -58,7 +60,7 @@ async def _scored_groups(db_url: str, tokenizer: Any) -> list[str]:
                             message={"role": "assistant", "content": answer},
                             finish_reason="stop",
                             completion_token_ids=completion,
-                            completion_logprobs=[-1.0] * len(completion),
+                            completion_logprobs=[-1.0 - logprob_step * i] * len(completion),
                         )
                     ],
                 )
