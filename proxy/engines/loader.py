@@ -173,22 +173,27 @@ def _convert(gguf: Path, target: Path) -> None:
 
 
 def load_model(
-    data_dir: Path, device: torch.device | None = None, base_model: str | None = None
+    data_dir: Path,
+    device: torch.device | None = None,
+    base_model: str | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> LoadedModel:
-    """Load the base model in fp32 (bf16 garbles left-padded batches on CPU); `data_dir` holds
-    the model cache, `base_model` is RLPROXY_BASE_MODEL (None: the embedded model)."""
+    """Load the base model, in fp32 unless `dtype` says otherwise (bf16 garbles left-padded
+    batches on CPU; `bench/gpu_check.py` measures it on CUDA); `data_dir` holds the model cache,
+    `base_model` is RLPROXY_BASE_MODEL (None: the embedded model)."""
     source = resolve_model_dir(base_model, data_dir)
     device = device or pick_device()
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
     model.to(device)  # type: ignore[arg-type]
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(str(source))
     if tokenizer.pad_token_id is None:  # padding is masked; any id will do, EOS is tidiest
         tokenizer.pad_token = tokenizer.eos_token
     logger.info(
-        "loaded %s (%.1f M parameters, fp32) from %s on %s",
+        "loaded %s (%.1f M parameters, %s) from %s on %s",
         base_model or CACHE_NAME,
         sum(p.numel() for p in model.parameters()) / 1e6,
+        str(dtype).removeprefix("torch."),
         source,
         device,
     )
