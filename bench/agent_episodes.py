@@ -2,11 +2,13 @@
 
 For the episodes of `examples/lookup_agent.py` stored in a server's SQLite file (the agent
 proof's evaluation server: `<work>/eval/rlproxy.db`), one line per model and temperature:
-finished episodes, how often the first call looked up one of the task's words, both words were
-looked up, a lookup was repeated, `add` was called, and the success rate (the episode's `add`
-summed to the right answer); then a few episodes as the calls the model wrote.
+finished episodes, how often the first call was `find` with the task's word, `find` was called
+with the word's code (the first result: the model passed it to the wrong tool), a `find` was
+repeated, `get` was called at all, `get` was called with the code, and the success rate (`find`
+with the task's word, then `get` with its code); then a few episodes as the calls the model
+wrote.
 
-An episode is one trajectory (the proof checks that); it is finished when it called `add` (the
+An episode is one trajectory (the proof checks that); it is finished when it called `get` (the
 agent stops there) or reached the agent's 4 turns. Episodes still in flight are left out.
 
     .venv/bin/python bench/agent_episodes.py /tmp/rlproxy-agent-proof-XXXX/eval/rlproxy.db
@@ -28,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import lookup_agent
 
-TASK = re.compile(r"number of (\w+) plus the number of (\w+)\?")
+TASK = re.compile(r"number of the code of (\w+)\?")
 MAX_TURNS = 4
 
 
@@ -61,32 +63,28 @@ def episodes(db: Path) -> list[dict[str, Any]]:
         match = TASK.search(user if isinstance(user, str) else json.dumps(user))
         if match is None:
             continue
-        task = (match.group(1), match.group(2))
+        task = match.group(1)
+        code = lookup_agent.code_of(task)
         calls = [c for t in turns for c in calls_of(json.loads(t[5]))]
-        finished = any(name == "add" for name, _ in calls) or len(turns) >= MAX_TURNS
+        finished = any(name == "get" for name, _ in calls) or len(turns) >= MAX_TURNS
         if not finished:
             continue
-        add = next((args for name, args in calls if name == "add"), None)
-        total = None
-        if add is not None:
-            try:
-                total = int(add.get("a", 0)) + int(add.get("b", 0))
-            except (TypeError, ValueError):
-                total = None
-        words = [args.get("word") for name, args in calls if name == "lookup"]
+        found = [args.get("word") for name, args in calls if name == "find"]
+        got = [args.get("code") for name, args in calls if name == "get"]
         out.append(
             {
                 "model": turns[0][2],
                 "temperature": json.loads(turns[0][3]).get("temperature"),
                 "task": task,
                 "calls": calls,
-                "first_call_looks_up_a_task_word": bool(words)
-                and calls[0][0] == "lookup"
-                and words[0] in task,
-                "both_words_looked_up": set(task) <= set(words),
-                "a_lookup_repeated": len(words) > len(set(words)),
-                "add_called": add is not None,
-                "success": total == lookup_agent.answer_of(task),
+                "first_call_finds_the_word": bool(calls)
+                and calls[0][0] == "find"
+                and calls[0][1].get("word") == task,
+                "find_called_with_the_code": code in found,
+                "a_find_repeated": len(found) > len(set(found)),
+                "get_called": bool(got),
+                "get_called_with_the_code": code in got,
+                "success": task in found and bool(got) and got[0] == code,
             }
         )
     return out
@@ -102,10 +100,11 @@ def report(eps: list[dict[str, Any]], examples: int = 4) -> dict[str, Any]:
         rate = {
             k: sum(e[k] for e in group) / n
             for k in (
-                "first_call_looks_up_a_task_word",
-                "both_words_looked_up",
-                "a_lookup_repeated",
-                "add_called",
+                "first_call_finds_the_word",
+                "find_called_with_the_code",
+                "a_find_repeated",
+                "get_called",
+                "get_called_with_the_code",
                 "success",
             )
         }
@@ -113,16 +112,17 @@ def report(eps: list[dict[str, Any]], examples: int = 4) -> dict[str, Any]:
         key = f"{model} t={temperature}"
         result[key] = {"episodes": n, **rate, "success_stderr": se}
         print(
-            f"{key}: {n} episodes; first call looks up a task word "
-            f"{rate['first_call_looks_up_a_task_word']:.0%}, both words looked up "
-            f"{rate['both_words_looked_up']:.0%}, a lookup repeated "
-            f"{rate['a_lookup_repeated']:.0%}, add called {rate['add_called']:.0%}; "
+            f"{key}: {n} episodes; first call finds the word "
+            f"{rate['first_call_finds_the_word']:.0%}, find called with the code "
+            f"{rate['find_called_with_the_code']:.0%}, a find repeated "
+            f"{rate['a_find_repeated']:.0%}, get called {rate['get_called']:.0%} "
+            f"(with the code {rate['get_called_with_the_code']:.0%}); "
             f"success {rate['success']:.1%} ± {se:.1%}"
         )
         for e in group[:examples]:
             calls = "; ".join(f"{name}({json.dumps(args)})" for name, args in e["calls"])
-            numbers = [lookup_agent.number_of(w) for w in e["task"]]
-            print(f"    {e['task']} (numbers {numbers}): {calls}")
+            code = lookup_agent.code_of(e["task"])
+            print(f"    {e['task']} (code {code}, number {lookup_agent.number_of(code)}): {calls}")
     return result
 
 

@@ -1,13 +1,15 @@
 """The agent proof: a multi-turn tool agent written with the OpenAI Agents SDK, pointed at
 rlproxy, gets better at its task while it works.
 
-The agent (examples/lookup_agent.py: an `Agent` with a `lookup` and an `add` tool, no rlproxy
-import) answers "What is the number of red plus the number of lime?", where only `lookup` knows
-a word's number and `add`'s result is the final answer: at least three tool calls per episode.
-The environment rewards an episode 1 when the final answer is right (0.1 per task word looked
-up otherwise) and posts it by the episode's last response id. Success (reward 1) is the
-measure. Status (docs/benchmarks/agent.md): the base model's success on this task family was
-0 % in every probe, below the 5-40 % the proof needs; no training run has been made yet.
+The agent (examples/lookup_agent.py: an `Agent` with a `find` and a `get` tool, no rlproxy
+import) answers "What is the number of the code of lime?", where only `find` knows a word's code
+(another word) and only `get` a code's number, and `get`'s result is the final answer: at least
+two tool calls per episode, the second one's argument taken from the first one's result. The
+environment rewards an episode 1 when `find` was asked about the task's word and the final
+answer is right (0.1 when only the `find` was right) and posts it by the episode's last response
+id. Success (reward 1) is the measure. The base model succeeds sometimes (about 10 % in the
+first probes: docs/benchmarks/agent.md), most often failing by passing the code `find` gave it
+to `find` again instead of to `get`.
 
 Starts the two servers of `bench/proof_loop.py` (a training server with its trainer, scorer
 and publisher; an evaluation server with none, reading the same checkpoints) and runs its loop:
@@ -100,7 +102,7 @@ def evaluate(url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
     sampled["trajectories_checked"] = check_trajectories(url, runs)
     sampled["greedy"] = greedy
     sampled["examples"] = [
-        {k: r[k] for k in ("task", "looked_up", "added", "final_output", "reward")}
+        {k: r[k] for k in ("task", "found", "got", "final_output", "reward")}
         for r in runs[:: max(1, len(runs) // 6)][:6]
     ]
     print(

@@ -1,23 +1,26 @@
 """A tool agent that knows nothing about rlproxy: the OpenAI Agents SDK, OPENAI_BASE_URL set.
 
-The task: "What is the number of red plus the number of lime?" The number of a word is known
-only to the `lookup` tool, and the answer is what the `add` tool returns, so an episode needs
-at least three tool calls: `lookup` for each word, then `add` with the two numbers it got.
-The agent is written as the SDK's docs write one: an `Agent` with two `function_tool`s,
-`Runner.run`, the default Responses API model class. Settings a user of the SDK would choose
-for this task and a small model:
+The task: "What is the number of the code of lime?" Every word has a secret code (another word)
+and every code a secret number; only the `find` tool knows a word's code and only the `get` tool
+a code's number, and `get`'s result is the final answer. So an episode needs at least two tool
+calls, and the second one's argument comes from the first one's result: `find(lime)` says
+`pink`, then `get(pink)` says `17`. The agent is written as the SDK's docs write one: an `Agent`
+with two `function_tool`s, `Runner.run`, the default Responses API model class. Settings a user
+of the SDK would choose for this task and a small model:
 
 - `tool_choice="required"` with `reset_tool_choice=False`: every turn calls a tool, and
-  `tool_use_behavior=StopAtTools(["add"])`: the episode's final output is `add`'s result;
+  `tool_use_behavior=StopAtTools(["get"])`: the episode's final output is `get`'s result;
 - `parallel_tool_calls=False`: one call a turn; at most 4 turns;
 - `auto_previous_response_id=True`: each turn names the previous response instead of resending
   the conversation (Responses API chaining), so the server keeps the episode as one chain;
-- `word` is typed as a `Literal` of the known words, so the tool's schema lists them.
+- the tools' `word` and `code` are typed as a `Literal` of the task's six words (the task's
+  word, its code and four others, shuffled), so each task's tool schemas list the words that
+  matter and the model cannot call a tool with a word that does not exist.
 
 The environment's reward for an episode (`reward`):
 
-    1.0    the final output is the right number (the sum of the two words' numbers)
-    0.1    otherwise, for each of the two words the agent looked up (at most 0.2)
+    1.0    `find` was called with the task's word and the final output is the right number
+    0.1    otherwise, when `find` was called with the task's word
 
 The agent reports each episode's reward by the id of the last response it got, to
 `POST <server>/rl/trajectories/<response id>/reward`: the one rlproxy endpoint an agent calls
@@ -43,7 +46,7 @@ import random
 import re
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import httpx
 from agents import (
@@ -61,57 +64,94 @@ from openai import AsyncOpenAI
 
 set_tracing_disabled(True)  # the SDK would send its traces to OpenAI's platform
 
-Word = Literal[
-    "red", "blue", "gold", "pink", "gray", "lime", "navy", "teal", "rose", "jade", "ruby",
-    "pear", "plum", "lemon", "mango", "peach", "grape", "melon", "olive", "rice", "corn", "kiwi",
+WORDS = [
+    "apple", "arrow", "badge", "basket", "bell", "blanket", "boat", "bottle", "bread", "brick",
+    "bridge", "brush", "bucket", "button", "cabin", "cable", "camera", "candle", "canoe",
+    "carpet", "castle", "chair", "chalk", "cheese", "cherry", "circle", "clock", "cloud", "coat",
+    "coin", "comet", "copper", "corn", "cotton", "crown", "cup", "curtain", "desk", "diamond",
+    "dish", "door", "dragon", "drum", "eagle", "engine", "feather", "fence", "field", "flag",
+    "flame", "flower", "forest", "fork", "fountain", "garden", "gate", "glass", "glove", "grape",
+    "hammer", "harbor", "hat", "helmet", "honey", "horse", "island", "jacket", "jar", "jewel",
+    "kettle", "key", "kite", "ladder", "lamp", "leaf", "lemon", "letter", "lion", "map", "marble",
+    "mask", "meadow", "mirror", "moon", "mountain", "needle", "nest", "oak", "ocean", "orange",
+    "owl", "paint", "palace", "paper", "pearl", "pencil", "pepper", "piano", "pillow", "pipe",
+    "planet", "plate", "pocket", "pond", "potato", "queen", "rabbit", "radio", "rain", "ribbon",
+    "ring", "river", "robot", "rocket", "roof", "rope", "rose", "saddle", "salt", "sand", "scarf",
+    "shell", "ship", "shoe", "silver", "skirt", "sky", "snow", "sock", "spoon", "star", "stone",
+    "storm", "sugar", "sun", "table", "tiger", "tower", "train", "tree", "trumpet", "tulip",
+    "turtle", "umbrella", "valley", "vase", "violin", "wagon", "wall", "wheel", "whistle",
+    "window", "wing", "wolf", "wool", "yarn", "zebra", "anchor", "barrel", "beacon", "cactus",
+    "canyon", "cliff", "compass", "crystal", "desert", "falcon", "glacier", "guitar", "hammock",
+    "lantern", "lizard", "magnet", "meteor", "orchid", "parrot", "pebble", "puzzle", "quilt",
+    "rainbow", "saucer", "shovel", "spider", "statue", "sword", "thunder", "tunnel", "walnut",
 ]  # fmt: skip
-# Held-out tasks use only the first 11 words, practice only the other 11: a held-out task's
-# numbers were never seen in practice.
-WORDS: list[str] = list(get_args(Word))
-HELD_OUT_WORDS = WORDS[:11]
-PRACTICE_WORDS = WORDS[11:]
-HELD_OUT_SEED = 12345
+# A held-out task asks about one of the first 100 words, practice about one of the other 88;
+# a word's code is a word of its own half: no held-out word or code is ever seen in practice.
 HELD_OUT_COUNT = 100
+HELD_OUT_WORDS = WORDS[:HELD_OUT_COUNT]
+PRACTICE_WORDS = WORDS[HELD_OUT_COUNT:]
+CHOICES = 6  # words each task's tool schemas list
 
 INSTRUCTIONS = (
-    "You answer with the tools. lookup(word) gives the number of a word. add(a, b) adds two "
-    "numbers and gives the final answer. Look up both words, then add their numbers."
+    "You answer with the tools. find(word) gives the code of a word. get(code) gives the "
+    "number of a code; that number is the final answer. First find the word's code, then get "
+    "the code's number."
 )
 
 
-def number_of(word: str) -> int:
-    """The environment's secret number for `word` (1..40, fixed)."""
-    return int(hashlib.sha256(word.encode()).hexdigest(), 16) % 40 + 1
+def _digest(text: str) -> int:
+    return int(hashlib.sha256(text.encode()).hexdigest(), 16)
 
 
-def question_text(a: str, b: str) -> str:
-    return f"What is the number of {a} plus the number of {b}?"
+def _half(word: str) -> list[str]:
+    return HELD_OUT_WORDS if word in HELD_OUT_WORDS else PRACTICE_WORDS
 
 
-def answer_of(task: tuple[str, str]) -> int:
-    return number_of(task[0]) + number_of(task[1])
+def code_of(word: str) -> str:
+    """The environment's secret code of `word`: another word of the same half (fixed)."""
+    others = [w for w in _half(word) if w != word]
+    return others[_digest(f"code:{word}") % len(others)]
 
 
-def all_pairs(words: list[str]) -> list[tuple[str, str]]:
-    return [(a, b) for a in words for b in words if a != b]
+def number_of(code: str) -> int:
+    """The environment's secret number of a code (1..40, fixed)."""
+    return _digest(code) % 40 + 1
 
 
-def held_out() -> list[tuple[str, str]]:
+def question_text(word: str) -> str:
+    return f"What is the number of the code of {word}?"
+
+
+def answer_of(word: str) -> int:
+    return number_of(code_of(word))
+
+
+def choices_of(word: str) -> list[str]:
+    """The task's words the tool schemas list: the word, its code and four others of its half,
+    in an order fixed per task."""
+    rng = random.Random(f"choices:{word}")
+    others = [w for w in _half(word) if w not in (word, code_of(word))]
+    chosen = [word, code_of(word), *rng.sample(others, CHOICES - 2)]
+    rng.shuffle(chosen)
+    return chosen
+
+
+def held_out() -> list[str]:
     """100 tasks on words never used in practice."""
-    return random.Random(HELD_OUT_SEED).sample(all_pairs(HELD_OUT_WORDS), HELD_OUT_COUNT)
+    return list(HELD_OUT_WORDS)
 
 
-def practice_tasks() -> list[tuple[str, str]]:
-    return all_pairs(PRACTICE_WORDS)
+def practice_tasks() -> list[str]:
+    return list(PRACTICE_WORDS)
 
 
 @dataclass
 class Episode:
-    """One run of the agent: what the tools saw, the answer, the response ids in order."""
+    """One run of the agent: what the tools were asked, the answer, the response ids in order."""
 
-    task: tuple[str, str]
-    looked_up: list[str] = field(default_factory=list)
-    added: list[tuple[int, int]] = field(default_factory=list)
+    task: str
+    found: list[str] = field(default_factory=list)
+    got: list[str] = field(default_factory=list)
     final_output: str = ""
     response_ids: list[str] = field(default_factory=list)
     error: str | None = None
@@ -119,43 +159,49 @@ class Episode:
 
 def reward(episode: Episode) -> float:
     """The environment's reward for an episode (see above)."""
+    if episode.task not in episode.found:
+        return 0.0
     numbers = re.findall(r"-?\d+", episode.final_output)
     if numbers and int(numbers[-1]) == answer_of(episode.task):
         return 1.0
-    return 0.1 * len(set(episode.task) & set(episode.looked_up))
+    return 0.1
 
 
 def build_agent(episode: Episode, model: Any, settings: ModelSettings) -> Agent:
     """The agent for one episode: its tools write what they were asked into `episode`."""
 
-    @function_tool
-    def lookup(word: Word) -> str:
-        """Get the number of a word."""
-        episode.looked_up.append(word)
-        return str(number_of(word))
+    def find(word: str) -> str:
+        """Get the code of a word."""
+        episode.found.append(word)
+        return code_of(word)
 
-    @function_tool
-    def add(a: int, b: int) -> str:
-        """Add two numbers."""
-        episode.added.append((a, b))
-        return str(a + b)
+    def get(code: str) -> str:
+        """Get the number of a code."""
+        episode.got.append(code)
+        return str(number_of(code))
+
+    # the task's words as a Literal: the schemas list them (set here, since this module's
+    # annotations are strings the SDK would resolve in the module's namespace)
+    choice = Literal[tuple(choices_of(episode.task))]  # type: ignore[valid-type]
+    find.__annotations__["word"] = choice
+    get.__annotations__["code"] = choice
 
     return Agent(
         name="lookup",
         instructions=INSTRUCTIONS,
         model=model,
-        tools=[lookup, add],
+        tools=[function_tool(find), function_tool(get)],
         model_settings=settings,
-        # every turn calls a tool; `add`'s result is the final answer
+        # every turn calls a tool; `get`'s result is the final answer
         reset_tool_choice=False,
-        tool_use_behavior=StopAtTools(stop_at_tool_names=["add"]),
+        tool_use_behavior=StopAtTools(stop_at_tool_names=["get"]),
     )
 
 
 async def run_episode(
     client: AsyncOpenAI,
     model: str,
-    task: tuple[str, str],
+    task: str,
     max_tokens: int = 64,
     temperature: float = 1.0,
     max_turns: int = 4,
@@ -171,7 +217,7 @@ async def run_episode(
     try:
         result = await Runner.run(
             agent,
-            question_text(*task),
+            question_text(task),
             max_turns=max_turns,
             auto_previous_response_id=True,
             run_config=RunConfig(tracing_disabled=True),
@@ -208,9 +254,7 @@ def summary(episodes: list[Episode], rewards: list[float]) -> dict[str, Any]:
         "success_stderr": statistics.stdev(success) / math.sqrt(n) if n > 1 else 0.0,
         "mean_reward": statistics.fmean(rewards),
         "stderr": statistics.stdev(rewards) / math.sqrt(n) if n > 1 else 0.0,
-        "tool_calls_per_episode": statistics.fmean(
-            len(e.looked_up) + len(e.added) for e in episodes
-        ),
+        "tool_calls_per_episode": statistics.fmean(len(e.found) + len(e.got) for e in episodes),
         "errors": sum(e.error is not None for e in episodes),
     }
 
@@ -225,7 +269,7 @@ async def train(
 ) -> dict[str, Any]:
     chosen = random.Random(seed).sample(practice_tasks(), tasks)
 
-    async def one(task: tuple[str, str]) -> tuple[Episode, float]:
+    async def one(task: str) -> tuple[Episode, float]:
         episode = await run_episode(client, model, task, max_tokens)
         value = reward(episode)
         await report(client, episode, value)
@@ -280,7 +324,7 @@ async def main_async(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="A lookup-and-add tool agent (Agents SDK).")
+    parser = argparse.ArgumentParser(description="A find-then-get tool agent (Agents SDK).")
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="practice tasks, every episode rewarded")
     t.add_argument("--tasks", type=int, default=4)
