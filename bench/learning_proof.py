@@ -95,6 +95,13 @@ def evaluate(eval_url: str, model: str, args: argparse.Namespace) -> dict[str, A
     return result
 
 
+def hardware() -> str:
+    """What the servers ran on: they take CUDA when this machine has it (`pick_device`)."""
+    import torch
+
+    return f"CUDA, {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "CPU"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -209,12 +216,13 @@ def main() -> None:
             f"{to_3se['train_minutes']:.1f} min of training "
             f"({to_3se['wall_minutes']:.1f} min with evaluations)"
         )
+    summary["hardware"] = hardware()
     (args.out / "learning.json").write_text(json.dumps(summary, indent=2))
     proof_loop.plot(
         args.out / "learning.png",
         steps,
         evals,
-        "SmolLM2-135M, arithmetic agent through rlproxy (CPU)",
+        f"SmolLM2-135M, arithmetic agent through rlproxy ({summary['hardware']})",
     )
     print(f"wrote {args.out / 'learning.json'} and {args.out / 'learning.png'}")
 
