@@ -145,29 +145,48 @@ def environment(device: torch.device) -> dict[str, Any]:
     return figures
 
 
-def build_tiny_model(tokenizer_dir: Path, out: Path) -> Path:
-    """A 2-layer Llama with random weights and the embedded tokenizer (and its chat template)."""
+def random_llama(tokenizer_dir: Path, out: Path, dtype: torch.dtype, **shape: int) -> Path:
+    """A Llama of the given shape with random weights (initialised on the GPU when there is
+    one: seconds for a billion) and the embedded tokenizer with its chat template, saved in
+    `dtype`."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
         tie_word_embeddings=True,
         pad_token_id=pad,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        **shape,
     )
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(str(out))
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     return out
+
+
+def build_tiny_model(tokenizer_dir: Path, out: Path) -> Path:
+    """A 2-layer Llama, fp32."""
+    return random_llama(
+        tokenizer_dir, out, torch.float32, hidden_size=128, intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )  # fmt: skip
+
+
+def build_llama_1b(tokenizer_dir: Path, out: Path) -> Path:
+    """Llama 3.2 1B's shape (16 layers, hidden 2048, MLP 8192, 32 heads, 8 KV heads, tied
+    embeddings) with the embedded tokenizer's 49,152-token vocabulary (1.1 B parameters), in
+    bf16: a stand-in for a larger base model's step time and memory."""
+    return random_llama(
+        tokenizer_dir, out, torch.bfloat16, hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=4096,
+    )  # fmt: skip
 
 
 def examples(trainer: PeftTrainer, model_dir: Path) -> list[TrainingExample]:
@@ -264,39 +283,6 @@ def grpo_step(
         figures["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     del trainer
     return figures
-
-
-def build_llama_1b(tokenizer_dir: Path, out: Path) -> Path:
-    """Random weights in Llama 3.2 1B's shape (16 layers, hidden 2048, MLP 8192, 32 heads, 8 KV
-    heads, tied embeddings) with the embedded tokenizer's 49,152-token vocabulary (1.1 B
-    parameters), saved in bf16: a stand-in for a larger base model's step time and memory."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        dtype="bfloat16",
-    )
-    torch.manual_seed(0)
-    where = (
-        "cuda" if torch.cuda.is_available() else "cpu"
-    )  # random init of 1 B weights: seconds on a GPU
-    with torch.device(where):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
-    del model
-    return out
 
 
 def steps_per_minute(
