@@ -304,6 +304,8 @@ async def _serve(
     # heartbeat counts as live for three polls (at least a lease), so one late poll is no death.
     stale_s = max(settings.lease_s, 3 * settings.adapter_poll_s)
     shared = SharedVersions(store, settings.model_name, replica_id, stale_s=stale_s)
+    if settings.engine == "vllm":  # a vLLM server that rejoins keeps what others serve on it
+        engine.needed_elsewhere = shared.adapters_needed_elsewhere
     adapters = AdapterManager(
         engine,
         registry,

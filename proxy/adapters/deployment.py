@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from proxy.adapters.registry import adapter_name
 from storage.store import Store
 
 logger = logging.getLogger(__name__)
@@ -208,3 +209,9 @@ class SharedVersions:
                 needed.add(state.canary_version)
         needed.discard(0)
         return needed
+
+    async def adapters_needed_elsewhere(self) -> set[str] | None:
+        """`needed_elsewhere` by the engine's adapter names (`v3`): what the vllm engine must
+        leave loaded when a vLLM server rejoins (`VLLMEngine.needed_elsewhere`)."""
+        versions = await self.needed_elsewhere()
+        return None if versions is None else {adapter_name(v) for v in versions}

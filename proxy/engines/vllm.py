@@ -77,7 +77,7 @@ import asyncio
 import json
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -175,6 +175,7 @@ class VLLMEngine:
         health_interval_s: float = 2.0,
         stop_ids: list[int] | None = None,
         base_models: tuple[str, ...] = (),
+        needed_elsewhere: Callable[[], Awaitable[set[str] | None]] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.policy = policy
@@ -185,6 +186,10 @@ class VLLMEngine:
         self.served_root: str | None = None  # the base card's `root`: what vLLM's --model named
         self.path_map = path_map  # (local prefix, prefix on the vLLM machines)
         self.health_interval_s = health_interval_s
+        self.needed_elsewhere = needed_elsewhere
+        """On a vLLM other rlproxy replicas share (serve sets it): the adapters, by rlproxy name
+        (`v3`), that another live replica still serves; None from it when that is unknown. A
+        rejoin unloads none of them (nothing at all when unknown)."""
         self.max_context = int(min(getattr(tokenizer, "model_max_length", 2048) or 2048, 10**7))
         self.stop_ids = stop_ids if stop_ids is not None else stop_token_ids(tokenizer)
         # `timeout_s` for each read (a first token may wait in vLLM's queue), 5 s to connect, no
@@ -342,18 +347,44 @@ class VLLMEngine:
 
     async def _rejoin(self, replica: Replica) -> None:
         """Before a replica takes requests again: every adapter served now is loaded on it, and
-        the ones unloaded while it was away are gone from it."""
+        the ones this engine retired are gone from it, unless another rlproxy replica sharing
+        the vLLM still serves them (`needed_elsewhere`; it may have loaded them there again)."""
         async with self._admin:
             if self.served_model is None:
                 await self._learn_model(replica)
             cards = await self.pool.models(replica)
             await self._admit(replica, cards)
             present = {str(c["id"]) for c in cards if c.get("parent")}
-            replica.loras = present & ({self.lora_name(n) for n in self._adapters} | self._retired)
-            for lora in present & self._retired:
+            replica.loras = present & {self.lora_name(n) for n in self._adapters}
+            for lora in await self._unloadable(present & self._retired):
                 await self.pool.unload_lora(replica, lora)
             for name, path in self._adapters.items():
                 await self.pool.load_lora(replica, self.lora_name(name), self.remote_path(path))
+
+    async def _unloadable(self, retired: set[str]) -> set[str]:
+        """Of the vLLM names this engine retired, the ones no other rlproxy replica serves:
+        all of them without a shared deployment, none when which ones are served elsewhere is
+        unknown (the database cannot be asked). Each stays retired here: a later rejoin unloads
+        it once nobody serves it, or the replica serving it unloads it when it is done."""
+        if not retired or self.needed_elsewhere is None:
+            return retired
+        try:
+            needed = await asyncio.wait_for(
+                self.needed_elsewhere(), timeout=self.pool.probe_timeout_s * 5
+            )
+        except Exception as exc:  # TimeoutError included
+            logger.warning("which adapters other replicas serve is unknown: %r", exc)
+            needed = None
+        kept = retired if needed is None else retired & {self.lora_name(n) for n in needed}
+        if kept:
+            logger.info(
+                "adapters %s stay on the vLLM replica: %s",
+                sorted(kept),
+                "another rlproxy replica serves them"
+                if needed is not None
+                else "which ones other rlproxy replicas serve is unknown",
+            )
+        return retired - kept
 
     async def _admit(self, replica: Replica, cards: list[dict[str, Any]]) -> None:
         """Refuse a replica that serves another base model than RLPROXY_BASE_MODEL's, or that

@@ -430,6 +430,58 @@ async def test_a_replica_rejoins_only_after_its_adapters_are_loaded_again(
     assert loaded == {A: {"rlproxy@2"}, B: {"rlproxy@2"}}
 
 
+async def test_a_rejoin_leaves_what_other_rlproxy_replicas_serve_or_all_when_unknown(
+    replicas: Replicas,
+) -> None:
+    """On a vLLM several rlproxy replicas share, a rejoin unloads only the retired adapters no
+    other replica serves (`needed_elsewhere`); none when that is unknown (None, or the question
+    fails), and the replica still rejoins. tests/e2e/test_vllm_shared_rejoin.py: two engines."""
+    loaded: dict[str, set[str]] = {}
+    up = {A: True}
+    base = lora_handler(loaded)
+
+    def handler(req: Req) -> httpx.Response | None:
+        if not up[req.replica]:
+            raise HangUp
+        return base(req)
+
+    answers: list[Any] = []
+
+    async def needed_elsewhere() -> set[str] | None:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer  # type: ignore[no-any-return]
+
+    engine = await started(await replicas(handler, (A,), needed_elsewhere=needed_elsewhere))
+    for name in ("v1", "v2", "v3", "v4"):
+        await engine.load_adapter(name, f"/x/{name}")
+
+    async def blip_while_retiring(*names: str) -> None:
+        up[A] = False
+        await engine.pool.check_all()
+        for name in names:
+            await engine.unload_adapter(name)  # out of rotation: left on the vLLM for now
+        up[A] = True
+        await engine.pool.check_all()
+        assert engine.pool.healthy()
+
+    answers[:] = [{"v1"}]  # another replica serves v1; nobody serves v2
+    await blip_while_retiring("v1", "v2")
+    assert loaded[A] == {"rlproxy@1", "rlproxy@3", "rlproxy@4"}
+    assert engine.pool.replicas[0].loras == {"rlproxy@3", "rlproxy@4"}
+    answers[:] = [None]  # the database cannot say: nothing is unloaded
+    await blip_while_retiring("v3")
+    assert loaded[A] == {"rlproxy@1", "rlproxy@3", "rlproxy@4"}
+    answers[:] = [RuntimeError("database down")]  # the same when asking fails
+    await blip_while_retiring()
+    assert loaded[A] == {"rlproxy@1", "rlproxy@3", "rlproxy@4"}
+    answers[:] = [set()]  # nobody serves them any more: the next rejoin cleans up
+    await blip_while_retiring()
+    assert loaded[A] == {"rlproxy@4"}
+    assert not answers
+
+
 # ----------------------------------------------------------------------------- set up wrong
 # Issue 24: configuration mistakes a replica can carry, refused with the fix in the message.
 
