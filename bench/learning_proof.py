@@ -15,7 +15,11 @@ round is generated while the trainer steps on the last one (so a round is sample
 version one behind the newest; GRPO's clipped ratio is taken against the logprobs stored at
 sampling time, so this is ordinary one-step-off-policy training), the runner counts the usable
 groups it produced (runs with different rewards) and practises again at once when a step cannot
-come yet, and the servers poll every 0.25 s.
+come yet, and the servers poll every 0.25 s. `--ahead 0` waits for every version before
+practising again (strictly on-policy); `--ahead K` lets the trainer fall up to K - 1 versions
+behind the practice (traffic that does not wait for training), and `--max-staleness` /
+`--stale-policy` set the trainer's bound on how stale a trained group may be
+(docs/concepts/grpo.md).
 
 Held-out reward (100 questions never practised, `--eval-samples` attempts each) is measured for
 the base model first, every `--eval-every` steps, and for the last version; no practice round is
@@ -115,8 +119,18 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=6e-4, help="the trainer's learning rate")
     parser.add_argument("--max-tokens", type=int, default=12, help="the agent's reply limit")
     parser.add_argument(
-        "--ahead", type=int, choices=(0, 1), default=1, help="practise while the trainer steps"
+        "--ahead",
+        type=int,
+        default=1,
+        help="0: on-policy rounds (wait for each version); 1: practise while the trainer steps; "
+        "K: also let the trainer fall up to K-1 versions behind the practice",
     )
+    parser.add_argument(
+        "--max-staleness",
+        default="default",
+        help="the trainer's max_staleness: an integer, 'none' (no bound) or 'default' (its own)",
+    )
+    parser.add_argument("--stale-policy", choices=("drop", "downweight"), default=None)
     parser.add_argument("--max-batch", type=int, default=32, help="engine rows decoded together")
     parser.add_argument("--eval-samples", type=int, default=2)
     parser.add_argument("--eval-every", type=int, default=4)
@@ -137,9 +151,16 @@ def main() -> None:
 
     print(f"settings: {json.dumps({k: str(v) for k, v in vars(args).items()})}", flush=True)
     print(f"load average at start: {os.getloadavg()}", flush=True)
+    trainer_extra: dict[str, Any] = {}
+    if args.max_staleness != "default":
+        bound = args.max_staleness.lower()
+        trainer_extra["max_staleness"] = None if bound == "none" else int(bound)
+    if args.stale_policy is not None:
+        trainer_extra["stale_policy"] = args.stale_policy
     servers = proof_loop.start_servers(
-        args.model_dir, args.runs, args.questions, args.lr, args.max_batch
-    )
+        args.model_dir, args.runs, args.questions, args.lr, args.max_batch,
+        trainer_extra=trainer_extra,
+    )  # fmt: skip
     settings = {k: str(v) for k, v in vars(args).items()} | {"server_env": servers.settings_env}
     print(f"server settings: {json.dumps(servers.settings_env)}", flush=True)
     result = proof_loop.run(
@@ -149,7 +170,7 @@ def main() -> None:
         minutes=args.minutes,
         groups_per_step=args.questions,
         eval_every=args.eval_every,
-        ahead=bool(args.ahead),
+        ahead=args.ahead,
         describe=lambda p: f"practice reward {p['mean_reward']:.3f} (exact {p['exact']:.0%})",
         step_fields=lambda p: {"agent_reward": p["mean_reward"], "agent_exact": p["exact"]},
         stop=lambda e: args.stop_at_exact is not None and e["exact"] >= args.stop_at_exact,

@@ -70,13 +70,14 @@ def start_servers(
     lr: float,
     max_batch: int,
     prefix: str = "rlproxy-proof-",
+    trainer_extra: dict[str, Any] | None = None,
 ) -> Servers:
     work = Path(tempfile.mkdtemp(prefix=prefix))
     train_dir, eval_dir = work / "train", work / "eval"
     (train_dir / "checkpoints" / "rlproxy").mkdir(parents=True)
     eval_dir.mkdir()
     (eval_dir / "checkpoints").symlink_to(train_dir / "checkpoints")
-    trainer_cfg = {"groups_per_step": groups_per_step, "learning_rate": lr}
+    trainer_cfg = {"groups_per_step": groups_per_step, "learning_rate": lr, **(trainer_extra or {})}
     engine_env = {
         "RLPROXY_MAX_BATCH_SIZE": str(max_batch),
         # an evaluation sends all its requests at once: no per-caller limits
@@ -151,16 +152,19 @@ def run(
     minutes: float,
     groups_per_step: int,
     eval_every: int,
-    ahead: bool,
+    ahead: int,
     score: str = "mean_reward",
     stderr: str = "stderr",
     describe: Callable[[dict[str, Any]], str] = lambda p: f"practice reward {p['mean_reward']:.3f}",
     step_fields: Callable[[dict[str, Any]], dict[str, Any]] = lambda p: {},
     stop: Callable[[dict[str, Any]], bool] = lambda e: False,
 ) -> Run:
-    """Practise, step, evaluate (see the module's text). `score` and `stderr` name the held-out
-    measure in `evaluate`'s result that the gain is counted in; `stop` ends the run early after
-    an evaluation."""
+    """Practise, step, evaluate (see the module's text). `ahead`: 0 waits for every version the
+    last round's groups make before practising again (on-policy), 1 practises the next round
+    while the trainer steps, K > 1 also lets the trainer fall up to K - 1 versions behind the
+    groups practised (traffic that does not wait for training, sampled by older versions).
+    `score` and `stderr` name the held-out measure in `evaluate`'s result that the gain is
+    counted in; `stop` ends the run early after an evaluation."""
     out = Run()
     started = 0.0
     # a proof stopped with SIGTERM (kill, nohup'd runs) still stops its servers and trainer
@@ -199,7 +203,7 @@ def run(
     try:
         held_out(None)
         started = time.monotonic()
-        rounds, usable = 0, 0
+        rounds, usable, dropped = 0, 0, 0
         pending: Future[dict[str, Any]] | None = None
         while time.monotonic() - started - out.eval_s < minutes * 60:  # evaluations aside
             if pending is None:
@@ -210,7 +214,9 @@ def run(
             # The trainer steps once per `groups_per_step` usable groups (a group whose runs all
             # got the same reward has no signal and is skipped): count them instead of waiting.
             usable += practice["usable"]
-            target = usable // groups_per_step
+            # the version this round's groups make (less the groups the trainer dropped as too
+            # stale, as its last step reported), less the versions the trainer may lag by
+            target = (usable - dropped) // groups_per_step - max(0, int(ahead) - 1)
             due = any(v % eval_every == 0 for v in range(out.version + 1, target + 1))
             if ahead and not due:
                 pending = pool.submit(practise, servers.train_url, rounds)
@@ -223,6 +229,8 @@ def run(
                     )
                 out.version += 1
                 metrics = published.get("metrics") or {}
+                dropped = int(metrics.get("stale_dropped_total") or dropped)
+                target = (usable - dropped) // groups_per_step - max(0, int(ahead) - 1)
                 out.steps.append(
                     {
                         "version": out.version,
@@ -231,6 +239,9 @@ def run(
                         "loss": metrics.get("loss"),
                         "step_seconds": metrics.get("step_seconds"),
                         "skipped_groups": metrics.get("skipped_groups"),
+                        "staleness_max": metrics.get("staleness_max"),
+                        "staleness_mean": metrics.get("staleness_mean"),
+                        "stale_dropped": metrics.get("stale_dropped"),
                     }
                     | step_fields(practice)
                 )
