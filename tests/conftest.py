@@ -1,4 +1,5 @@
-"""Shared fixtures: the real embedded model, loaded once per test session.
+"""Shared fixtures: the real embedded model, loaded once per test session, and a fresh SQLite
+store per test.
 
 The fp32 checkpoint is cached under the repository's `rlproxy-data/` (or `RLPROXY_TEST_MODEL_DIR`)
 so that only the first test run pays for the GGUF conversion; every database a test writes lives
@@ -8,9 +9,12 @@ under its own `tmp_path`.
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import pytest_asyncio
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,3 +41,17 @@ def loaded_model(model_data_dir: Path):  # -> proxy.engines.loader.LoadedModel
 @pytest.fixture(scope="session")
 def tokenizer(loaded_model):
     return loaded_model.tokenizer
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def store(tmp_path: Path) -> AsyncIterator[Any]:  # -> storage.Store
+    """A fresh SQLite store in the test's folder, opened on the test's own event loop (tests
+    marked `loop_scope="function"`); a module that runs its tests on another loop defines its
+    own `store`."""
+    from storage import Store
+
+    s = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'rlproxy.db'}")
+    try:
+        yield s
+    finally:
+        await s.close()

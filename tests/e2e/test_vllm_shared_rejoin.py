@@ -15,12 +15,11 @@ hour), so which replica rejoins first is the test's choice, not the clock's.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import pytest_asyncio
 
 from proxy.adapters.deployment import SharedVersions
 from proxy.engines.base import ChoiceFinished, GenerationRequest, SamplingParams
@@ -48,15 +47,6 @@ def vllm(tmp_path_factory: pytest.TempPathFactory, model_data_dir: Path) -> Iter
         yield replica
     finally:
         replica.stop()
-
-
-@pytest_asyncio.fixture(loop_scope="function")
-async def store(tmp_path: Path) -> AsyncIterator[Store]:
-    s = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'rlproxy.db'}")
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 async def engine_of(vllm: FakeReplica, shared: SharedVersions) -> VLLMEngine:

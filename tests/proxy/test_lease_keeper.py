@@ -10,12 +10,10 @@ is a clock the test moves, so no test waits for a lease to run out.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Literal
 
 import pytest
-import pytest_asyncio
 
 from proxy.adapters.deployment import LeaseKeeper
 from storage import Store
@@ -44,15 +42,6 @@ class Database:
         if self.mode == "hung":
             await asyncio.Event().wait()
         return await self.store.acquire_lease(name, holder, ttl_s)
-
-
-@pytest_asyncio.fixture(loop_scope="function")
-async def store(tmp_path: Path) -> AsyncIterator[Store]:
-    s = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'rlproxy.db'}")
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 def _keeper(db: Database, clock: Clock, ttl_s: float = 30.0) -> LeaseKeeper:

@@ -11,11 +11,10 @@ real adapter folders. Time for the lease is a clock the test moves.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 
 from proxy.adapters.deployment import LeaseKeeper
 from proxy.adapters.manager import AdapterManager
@@ -26,15 +25,6 @@ from storage import Store
 from tests.proxy.test_publisher_follow import RecordingEngine, _write_version
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
-
-
-@pytest_asyncio.fixture(loop_scope="function")
-async def store(tmp_path: Path) -> AsyncIterator[Store]:
-    s = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'rlproxy.db'}")
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 class SlowEngine(RecordingEngine):

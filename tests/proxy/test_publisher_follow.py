@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 import torch
 from safetensors.torch import save_file
 
@@ -64,15 +62,6 @@ def _replica(
     )
     publisher = Publisher(manager, store, replica_id=name, lease_s=60, shared=versions)
     return publisher, manager, engine
-
-
-@pytest_asyncio.fixture(loop_scope="function")
-async def store(tmp_path: Path) -> AsyncIterator[Store]:
-    s = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'rlproxy.db'}")
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 async def test_one_publishes_both_follow_and_activations_hold_everywhere(
