@@ -188,8 +188,8 @@ class VLLMEngine:
         self.health_interval_s = health_interval_s
         self.needed_elsewhere = needed_elsewhere
         """On a vLLM other rlproxy replicas share (serve sets it): the adapters, by rlproxy name
-        (`v3`), that another live replica still serves; None from it when that is unknown. A
-        rejoin unloads none of them (nothing at all when unknown)."""
+        (`v3`), that another live replica still serves; None from it when that is unknown. An
+        unload or a rejoin unloads none of them from the vLLM (nothing at all when unknown)."""
         self.max_context = int(min(getattr(tokenizer, "model_max_length", 2048) or 2048, 10**7))
         self.stop_ids = stop_ids if stop_ids is not None else stop_token_ids(tokenizer)
         # `timeout_s` for each read (a first token may wait in vLLM's queue), 5 s to connect, no
@@ -327,7 +327,9 @@ class VLLMEngine:
 
     async def unload_adapter(self, name: str) -> None:
         """No new request may start on `name` from now; unload it from every replica once the
-        requests in flight on it have finished."""
+        requests in flight on it have finished, unless another rlproxy replica sharing the vLLM
+        serves it by then (`needed_elsewhere`, asked again after the wait: it may have loaded the
+        version again meanwhile); then it stays there, retired here."""
         if name not in self._adapters:
             raise KeyError(f"adapter {name!r} is not loaded")
         self._retiring.add(name)
@@ -337,9 +339,12 @@ class VLLMEngine:
             if name not in self._retiring:  # loaded again meanwhile: keep it
                 return
             lora = self.lora_name(name)
-            for replica in self.pool.healthy():  # the others drop it when they rejoin
-                if lora in replica.loras:
+            holding = [r for r in self.pool.healthy() if lora in r.loras]  # others: on rejoin
+            if holding and lora in await self._unloadable({lora}):
+                for replica in holding:
                     await self._quietly(self.pool.unload_lora(replica, lora))
+            for replica in holding:
+                replica.loras.discard(lora)
             self._adapters.pop(name, None)
             self._retiring.discard(name)
             self._retired.add(lora)

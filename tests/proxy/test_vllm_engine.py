@@ -482,6 +482,34 @@ async def test_a_rejoin_leaves_what_other_rlproxy_replicas_serve_or_all_when_unk
     assert not answers
 
 
+async def test_an_unload_leaves_what_another_rlproxy_replica_serves_by_then(
+    replicas: Replicas,
+) -> None:
+    """The adapter manager asks `needed_elsewhere` before it unloads, but the engine then waits
+    for the requests in flight, which can take minutes; another replica may load the version
+    again meanwhile. The engine asks again just before the vLLM unload: a version served
+    elsewhere by then stays on the vLLM (retired here: a rejoin removes it once nobody serves
+    it); unknown (None) unloads nothing either."""
+    loaded: dict[str, set[str]] = {}
+    answers: list[set[str] | None] = []
+
+    async def needed_elsewhere() -> set[str] | None:
+        return answers.pop(0)
+
+    engine = await started(
+        await replicas(lora_handler(loaded), (A,), needed_elsewhere=needed_elsewhere)
+    )
+    for name in ("v1", "v2", "v3"):
+        await engine.load_adapter(name, f"/x/{name}")
+    answers[:] = [{"v1"}, None, set()]
+    await engine.unload_adapter("v1")  # another replica serves it by now
+    await engine.unload_adapter("v2")  # the database cannot say
+    await engine.unload_adapter("v3")  # nobody else: gone
+    assert loaded[A] == {"rlproxy@1", "rlproxy@2"}
+    assert engine.pool.replicas[0].loras == set()
+    assert not answers
+
+
 # ----------------------------------------------------------------------------- set up wrong
 # Issue 24: configuration mistakes a replica can carry, refused with the fix in the message.
 
