@@ -169,6 +169,16 @@ class TrainerConfig:
             "and on the unsloth backend (its forward takes a cache only for inference)."
         },
     )
+    pack_turns: bool = field(
+        default=True,
+        metadata={
+            "help": "Train the turns of one trajectory as one row when each turn's stored prompt "
+            "begins with exactly the previous turn's prompt and sampled tokens (an agent's "
+            "chain of calls): the prompt runs once instead of once per turn, and the loss is "
+            "unchanged. Turns whose tokens differ (the template re-tokenized an answer) or "
+            "that would exceed max_seq_len keep rows of their own."
+        },
+    )
     gradient_checkpointing: bool = field(
         default=False,
         metadata={

@@ -24,12 +24,14 @@ Exactly this variant is implemented:
   exp(ref - new) - (ref - new) - 1, weighted by `kl_beta` (0 turns it off; the default).
 - Reduction: the per-token loss is averaged over each *sample's* masked tokens first, then over
   samples, so a long trajectory does not outweigh a short one. A sample may span several rows
-  (one row per assistant turn of one trajectory): `sample_ids` says which sample each row
-  belongs to, and all turns of one sample average together and count once.
+  (one row per assistant turn of one trajectory, or several turns packed into one row):
+  `sample_ids` says which sample each row belongs to, and all turns of one sample average
+  together and count once.
 
-Layout: every tensor is (B, T), one row per assistant turn, already aligned so that position t
-holds the logprob of target token t (see `token_logprobs`); `mask` is 1 on sampled assistant
-tokens and 0 on prompt, tool, user and padding tokens, whose values may be anything (even NaN).
+Layout: every tensor is (B, T), one row per assistant turn (or packed turns), aligned so that
+position t holds the logprob of target token t (see `token_logprobs`); `mask` is 1 on sampled
+assistant tokens and 0 on prompt, tool, user and padding tokens, whose values may be anything
+(even NaN).
 
 This module knows nothing about models, tokenizers, the database or checkpoints;
 `trainer.peft_backend` feeds it.
@@ -46,7 +48,8 @@ import torch
 
 @dataclass(frozen=True)
 class TrainingExample:
-    """One assistant turn to train on, with the exact token ids stored when it was sampled."""
+    """One assistant turn to train on, with the exact token ids stored when it was sampled; or
+    several turns of one trajectory packed into one row (`trainer.packing`)."""
 
     sample_id: str  # the trajectory (or shadow sample) it came from; its turns average together
     prompt_ids: list[int]  # the exact prompt token ids of this turn
@@ -56,6 +59,10 @@ class TrainingExample:
     weight: float = 1.0  # multiplies the sample's loss (< 1: its group was stale, down-weighted)
     behaviour_version: int = 0  # the adapter version that sampled it (0: the base model)
     logprobs_masked: bool = False  # old_logprobs were taken after a grammar's mask (vLLM)
+    # Which completion_ids were sampled and are trained on; None: all of them. A packed row's
+    # completion_ids also hold what came between its turns (tool results, the template's
+    # scaffolding): False there, and old_logprobs holds a placeholder (0.0) at those positions.
+    completion_mask: tuple[bool, ...] | None = None
 
 
 def group_advantages(

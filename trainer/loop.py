@@ -51,6 +51,7 @@ from storage.store import Store
 from trainer import checkpoints
 from trainer.distributed import OutOfStep
 from trainer.grpo import TrainingExample, group_advantages
+from trainer.packing import pack_turns, turns_in
 from trainer.peft_backend import PeftTrainer
 from trainer.staleness import group_staleness, lineage, staleness_weight
 
@@ -167,9 +168,10 @@ class TrainingLoop:
         parent = self.weights_version
         examples = [e for _, exs in chosen for e in exs]
         logger.info(
-            "step %d: training on %d groups (%d turns)",
+            "step %d: training on %d groups (%d turns in %d rows)",
             self.trainer.step + 1,
             len(chosen),
+            sum(turns_in(e) for e in examples),
             len(examples),
         )
         started = time.perf_counter()
@@ -333,13 +335,14 @@ class TrainingLoop:
         )
         if advantages is None:
             return []  # zero variance: nothing to learn from this group
-        out = []
+        out: list[TrainingExample] = []
         for member, advantage in zip(group.members, advantages, strict=True):
+            turns: list[TrainingExample] = []
             for turn in member.turns:
                 ids, logprobs = turn.completion_token_ids, turn.completion_logprobs
                 if not turn.prompt_token_ids or not ids or not logprobs:
                     continue  # no token ids stored (upstream engine, failed call)
-                out.append(
+                turns.append(
                     TrainingExample(
                         sample_id=member.member_id,
                         prompt_ids=list(turn.prompt_token_ids),
@@ -350,6 +353,9 @@ class TrainingLoop:
                         logprobs_masked=turn.logprobs_after_grammar,
                     )
                 )
+            if self.config.pack_turns:
+                turns = pack_turns(turns, self.config.max_seq_len)
+            out += turns
         return out
 
     async def leave_rolled_back(self) -> None:

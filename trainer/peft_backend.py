@@ -9,7 +9,9 @@ exactly one optimizer step; `save` writes a checkpoint the serving engine (or vL
 names (`trainer.unsloth_backend` is imported only when asked for).
 
 How a step runs: each example is one row `prompt + completion`, cut from the left of the prompt
-when longer than `max_seq_len`. Rows are ordered by prompt, then length, so that the members of
+when longer than `max_seq_len` (a packed example, several turns of one trajectory, has the
+tool results and scaffolding between its turns in its completion, masked out of the loss:
+`trainer.packing`). Rows are ordered by prompt, then length, so that the members of
 a group (which share their prompt) sit together, and cut into micro-batches of
 `micro_batch_size` rows. In each micro-batch the prompt tokens every row shares run once, at
 batch 1, into a key/value cache that every row then attends to (`share_prompt_prefix`); the
@@ -72,7 +74,7 @@ class StepMetrics:
     step: int  # optimizer steps done, this one included (the checkpoint version it would get)
     loss: float  # the full-batch GRPO loss before the update
     samples: int  # distinct sample ids
-    turns: int  # examples (rows)
+    turns: int  # examples (rows; the turns of a packed row count once)
     tokens: int  # completion tokens trained on
     forward_tokens: int  # prompt + completion tokens through forward and backward (no padding)
     computed_tokens: int  # tokens actually run (a shared prompt prefix once per micro-batch)
@@ -94,7 +96,8 @@ class StepMetrics:
 class _Row:
     input_ids: list[int]  # prompt + completion, after truncation
     first: int  # index in input_ids of the first completion token
-    old_logprobs: list[float]
+    old_logprobs: list[float]  # one per completion token (placeholders where mask is False)
+    mask: list[bool]  # per completion token: sampled, trained on (False between packed turns)
     advantage: float
     truncated: bool
     recompute_old: bool = False  # the stored logprobs are not the policy's (masked_logprobs)
@@ -239,7 +242,7 @@ class PeftTrainer:
         sample_ids = torch.tensor(
             [sample_index.setdefault(e.sample_id, len(sample_index)) for e in examples]
         )
-        counts = torch.tensor([len(r.old_logprobs) for r in rows])
+        counts = torch.tensor([sum(r.mask) for r in rows])
         # (N,) per-token weight of each row: per-sample averaging, times the sample's own weight
         # (below 1 for a down-weighted stale group)
         weights = sample_row_weights(counts, sample_ids) * torch.tensor(
@@ -341,6 +344,14 @@ class PeftTrainer:
             )
         if not all(math.isfinite(x) for x in old):
             raise ValueError(f"sample {example.sample_id}: old logprobs must be finite")
+        mask = [True] * len(completion)
+        if example.completion_mask is not None:
+            mask = [bool(x) for x in example.completion_mask]
+            if len(mask) != len(completion) or not mask[0]:
+                raise ValueError(
+                    f"sample {example.sample_id}: completion_mask needs one flag per completion "
+                    "token and a sampled first token"
+                )
         if not (math.isfinite(example.weight) and example.weight >= 0):
             raise ValueError(
                 f"sample {example.sample_id}: weight must be >= 0, got {example.weight}"
@@ -349,11 +360,17 @@ class PeftTrainer:
         truncated = len(prompt) + len(completion) > limit
         if truncated:
             completion = completion[: limit - 1]  # keep at least one prompt token
-            old = old[: len(completion)]
+            old, mask = old[: len(completion)], mask[: len(completion)]
             prompt = prompt[len(prompt) - (limit - len(completion)) :]
         recompute = example.logprobs_masked and self.config.masked_logprobs == "trainer"
         return _Row(
-            prompt + completion, len(prompt), old, float(example.advantage), truncated, recompute
+            prompt + completion,
+            len(prompt),
+            old,
+            mask,
+            float(example.advantage),
+            truncated,
+            recompute,
         )
 
     def _micro_batch(
@@ -373,7 +390,7 @@ class PeftTrainer:
             input_ids[b, : len(rest)] = torch.tensor(rest)
             attention[b, : shared + len(rest)] = 1
             span = slice(row.first - 1 - shared, row.first - 1 - shared + len(row.old_logprobs))
-            keep[b, span] = True
+            keep[b, span] = torch.tensor(row.mask)
             old[b, span] = torch.tensor(row.old_logprobs)
         input_ids, attention, keep, old = (
             t.to(self.device) for t in (input_ids, attention, keep, old)

@@ -23,6 +23,7 @@ from trainer.checkpoints import (
 )
 from trainer.config import TrainerConfig
 from trainer.grpo import TrainingExample
+from trainer.packing import pack_turns, turns_in
 from trainer.peft_backend import PeftTrainer
 
 MakeTrainer = Callable[..., PeftTrainer]
@@ -363,3 +364,52 @@ def test_logprobs_stored_after_a_grammar_mask_are_not_the_ratio_reference(
     shifted = [dataclasses.replace(e, logprobs_masked=False) for e in masked]
     unflagged, _ = step(shifted, masked_logprobs="trainer")
     assert unflagged.ratio_mean == pytest.approx(math.exp(-1.0), abs=1e-3)
+
+
+def test_a_packed_trajectory_trains_exactly_like_its_turns_with_its_prompt_run_once(
+    make_trainer: MakeTrainer, tok: PreTrainedTokenizerBase
+) -> None:
+    """Two-turn tool episodes (call, tool result, answer): one packed row per episode gives the
+    loss and gradient of one row per turn, and the prompt runs once instead of per turn."""
+    trainer = make_trainer(micro_batch_size=4)
+    prompt = _prompt(tok, "What is the number of lime?")
+    between = list(
+        tok("<|im_start|>tool\n14<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)[
+            "input_ids"
+        ]
+    )
+    turns = []
+    for sid, call, answer, adv in (
+        ("a", '{"name": "lookup", "arguments": {"word": "lime"}}', "14", 1.0),
+        ("b", '{"name": "lookup", "arguments": {"word": "pink"}}', "9", -1.0),
+    ):
+        first = _completion(tok, call) + list(tok("\n", add_special_tokens=False)["input_ids"])
+        second_prompt = prompt + first + between
+        turns += [
+            _example(trainer, sid, prompt, first, adv),
+            _example(trainer, sid, second_prompt, _completion(tok, answer), adv),
+        ]
+    packed = pack_turns(turns, max_len=1024)
+    assert len(packed) == 2 and [turns_in(r) for r in packed] == [2, 2]
+
+    grads: list[dict[str, torch.Tensor]] = []
+
+    def keep_gradients(*_: object) -> None:
+        grads.append({n: torch.clone(p.grad) for n, p in trainer._params.items()})  # type: ignore[arg-type]
+
+    trainer.optimizer.register_step_pre_hook(keep_gradients)
+    weights, optimizer = trainer.adapter_state(), copy.deepcopy(trainer.optimizer.state_dict())
+    per_turn = trainer.train_step(turns)
+    set_peft_model_state_dict(trainer.model, weights)
+    trainer.optimizer.load_state_dict(optimizer)
+    one_row = trainer.train_step(packed)
+
+    assert one_row.turns == 2 and per_turn.turns == 4
+    assert one_row.tokens == per_turn.tokens  # the same sampled tokens trained on
+    assert one_row.ratio_mean == pytest.approx(1.0, abs=1e-4)  # the stored logprobs line up
+    assert one_row.loss == pytest.approx(per_turn.loss, abs=1e-6)
+    assert one_row.grad_norm == pytest.approx(per_turn.grad_norm, rel=1e-3)
+    for name, grad in grads[0].items():
+        assert (grads[1][name] - grad).norm() <= 1e-3 * grad.norm() + 1e-8, name
+    assert one_row.forward_tokens < per_turn.forward_tokens
+    assert one_row.computed_tokens < per_turn.computed_tokens

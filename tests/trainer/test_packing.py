@@ -1,0 +1,185 @@
+"""Packing a trajectory's turns into one training row (trainer.packing): which turns fold into
+the row before them, and the training loop handing the trainer one row per stored agent episode
+whose turns continue each other exactly, on a real SQLite store (a recording stand-in for the
+model: what is checked is the rows it is given; test_peft_backend checks that a packed row
+trains exactly like its turns)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from storage import CallRecord, ChoiceRecord, Store
+from storage.grouping import SignatureGrouper
+from storage.records import JudgeOutcome
+from trainer import checkpoints
+from trainer.config import TrainerConfig
+from trainer.grpo import TrainingExample
+from trainer.loop import TrainingLoop
+from trainer.packing import pack_turns, turns_in
+from trainer.peft_backend import StepMetrics
+
+SYSTEM = [1, 2, 3, 4]
+ANSWER_1 = [10, 11, 12]  # a tool call
+BETWEEN = [20, 21]  # the tool's result and the template's next assistant header
+ANSWER_2 = [13, 14]
+
+
+def turn(prompt: list[int], completion: list[int], **changes: Any) -> TrainingExample:
+    logprobs = [-float(t) / 10 for t in completion]
+    return dataclasses.replace(TrainingExample("s", prompt, completion, logprobs, 0.5), **changes)
+
+
+def two_turns(**second: Any) -> list[TrainingExample]:
+    return [turn(SYSTEM, ANSWER_1), turn(SYSTEM + ANSWER_1 + BETWEEN, ANSWER_2, **second)]
+
+
+def test_a_turn_that_continues_the_last_one_folds_into_its_row() -> None:
+    (row,) = pack_turns(two_turns(), max_len=100)
+    assert row.prompt_ids == SYSTEM
+    assert row.completion_ids == ANSWER_1 + BETWEEN + ANSWER_2
+    assert row.completion_mask == (True,) * 3 + (False,) * 2 + (True,) * 2
+    # the stored logprobs of both turns where they were sampled, a placeholder between
+    assert row.old_logprobs == [-1.0, -1.1, -1.2, 0.0, 0.0, -1.3, -1.4]
+    assert (row.sample_id, row.advantage) == ("s", 0.5)
+    assert turns_in(row) == 2
+
+    third = turn(SYSTEM + ANSWER_1 + BETWEEN + ANSWER_2 + [22], [15])
+    (row,) = pack_turns([*two_turns(), third], max_len=100)
+    assert row.completion_ids == ANSWER_1 + BETWEEN + ANSWER_2 + [22, 15]
+    assert turns_in(row) == 3
+
+
+def test_a_turn_rendered_with_other_tokens_keeps_its_own_row() -> None:
+    # the template wrote the first answer back with another tokenization of the same text
+    retokenized = turn([*SYSTEM, 10, 99, *BETWEEN], ANSWER_2)
+    rows = pack_turns([two_turns()[0], retokenized], max_len=100)
+    assert rows == [two_turns()[0], retokenized]
+    assert [turns_in(r) for r in rows] == [1, 1]
+    # a prompt that stops short of the last answer does not continue it either
+    short = turn(SYSTEM + ANSWER_1[:2], ANSWER_2)
+    assert len(pack_turns([two_turns()[0], short], max_len=100)) == 2
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        {"sample_id": "other"},
+        {"advantage": -0.5},
+        {"weight": 0.5},
+        {"behaviour_version": 3},  # a hot-swap between the turns
+        {"logprobs_masked": True},
+    ],
+)
+def test_turns_that_the_loss_reads_differently_are_not_packed(second: dict[str, Any]) -> None:
+    assert len(pack_turns(two_turns(**second), max_len=100)) == 2
+
+
+def test_a_row_is_not_packed_past_max_len() -> None:
+    full = len(SYSTEM + ANSWER_1 + BETWEEN + ANSWER_2)
+    assert len(pack_turns(two_turns(), max_len=full)) == 1
+    assert len(pack_turns(two_turns(), max_len=full - 1)) == 2
+
+
+# ----------------------------------------------------------------- the loop's rows
+
+
+class RecordingTrainer:
+    """Stands in for `PeftTrainer`: keeps the examples of each step and writes a version folder
+    (the loop reads the lineage from there)."""
+
+    def __init__(self, config: TrainerConfig) -> None:
+        self.config = config
+        self.step = 0
+        self.seen: list[list[TrainingExample]] = []
+
+    def train_step(self, examples: Sequence[TrainingExample]) -> StepMetrics:
+        self.seen.append(list(examples))
+        self.step += 1
+        return StepMetrics(self.step, 0.1, 2, len(examples), 2, 10, 10, 0.1, 100.0, 1.0, 0, 1, 0, 0)
+
+    def save(self, root: Path, state: dict[str, Any]) -> Path:
+        path = checkpoints.version_dir(root, self.step)
+        path.mkdir(parents=True)
+        (path / checkpoints.TRAINER_STATE).write_text(json.dumps({**state, "step": self.step}))
+        return path
+
+
+async def _episode(store: Store, key: str, i: int, second_prompt: list[int]) -> None:
+    """One stored agent episode of two calls in one trajectory, rewarded i."""
+    now = time.time()
+    prompts = [SYSTEM, second_prompt]
+    answers = [ANSWER_1, ANSWER_2]
+    for n in range(2):
+        tid = await store.record_call(
+            CallRecord(
+                id=f"{key}-{i}-{n}",
+                created_at=now + n,
+                finished_at=now + n + 0.1,
+                model_requested="rlproxy",
+                engine="local",
+                request_messages=[{"role": "user", "content": key}],
+                params={},
+                prompt_token_ids=prompts[n],
+                explicit_trajectory_id=f"{key}-t{i}",
+                explicit_group_key=key,
+                choices=[
+                    ChoiceRecord(
+                        index=0,
+                        message={"role": "assistant", "content": "x"},
+                        finish_reason="stop",
+                        completion_token_ids=answers[n],
+                        completion_logprobs=[-1.0] * len(answers[n]),
+                    )
+                ],
+            )
+        )
+    await store.add_reward(tid, float(i), "env")
+
+
+async def _rows(store: Store, root: Path, second_prompt: list[int], **config: Any) -> list[Any]:
+    for i in range(2):
+        await _episode(store, "task", i, second_prompt)
+    (group_id,) = (await store.form_groups(SignatureGrouper(min_size=2))).ready
+    assert await store.claim_group(group_id) == group_id
+    await store.finish_scoring(
+        group_id, JudgeOutcome(status="scored", scores=[], judge_model="explicit")
+    )
+    trainer = RecordingTrainer(TrainerConfig(groups_per_step=1, **config))
+    loop = TrainingLoop(store, trainer, root, policy="rlproxy")  # type: ignore[arg-type]
+    assert await loop.step_once() is not None
+    (examples,) = trainer.seen
+    return examples
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_the_loop_trains_each_episode_as_one_row(store: Store, tmp_path: Path) -> None:
+    rows = await _rows(store, tmp_path, SYSTEM + ANSWER_1 + BETWEEN)
+    assert len(rows) == 2  # one per episode, not one per call
+    for row in rows:
+        assert row.prompt_ids == SYSTEM
+        assert row.completion_ids == ANSWER_1 + BETWEEN + ANSWER_2
+        assert turns_in(row) == 2
+    assert sorted(r.advantage for r in rows) == pytest.approx([-1.0, 1.0], abs=1e-5)
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_the_loop_keeps_a_row_per_turn_when_told_or_when_tokens_differ(
+    store: Store, tmp_path: Path
+) -> None:
+    rows = await _rows(store, tmp_path / "a", SYSTEM + ANSWER_1 + BETWEEN, pack_turns=False)
+    assert len(rows) == 4 and all(r.completion_mask is None for r in rows)
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_the_loop_keeps_a_row_per_turn_when_the_answer_was_rendered_again(
+    store: Store, tmp_path: Path
+) -> None:
+    rows = await _rows(store, tmp_path, [*SYSTEM, 10, 99, *BETWEEN])
+    assert len(rows) == 4 and all(turns_in(r) == 1 for r in rows)
