@@ -3,9 +3,10 @@
 One worker thread owns the model and runs a hand-written decode loop over a `DynamicCache`:
 requests that arrive while others are decoding are prefilled, left-padded and merged into the
 running batch between two steps, so concurrent requests share forward passes instead of queueing
-behind each other. Rows that finish leave the batch (`batch_select_indices`). Each row carries its
-own sampling parameters, random generator, constraint (grammar) and LoRA adapter; a batch that
-mixes adapters runs through PEFT's `adapter_names`.
+behind each other; newcomers with the same prompt (a request's `n` choices, a group's runs of
+one task) are prefilled once. Rows that finish leave the batch (`batch_select_indices`). Each
+row carries its own sampling parameters, random generator, constraint (grammar) and LoRA
+adapter; a batch that mixes adapters runs through PEFT's `adapter_names`.
 
 Adapter loads and unloads run on the worker thread between two steps. A request keeps the
 adapter it started with: an unload waits until no request in flight (queued, decoding, or not yet
@@ -128,6 +129,7 @@ class LocalEngine:
         self._grammar_info: Any | None = None  # llguidance's tokenizer view, built on first use
         self.steps = 0
         self.tokens = 0  # tokens sampled, every row and request (for tokens/s)
+        self.prefill_rows_shared = 0  # rows whose prompt another row of their prefill ran
         self.last_error: str | None = None
 
     # ----------------------------------------------------------------- async facade
@@ -154,6 +156,7 @@ class LocalEngine:
                 "queued_rows": self._queued,
                 "steps": self.steps,
                 "tokens": self.tokens,
+                "prefill_rows_shared": self.prefill_rows_shared,
                 "adapters": sorted(self._adapters),
                 "device": str(self.device),
                 "last_error": self.last_error,
@@ -370,12 +373,24 @@ class LocalEngine:
         return {"adapter_names": [row.adapter or BASE_NAME for row in rows]}
 
     def _prefill(self, rows: list[_Row]) -> tuple[torch.Tensor, KVBatch]:
-        """Run the prompts of newcomers together, left-padded. Returns last-position logits."""
-        length = max(len(r.prompt_ids) for r in rows)
+        """Run the prompts of newcomers together, left-padded. Returns last-position logits.
+
+        Rows with the same prompt and adapter (a request's `n` choices; the runs of one task
+        that a group practises at once) run once: their cache rows and logits are copies."""
+        run: list[_Row] = []  # the rows the model runs: the first of each prompt and adapter
+        seen: dict[tuple[tuple[int, ...], str | None], int] = {}
+        inverse = []  # each row's index in `run`
+        for row in rows:
+            key = (tuple(row.prompt_ids), row.adapter)
+            if key not in seen:
+                seen[key] = len(run)
+                run.append(row)
+            inverse.append(seen[key])
+        length = max(len(r.prompt_ids) for r in run)
         pad = self.tokenizer.pad_token_id or 0
-        ids = torch.full((len(rows), length), pad, dtype=torch.long)
-        mask = torch.zeros((len(rows), length), dtype=torch.long)
-        for b, row in enumerate(rows):
+        ids = torch.full((len(run), length), pad, dtype=torch.long)
+        mask = torch.zeros((len(run), length), dtype=torch.long)
+        for b, row in enumerate(run):
             n = len(row.prompt_ids)
             ids[b, length - n :] = torch.tensor(row.prompt_ids, dtype=torch.long)
             mask[b, length - n :] = 1
@@ -389,9 +404,15 @@ class LocalEngine:
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
-            **self._adapter_names(rows),
+            **self._adapter_names(run),
         )
-        return out.logits[:, -1, :].float(), KVBatch(out.past_key_values, mask)
+        logits, batch = out.logits[:, -1, :].float(), KVBatch(out.past_key_values, mask)
+        self.prefill_rows_shared += len(rows) - len(run)
+        if len(run) < len(rows):
+            index = torch.tensor(inverse, dtype=torch.long, device=self.device)
+            batch.cache.batch_select_indices(index)
+            batch.mask, logits = batch.mask[index], logits[index]
+        return logits, batch
 
     def _step(self) -> None:
         """One decode step for every running row: feed its last sampled token."""

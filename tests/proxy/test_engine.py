@@ -76,6 +76,59 @@ async def test_n_choices_with_a_seed_are_reproducible(engine, tokenizer) -> None
     assert len({tuple(first[i].completion_token_ids) for i in range(3)}) > 1
 
 
+async def test_choices_of_one_prompt_are_prefilled_once_and_match_generate(
+    engine, loaded_model
+) -> None:
+    """A request's n choices share one prompt: the prefill runs it once (batch 1) and each
+    choice still gets exactly the tokens and logprobs of a lone greedy generate."""
+    tok = loaded_model.tokenizer
+    ids = prompt_ids(tok, PROMPTS[0])
+    with torch.no_grad():
+        want = loaded_model.model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    want = want[0, len(ids) :].tolist()
+    prefills: list[tuple[int, int]] = []
+
+    def record(_module, args, kwargs) -> None:
+        shape = tuple(kwargs["input_ids"].shape)
+        if shape[1] > 1:  # a prefill (decode steps feed one token a row)
+            prefills.append(shape)
+
+    shared = engine.prefill_rows_shared
+    hook = engine.model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        _, lone = await run(
+            engine, GenerationRequest(ids, SamplingParams(max_tokens=8, temperature=0))
+        )
+        _, four = await run(
+            engine, GenerationRequest(ids, SamplingParams(max_tokens=8, temperature=0), n=4)
+        )
+    finally:
+        hook.remove()
+    assert prefills == [(1, len(ids)), (1, len(ids))]
+    assert engine.prefill_rows_shared - shared == 3
+    assert engine.health().detail["prefill_rows_shared"] == engine.prefill_rows_shared
+    for i in range(4):
+        got = four[i].completion_token_ids
+        assert got == want[: len(got)] and len(got) == 8
+        assert four[i].completion_logprobs == pytest.approx(lone[0].completion_logprobs, abs=1e-4)
+
+    # Requests arriving together, prompts repeated among other prompts: each row still gets
+    # its own prompt's tokens (the copies go back to the right rows).
+    other = prompt_ids(tok, PROMPTS[1])
+    with torch.no_grad():
+        want_other = loaded_model.model.generate(
+            torch.tensor([other]), max_new_tokens=8, do_sample=False
+        )[0, len(other) :].tolist()
+    params = SamplingParams(max_tokens=8, temperature=0)
+    results = await asyncio.gather(
+        run(engine, GenerationRequest(other, params)),
+        run(engine, GenerationRequest(ids, params, n=2)),
+        run(engine, GenerationRequest(other, params, n=2)),
+    )
+    got = [[f.completion_token_ids for _, f in sorted(r[1].items())] for r in results]
+    assert got == [[want_other], [want, want], [want_other, want_other]]
+
+
 async def test_stop_string_ends_the_row_and_is_not_returned(engine, tokenizer) -> None:
     params = SamplingParams(max_tokens=30, temperature=0, stop=("Paris",))
     tokens, finished = await run(
