@@ -376,6 +376,13 @@ class _StateCollector:
             yield CounterMetricFamily(
                 "rlproxy_engine_steps", "Decode steps the engine ran.", value=detail["steps"]
             )
+        if "prefill_rows_shared" in detail:
+            yield CounterMetricFamily(
+                "rlproxy_engine_prefill_rows_shared",
+                "Rows whose prompt the engine did not prefill again: another row of the same "
+                "prefill had the same prompt and adapter (n choices, a group's runs).",
+                value=detail["prefill_rows_shared"],
+            )
         tokens = detail.get("tokens")
         if tokens is not None:
             yield CounterMetricFamily(

@@ -321,7 +321,14 @@ async def test_state_figures_read_the_store_and_the_trainers_newest_step(tmp_pat
                 )
             )
         engine = _Engine(
-            {"running_rows": 3, "queued_rows": 1, "waiting_requests": 1, "steps": 7, "tokens": 40}
+            {
+                "running_rows": 3,
+                "queued_rows": 1,
+                "waiting_requests": 1,
+                "steps": 7,
+                "tokens": 40,
+                "prefill_rows_shared": 5,
+            }
         )
         sources: Any = Sources(store, engine, _Registry(), _Adapters())  # type: ignore[arg-type]
         metrics.watch(sources, cache_s=60)
@@ -341,6 +348,7 @@ async def test_state_figures_read_the_store_and_the_trainers_newest_step(tmp_pat
         assert _value(metrics, "rlproxy_adapter_swaps_total") == 2
         assert _value(metrics, "rlproxy_engine_running_rows") == 3
         assert _value(metrics, "rlproxy_engine_tokens_total") == 40
+        assert _value(metrics, "rlproxy_engine_prefill_rows_shared_total") == 5
         assert _value(metrics, "rlproxy_store_writable") == 1
         assert _value(metrics, "rlproxy_store_commit_batch_size_count") >= 5
         # Cached: a new open trajectory shows only after `cache_s`.
