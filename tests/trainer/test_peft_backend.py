@@ -215,6 +215,11 @@ def test_bad_examples_are_refused_and_long_ones_cut(
         trainer.train_step([TrainingExample("s", [1], [2], [float("nan")], 1.0)])
     with pytest.raises(ValueError, match="weight must be >= 0"):
         trainer.train_step([TrainingExample("s", [1], [2], [-1.0], 1.0, weight=-0.5)])
+    for mask in ((True,), (False, True)):  # a flag per token; a packed row starts sampled
+        with pytest.raises(ValueError, match="completion_mask"):
+            trainer.train_step(
+                [TrainingExample("s", [1], [2, 3], [-1.0, -1.0], 1.0, completion_mask=mask)]
+            )
     assert trainer.step == 0
     # A stored logprob far below the current one with a negative advantage: the unclipped
     # ratio side overflows. The step is refused and the adapter is left as it was.
