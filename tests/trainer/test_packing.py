@@ -7,9 +7,7 @@ trains exactly like its turns)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +16,11 @@ import pytest
 from storage import CallRecord, ChoiceRecord, Store
 from storage.grouping import SignatureGrouper
 from storage.records import JudgeOutcome
-from trainer import checkpoints
+from tests.trainer.test_staleness import RecordingTrainer
 from trainer.config import TrainerConfig
 from trainer.grpo import TrainingExample
 from trainer.loop import TrainingLoop
 from trainer.packing import pack_turns, turns_in
-from trainer.peft_backend import StepMetrics
 
 SYSTEM = [1, 2, 3, 4]
 ANSWER_1 = [10, 11, 12]  # a tool call
@@ -88,27 +85,6 @@ def test_a_row_is_not_packed_past_max_len() -> None:
 
 
 # ----------------------------------------------------------------- the loop's rows
-
-
-class RecordingTrainer:
-    """Stands in for `PeftTrainer`: keeps the examples of each step and writes a version folder
-    (the loop reads the lineage from there)."""
-
-    def __init__(self, config: TrainerConfig) -> None:
-        self.config = config
-        self.step = 0
-        self.seen: list[list[TrainingExample]] = []
-
-    def train_step(self, examples: Sequence[TrainingExample]) -> StepMetrics:
-        self.seen.append(list(examples))
-        self.step += 1
-        return StepMetrics(self.step, 0.1, 2, len(examples), 2, 10, 10, 0.1, 100.0, 1.0, 0, 1, 0, 0)
-
-    def save(self, root: Path, state: dict[str, Any]) -> Path:
-        path = checkpoints.version_dir(root, self.step)
-        path.mkdir(parents=True)
-        (path / checkpoints.TRAINER_STATE).write_text(json.dumps({**state, "step": self.step}))
-        return path
 
 
 async def _episode(store: Store, key: str, i: int, second_prompt: list[int]) -> None:

@@ -83,6 +83,17 @@ def _lora(trainer: PeftTrainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.model.named_parameters() if "lora_" in k}
 
 
+def _record_gradients(trainer: PeftTrainer) -> list[dict[str, torch.Tensor]]:
+    """The gradients of every later step, as the optimizer is about to apply them."""
+    grads: list[dict[str, torch.Tensor]] = []
+
+    def keep(*_: object) -> None:
+        grads.append({n: torch.clone(p.grad) for n, p in trainer._params.items()})  # type: ignore[arg-type]
+
+    trainer.optimizer.register_step_pre_hook(keep)
+    return grads
+
+
 def test_train_steps_move_the_lora_towards_the_rewarded_completion(
     make_trainer: MakeTrainer, tok: PreTrainedTokenizerBase
 ) -> None:
@@ -136,12 +147,7 @@ def test_micro_batches_give_the_same_gradient_as_one_batch(
             "abca", (_completion(tok, t) for t in texts), (1.0, -0.5, -0.5, 1.0), strict=True
         )
     ]
-    grads: list[dict[str, torch.Tensor]] = []
-
-    def keep_gradients(*_: object) -> None:
-        grads.append({n: torch.clone(p.grad) for n, p in trainer._params.items()})  # type: ignore[arg-type]
-
-    trainer.optimizer.register_step_pre_hook(keep_gradients)
+    grads = _record_gradients(trainer)
     weights, optimizer = trainer.adapter_state(), copy.deepcopy(trainer.optimizer.state_dict())
     full = trainer.train_step(examples)
 
@@ -397,12 +403,7 @@ def test_a_packed_trajectory_trains_exactly_like_its_turns_with_its_prompt_run_o
     packed = pack_turns(turns, max_len=1024)
     assert len(packed) == 2 and [turns_in(r) for r in packed] == [2, 2]
 
-    grads: list[dict[str, torch.Tensor]] = []
-
-    def keep_gradients(*_: object) -> None:
-        grads.append({n: torch.clone(p.grad) for n, p in trainer._params.items()})  # type: ignore[arg-type]
-
-    trainer.optimizer.register_step_pre_hook(keep_gradients)
+    grads = _record_gradients(trainer)
     weights, optimizer = trainer.adapter_state(), copy.deepcopy(trainer.optimizer.state_dict())
     per_turn = trainer.train_step(turns)
     set_peft_model_state_dict(trainer.model, weights)
