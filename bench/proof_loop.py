@@ -71,7 +71,10 @@ def start_servers(
     max_batch: int,
     prefix: str = "rlproxy-proof-",
     trainer_extra: dict[str, Any] | None = None,
+    grouping_defaults: bool = False,
 ) -> Servers:
+    """`grouping_defaults`: leave the RLPROXY_GROUP_* settings at serve's defaults (live traffic:
+    groups form as they would for any user) instead of groups of exactly `runs` runs of a task."""
     work = Path(tempfile.mkdtemp(prefix=prefix))
     train_dir, eval_dir = work / "train", work / "eval"
     (train_dir / "checkpoints" / "rlproxy").mkdir(parents=True)
@@ -93,11 +96,14 @@ def start_servers(
         "RLPROXY_SCORING_INTERVAL_S": str(POLL_S),
         "RLPROXY_TRAIN_POLL_S": str(POLL_S),
         "RLPROXY_ADAPTER_POLL_S": str(POLL_S),
-        "RLPROXY_GROUP_MIN_SIZE": str(runs),
-        "RLPROXY_GROUP_MAX_SIZE": str(runs),
-        "RLPROXY_GROUP_WINDOW_S": "1e9",
         "RLPROXY_TRAINER": json.dumps(trainer_cfg),
     }
+    if not grouping_defaults:
+        train_env |= {
+            "RLPROXY_GROUP_MIN_SIZE": str(runs),
+            "RLPROXY_GROUP_MAX_SIZE": str(runs),
+            "RLPROXY_GROUP_WINDOW_S": "1e9",
+        }
     print(f"working in {work}", flush=True)
     train_proc, train_url = start_server(train_dir, model_dir, train_env)
     try:

@@ -107,10 +107,28 @@ def _half(word: str) -> list[str]:
     return HELD_OUT_WORDS if word in HELD_OUT_WORDS else PRACTICE_WORDS
 
 
-def code_of(word: str) -> str:
-    """The environment's secret code of `word`: another word of the same half (fixed)."""
+# A task is a word ("lime"), or a word and a variant ("lime/17") for live traffic, where every
+# task is asked once: a variant gives the word another secret code and other listed words, so
+# 88 practice words make as many distinct tasks as needed. Variant 0 is the plain word.
+def word_of(task: str) -> str:
+    return task.split("/", 1)[0]
+
+
+def _salt(task: str) -> str:
+    word, _, variant = task.partition("/")
+    return word if variant in ("", "0") else f"{word}:{variant}"
+
+
+def live_task(word: str, variant: int) -> str:
+    return f"{word}/{variant}" if variant else word
+
+
+def code_of(task: str) -> str:
+    """The environment's secret code of the task's word: another word of the same half (fixed
+    per task)."""
+    word = word_of(task)
     others = [w for w in _half(word) if w != word]
-    return others[_digest(f"code:{word}") % len(others)]
+    return others[_digest(f"code:{_salt(task)}") % len(others)]
 
 
 def number_of(code: str) -> int:
@@ -118,20 +136,21 @@ def number_of(code: str) -> int:
     return _digest(code) % 40 + 1
 
 
-def question_text(word: str) -> str:
-    return f"What is the number of the code of {word}?"
+def question_text(task: str) -> str:
+    return f"What is the number of the code of {word_of(task)}?"
 
 
-def answer_of(word: str) -> int:
-    return number_of(code_of(word))
+def answer_of(task: str) -> int:
+    return number_of(code_of(task))
 
 
-def choices_of(word: str) -> list[str]:
+def choices_of(task: str) -> list[str]:
     """The task's words the tool schemas list: the word, its code and four others of its half,
     in an order fixed per task."""
-    rng = random.Random(f"choices:{word}")
-    others = [w for w in _half(word) if w not in (word, code_of(word))]
-    chosen = [word, code_of(word), *rng.sample(others, CHOICES - 2)]
+    word, code = word_of(task), code_of(task)
+    rng = random.Random(f"choices:{_salt(task)}")
+    others = [w for w in _half(word) if w not in (word, code)]
+    chosen = [word, code, *rng.sample(others, CHOICES - 2)]
     rng.shuffle(chosen)
     return chosen
 
@@ -159,7 +178,7 @@ class Episode:
 
 def reward(episode: Episode) -> float:
     """The environment's reward for an episode (see above)."""
-    if episode.task not in episode.found:
+    if word_of(episode.task) not in episode.found:
         return 0.0
     numbers = re.findall(r"-?\d+", episode.final_output)
     if numbers and int(numbers[-1]) == answer_of(episode.task):
@@ -173,7 +192,8 @@ def build_agent(episode: Episode, model: Any, settings: ModelSettings) -> Agent:
     def find(word: str) -> str:
         """Get the code of a word."""
         episode.found.append(word)
-        return code_of(word)
+        # the task's own code for its word; any other word's code as in the plain task
+        return code_of(episode.task if word == word_of(episode.task) else word)
 
     def get(code: str) -> str:
         """Get the number of a code."""
@@ -262,12 +282,17 @@ def summary(episodes: list[Episode], rewards: list[float]) -> dict[str, Any]:
 async def train(
     client: AsyncOpenAI,
     model: str,
-    tasks: int,
+    tasks: int | list[str],
     runs: int,
     seed: int,
     max_tokens: int = 64,
 ) -> dict[str, Any]:
-    chosen = random.Random(seed).sample(practice_tasks(), tasks)
+    """Practice: `tasks` practice words drawn with `seed` (or the given task list), each run
+    `runs` times, every episode rewarded."""
+    if isinstance(tasks, int):
+        chosen = random.Random(seed).sample(practice_tasks(), tasks)
+    else:
+        chosen = tasks
 
     async def one(task: str) -> tuple[Episode, float]:
         episode = await run_episode(client, model, task, max_tokens)

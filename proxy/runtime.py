@@ -246,6 +246,8 @@ def build_scorer(
     config = ScoringConfig(
         rubric=settings.judge_rubric or DEFAULT_RUBRIC,
         rubrics=dict(settings.judge_rubrics),
+        mode=settings.judge_mode,
+        votes=settings.judge_votes,
         judge_explicit_groups=settings.judge_explicit_groups,
         reward_policy=settings.reward_policy,
         lease_s=settings.scoring_lease_s,
@@ -261,6 +263,7 @@ def signature_grouper(settings: Settings) -> SignatureGrouper:
         max_size=settings.group_max_size,
         window_s=settings.group_window_s,
         cohort=settings.group_cohort,
+        alone_s=settings.group_alone_s,
     )
 
 

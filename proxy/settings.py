@@ -208,9 +208,17 @@ class Settings(BaseSettings):
         600.0, gt=0, description="After this long, a group with at least 2 members is ready."
     )
     group_cohort: bool = Field(
-        False,
-        description="Last resort: a trajectory whose task group stays alone past the window joins "
-        "a cohort of the same agent (same system prompt and tools).",
+        True,
+        description="A trajectory whose task group is still alone after `group_alone_s` joins a "
+        "cohort of the same agent (same key, system prompt with dates, paths and numbers masked, "
+        "tool names), so traffic whose every task is new trains. Cohort advantages use a "
+        "leave-one-out baseline (docs/concepts/groups.md). False: lone tasks wait for a repeat.",
+    )
+    group_alone_s: float = Field(
+        60.0,
+        ge=0,
+        description="How long a task seen once waits for another run of the same task before it "
+        "joins its agent's cohort.",
     )
     scoring: bool = Field(
         True,
@@ -246,7 +254,9 @@ class Settings(BaseSettings):
     )
     judge_timeout_s: float = Field(120.0, gt=0, description="Timeout of one judge call.")
     judge_rubric: str | None = Field(
-        None, description="RULER's rubric for every group (default: the built-in rubric)."
+        None,
+        description="The judge's rubric for every group (default: the built-in rubric of "
+        "RLPROXY_JUDGE_MODE).",
     )
     judge_rubrics: dict[str, str] = Field(
         default_factory=dict,
@@ -256,6 +266,23 @@ class Settings(BaseSettings):
         False,
         description="Also call the judge for groups whose members all have explicit rewards "
         "(by default those are used as they are, with no judge call).",
+    )
+    judge_mode: Literal["group", "turns"] = Field(
+        "group",
+        description="How the judge scores a group. `group`: RULER, one call compares the members "
+        "(members of different tasks each against its own task). `turns`: each assistant turn "
+        "is judged good (+1), neutral (0) or bad (-1) from what came next (the tool result, the "
+        "user's reply; the last turn on the final state) by majority of RLPROXY_JUDGE_VOTES "
+        "calls, and a member scores its mean verdict mapped to 0..1: members x turns x votes "
+        "judge calls per group (docs/concepts/ruler.md).",
+    )
+    judge_votes: int = Field(
+        3,
+        ge=1,
+        le=15,
+        description="Judge calls per turn with RLPROXY_JUDGE_MODE=turns; the turn's verdict is "
+        "their majority, neutral on a tie. Votes differ only where the judge samples: 1 suits a "
+        "greedy judge such as the local one.",
     )
     train: bool = Field(
         True,

@@ -8,8 +8,12 @@ Sources, in order of precedence (the first that applies wins):
    so an agent run several times on one task forms a group with no code change: source "task";
 3. shadow samples (k answers sampled at one turn): formed by the store when the call is recorded,
    not here;
-4. a cohort (same agent: same system prompt and tools), only when enabled, and only for a
-   trajectory whose task group did not fill within the window: source "cohort".
+4. a cohort of the same agent (same owner, system prompt with its volatile parts masked, tool
+   names: `storage.linking.agent_signature`) for a trajectory whose task group is still alone
+   after `alone_s`: source "cohort". This is how live traffic trains, where every task is new
+   and asked once; the trainer takes a cohort's advantages against a leave-one-out baseline
+   (`trainer.grpo.leave_one_out_advantages`), since its members are different tasks. On by
+   default; `cohort=False` leaves lone tasks waiting for a second run.
 
 Groups never mix API keys: every key above is taken per owner (`GroupKey.owner`).
 
@@ -34,8 +38,12 @@ class SignatureGrouper:
     """Groups larger than this are split into parts of at most this many."""
     window_s: float = 600.0
     """After this long, a forming group with at least two members is ready anyway."""
-    cohort: bool = False
-    """Move trajectories whose task group stayed alone past the window into a cohort group."""
+    cohort: bool = True
+    """Move trajectories whose task group stayed alone for `alone_s` into a cohort group."""
+    alone_s: float = 60.0
+    """How long a task group of one waits for a second run of its task before its trajectory
+    joins its agent's cohort. Runs of one task sent together (a practice harness, `n` retries)
+    arrive within seconds; a task asked once never gets a second run."""
 
     def __post_init__(self) -> None:
         if self.min_size < 2:
@@ -44,6 +52,8 @@ class SignatureGrouper:
             raise ValueError(f"max_size ({self.max_size}) must be >= min_size ({self.min_size})")
         if self.window_s <= 0:
             raise ValueError("window_s must be > 0 seconds")
+        if self.alone_s < 0:
+            raise ValueError("alone_s must be >= 0 seconds")
 
     def assign(self, candidate: GroupCandidate) -> GroupKey | None:
         if candidate.group_key:
@@ -62,7 +72,7 @@ class SignatureGrouper:
     def fallback(self, group: GroupState, candidate: GroupCandidate, now: float) -> GroupKey | None:
         if not self.cohort or group.source != "task" or group.member_count >= 2:
             return None
-        if now - group.created_at < self.window_s:
+        if now - group.created_at < self.alone_s:
             return None
         return self._cohort(candidate)
 

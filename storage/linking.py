@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -171,11 +172,47 @@ def task_signature(messages: Sequence[dict[str, Any]], tools: Sequence[Any] | No
     return hashlib.sha256(_canonical_json([head, schemas]).encode()).hexdigest()
 
 
+# What changes from one session of the same agent to the next inside its system prompt: coding
+# agents write the date, the working directory, their version and git state into it
+# (Claude Code, Codex, OpenCode, pi all do). Masked before hashing, so the agent keeps one key.
+_VOLATILE = [
+    (re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.@~+-]+){2,}[\\/]?"), "<path>"),  # /home/u/x, C:\x\y
+    (re.compile(r"\b(?=[0-9a-fA-F-]*\d)[0-9a-fA-F]{7,}(?:-[0-9a-fA-F]{4,})*\b"), "<hex>"),  # ids
+    (re.compile(r"\d+"), "0"),  # dates, times, versions, counts
+    (re.compile(r"\s+"), " "),
+]
+
+
+def _stable_text(text: str) -> str:
+    for pattern, replacement in _VOLATILE:
+        text = pattern.sub(replacement, text)
+    return text.strip()
+
+
+def _tool_name(tool: Any) -> str:
+    if isinstance(tool, dict):
+        function = tool.get("function")
+        if isinstance(function, dict) and function.get("name"):
+            return str(function["name"])
+        if tool.get("name"):
+            return str(tool["name"])
+        return str(tool.get("type") or "")
+    return str(tool)
+
+
 def agent_signature(messages: Sequence[dict[str, Any]], tools: Sequence[Any] | None) -> str:
-    """Hash of the system prompt(s) and the tool schemas: the same agent, whatever its task."""
-    head = [canonical_message(m) for m in messages if m.get("role") in ("system", "developer")]
-    schemas = sorted(_canonical_json(t) for t in tools or [])
-    return hashlib.sha256(_canonical_json([head, schemas]).encode()).hexdigest()
+    """Hash of what stays the same across one agent's tasks: its system prompt(s) with the
+    volatile parts masked (numbers, paths, hex ids) and the *names* of its tools.
+
+    Tool descriptions and parameter schemas are left out on purpose: agents put task-specific
+    values in them (an enum of the task's choices), and the same agent must keep one key."""
+    head = [
+        _stable_text(canonical_message(m)["content"])
+        for m in messages
+        if m.get("role") in ("system", "developer")
+    ]
+    names = sorted({_tool_name(t) for t in tools or []})
+    return hashlib.sha256(_canonical_json([head, names]).encode()).hexdigest()
 
 
 @dataclass

@@ -18,6 +18,7 @@ BACKENDS = frozenset({"peft", "unsloth"})
 DTYPES = frozenset({"auto", "float32", "bfloat16"})
 OFF_POLICY_CORRECTIONS = frozenset({"ppo", "tis"})
 MASKED_LOGPROBS = frozenset({"trainer", "stored"})
+COHORT_ADVANTAGES = frozenset({"leave_one_out", "group"})
 
 
 @dataclass
@@ -61,6 +62,16 @@ class TrainerConfig:
         metadata={
             "help": "Divide advantages by the group's population std (DeepSeekMath GRPO); "
             "False keeps reward - group mean (Dr. GRPO)."
+        },
+    )
+    cohort_advantage: str = field(
+        default="leave_one_out",
+        metadata={
+            "help": "Advantages of a cohort group (different tasks of one agent, live traffic): "
+            "'leave_one_out' takes r_i - mean of the other members, unscaled (RLOO; the "
+            "baseline does not depend on the member's own answer, so task difficulty adds "
+            "variance, not bias: trainer/grpo.py); 'group' uses the same rule as same-task "
+            "groups (scale_advantages_by_std applies)."
         },
     )
     off_policy_correction: str = field(
@@ -268,6 +279,11 @@ class TrainerConfig:
             0.0 < self.stale_weight <= 1.0,
             f"stale_weight must be in (0, 1], got {self.stale_weight}; use stale_policy 'drop' "
             "for 0",
+        )
+        _check(
+            self.cohort_advantage in COHORT_ADVANTAGES,
+            f"cohort_advantage must be one of {sorted(COHORT_ADVANTAGES)}, got "
+            f"{self.cohort_advantage!r}",
         )
         _check(
             self.groups_per_step >= 1, f"groups_per_step must be >= 1, got {self.groups_per_step}"

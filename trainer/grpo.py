@@ -6,6 +6,17 @@ Exactly this variant is implemented:
   standard deviation (divide by n, not n - 1), as in DeepSeekMath's GRPO; `scale_by_std=False`
   gives the unscaled A_i = r_i - mean(r) (Dr. GRPO). A group whose rewards are all equal carries
   no signal: it is skipped (`None`) and the caller counts it.
+- Cohort advantage (`leave_one_out_advantages`), for a group whose members are different tasks
+  (live traffic, where every task is asked once: `storage.grouping`'s cohort source):
+  A_i = r_i - mean_{j != i}(r_j), not divided by a std (RLOO's baseline: Kool et al. 2019;
+  Ahmadian et al. 2024). Why this and not the same-task rule: the members' tasks differ in
+  difficulty, so part of each reward is "got an easy task". A baseline that does not depend on
+  the member's own answer (the others' mean) leaves the policy gradient unbiased whatever the
+  mix of tasks: the easy-task share multiplies E[grad log pi] = 0 and averages out, adding
+  variance but teaching nothing wrong. Dividing by the cohort's std would scale the step by how
+  mixed the tasks happened to be (a cohort of hard tasks with one lucky success would push that
+  success hardest), so it is left out; a same-task group, whose comparison is cleaner, keeps its
+  std scaling and so weighs more in a step that holds both.
 - Policy term (`grpo_loss`): the PPO clipped surrogate per sampled assistant token,
   min(r_t A, clip(r_t, 1 - epsilon, 1 + epsilon) A) with r_t = exp(logp_new - logp_old), where
   logp_old are the logprobs stored at sampling time (one optimisation step per batch of samples,
@@ -87,6 +98,23 @@ def group_advantages(
         scale = max(abs(c) for c in centred)  # > 0: not all rewards are equal
         std = scale * math.sqrt(math.fsum((c / scale) ** 2 for c in centred) / n)  # population
         advantages = [c / (std + eps) for c in centred]
+    if not all(math.isfinite(a) for a in advantages):
+        raise ValueError(f"rewards {values} are too large to turn into advantages")
+    return advantages
+
+
+def leave_one_out_advantages(rewards: Sequence[float]) -> list[float] | None:
+    """A_i = r_i - mean of the other members' rewards: the advantage of a cohort of different
+    tasks (see the module's text). None for fewer than two members or all-equal rewards."""
+    values = [float(r) for r in rewards]
+    if any(not math.isfinite(v) for v in values):
+        raise ValueError(f"rewards must be finite numbers, got {values}")
+    if len(values) < 2 or max(values) == min(values):
+        return None
+    n = len(values)
+    scale = max(abs(v) for v in values)  # > 0: not all rewards are equal (so not all zero)
+    total = math.fsum(v / scale for v in values)
+    advantages = [scale * (v / scale - (total - v / scale) / (n - 1)) for v in values]
     if not all(math.isfinite(a) for a in advantages):
         raise ValueError(f"rewards {values} are too large to turn into advantages")
     return advantages

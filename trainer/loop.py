@@ -5,7 +5,8 @@
     await loop.run()         # forever: take scored groups, one GRPO step, write version N
 
 One step: the oldest scored groups not yet used (`groups_per_step` of them) give each member an
-advantage (`trainer.grpo.group_advantages` over the rewards chosen by the reward policy);
+advantage over the rewards chosen by the reward policy (`trainer.grpo.group_advantages` for
+runs of one task, `leave_one_out_advantages` for a cohort of different tasks);
 zero-variance groups are skipped and counted. Every assistant turn of a member becomes a
 `TrainingExample` from the token ids stored when it was sampled (never re-rendered text). The
 trainer makes one optimizer step, the checkpoint is written atomically as version N
@@ -50,7 +51,7 @@ from storage.records import AdapterRecord, GroupDetail
 from storage.store import Store
 from trainer import checkpoints
 from trainer.distributed import OutOfStep
-from trainer.grpo import TrainingExample, group_advantages
+from trainer.grpo import TrainingExample, group_advantages, leave_one_out_advantages
 from trainer.packing import pack_turns, turns_in
 from trainer.peft_backend import PeftTrainer
 from trainer.staleness import group_staleness, lineage, staleness_weight
@@ -329,10 +330,11 @@ class TrainingLoop:
         rewards = [m.reward for m in group.members]
         if any(r is None for r in rewards):
             return []
-        advantages = group_advantages(
-            [float(r) for r in rewards if r is not None],
-            scale_by_std=self.config.scale_advantages_by_std,
-        )
+        values = [float(r) for r in rewards if r is not None]
+        if group.summary.source == "cohort" and self.config.cohort_advantage == "leave_one_out":
+            advantages = leave_one_out_advantages(values)  # different tasks: trainer.grpo
+        else:
+            advantages = group_advantages(values, scale_by_std=self.config.scale_advantages_by_std)
         if advantages is None:
             return []  # zero variance: nothing to learn from this group
         out: list[TrainingExample] = []

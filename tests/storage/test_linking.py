@@ -10,6 +10,7 @@ import pytest
 from storage.linking import (
     DISCONNECT_GRACE_S,
     PrefixLinker,
+    agent_signature,
     assistant_prefix_hashes,
     canonical_message,
     messages_hash,
@@ -245,3 +246,41 @@ def test_explicit_id() -> None:
 def test_negative_window_is_refused() -> None:
     with pytest.raises(ValueError, match="retry_window_s"):
         PrefixLinker(retry_window_s=-1)
+
+
+def test_the_agent_signature_ignores_what_changes_between_sessions_of_one_agent() -> None:
+    """Coding agents write the date, the working directory, their version and git ids into
+    their system prompt; the agent keeps one signature. Tool descriptions and schemas may list
+    a task's own values: only tool names count."""
+
+    def system(date: str, cwd: str, version: str, commit: str) -> list[dict[str, Any]]:
+        text = (
+            f"You are a coding agent v{version}.\nToday's date is {date}.\n"
+            f"Working directory: {cwd}\nLast commit {commit}. Be brief."
+        )
+        return [{"role": "system", "content": text}, {"role": "user", "content": "fix it"}]
+
+    def tool(name: str, choices: list[str]) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "function": {
+                "name": name,
+                "description": f"Look up one of {', '.join(choices)}",
+                "parameters": {"type": "object", "properties": {"w": {"enum": choices}}},
+            },
+        }
+
+    a = agent_signature(
+        system("2026-12-05", "/home/ana/proj", "2.1.332", "3f9c2e1a"),
+        [tool("find", ["lime", "pink"]), tool("get", ["lime", "pink"])],
+    )
+    b = agent_signature(
+        system("2027-01-31", "/srv/work/other-repo", "2.1.400", "a1b2c3d4e5"),
+        [tool("get", ["oak"]), tool("find", ["oak"])],
+    )
+    assert a == b
+    other_prompt = [{"role": "system", "content": "You are a different agent."}]
+    assert agent_signature(other_prompt, [tool("find", []), tool("get", [])]) != a
+    assert agent_signature(system("2026-12-05", "/x/y", "1", "0"), [tool("find", [])]) != a
+    responses_tool = {"type": "function", "name": "find", "parameters": {}}
+    assert agent_signature([], [responses_tool]) == agent_signature([], [tool("find", ["z"])])

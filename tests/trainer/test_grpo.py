@@ -10,6 +10,7 @@ import torch
 from trainer.grpo import (
     group_advantages,
     grpo_loss,
+    leave_one_out_advantages,
     sample_row_weights,
     token_logprobs,
     truncated_importance_weights,
@@ -266,3 +267,31 @@ def test_tis_metrics_report_the_mean_weight_and_the_capped_share() -> None:
     )
     assert metrics["is_weight_mean"] == pytest.approx((1 + 0.5 + 2 + 2) / 4)
     assert metrics["is_capped_fraction"] == pytest.approx(0.5)
+
+
+def test_a_cohort_of_different_tasks_gets_leave_one_out_advantages() -> None:
+    """A_i = r_i - mean of the others, unscaled (docs/concepts/groups.md)."""
+    rewards = [1.0, 0.0, 0.1, 0.0]
+    assert leave_one_out_advantages(rewards) == pytest.approx(
+        [1.0 - 0.1 / 3, 0.0 - 1.1 / 3, 0.1 - 1.0 / 3, 0.0 - 1.1 / 3]
+    )
+    # n/(n-1) times the centred reward: no std, so the scale stays the reward's
+    mean = sum(rewards) / 4
+    assert leave_one_out_advantages(rewards) == pytest.approx([4 / 3 * (r - mean) for r in rewards])
+    assert leave_one_out_advantages([0.5, 0.5, 0.5]) is None
+    assert leave_one_out_advantages([1.0]) is None
+    with pytest.raises(ValueError):
+        leave_one_out_advantages([1.0, float("nan")])
+
+
+def test_a_members_own_reward_never_enters_its_baseline() -> None:
+    """The property that keeps the gradient unbiased over a mix of tasks: changing member i's
+    reward moves only A_i by that much, and every other advantage by 1/(n-1) of it the other
+    way (its baseline), never A_i's baseline."""
+    before = leave_one_out_advantages([0.0, 1.0, 0.2, 0.4])
+    after = leave_one_out_advantages([0.0, 1.0, 0.2, 0.7])
+    assert before is not None and after is not None
+    assert after[3] - before[3] == pytest.approx(0.3)
+    assert [a - b for a, b in zip(after[:3], before[:3], strict=True)] == pytest.approx(
+        [-0.1, -0.1, -0.1]
+    )
