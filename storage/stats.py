@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Integer, case, cast, func, select
+from sqlalchemy import Integer, case, cast, exists, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -69,6 +69,31 @@ class GroupMark:
 
 
 @dataclass(frozen=True)
+class Waiting:
+    """Where traffic stands that has not reached training, and since when: what `rlproxy
+    status` and the dashboard read to say why nothing trains (`proxy.telemetry.waiting`)."""
+
+    alone: int = 0
+    """Trajectories alone in a forming task or explicit group (no second run of their task)."""
+    alone_since: float | None = None
+    """When the oldest of them started waiting."""
+    alone_cohort: int = 0
+    """Trajectories alone in a forming cohort group (their agent sent nothing else)."""
+    small: int = 0
+    """Trajectories in forming groups of 2 or more that have not reached the ready size."""
+    small_since: float | None = None
+    unrewarded_ready: int = 0
+    """Ready groups (among the newest few) with a member that has no explicit reward: only a
+    judge can score them."""
+    equal_rewards: int = 0
+    """Scored groups (among the newest few) a step skipped: every member got the same reward."""
+    held: int = 0
+    """Groups whose judge failed its checks: scored, not trained on."""
+    open_trajectories: int = 0
+    """Trajectories still open: not ended, rewarded or idle long enough to close."""
+
+
+@dataclass(frozen=True)
 class GroupQueue:
     """Groups on their way to training, and the judge's latest result."""
 
@@ -79,6 +104,7 @@ class GroupQueue:
     untrained_window: int
     last_scored: GroupMark | None
     last_failed: GroupMark | None
+    waiting: Waiting = Waiting()
 
 
 @dataclass(frozen=True)
@@ -277,12 +303,75 @@ async def group_queue(
             return None
         return GroupMark(row.id, row.scored_at or row.updated_at, row.failure)
 
+    skipped = await conn.execute(
+        select(func.count()).select_from(newest_scored).where(newest_scored.c.trained_step == 0)
+    )
     return GroupQueue(
         counts=counts,
         untrained_scored=int(untrained.scalar_one()),
         untrained_window=untrained_window,
         last_scored=await newest("scored"),
         last_failed=await newest("failed"),
+        waiting=await _waiting(conn, owned, owner, int(skipped.scalar_one()), untrained_window),
+    )
+
+
+async def _waiting(
+    conn: AsyncConnection, owned: Any, owner: str | None, equal_rewards: int, window: int
+) -> Waiting:
+    """Forming groups (few: they turn ready or move on within a window) by size; the newest
+    `window` ready groups that need a judge; held groups and open trajectories by index."""
+    forming = await conn.execute(
+        owned(
+            select(
+                G.c.source,
+                G.c.member_count,
+                func.count().label("groups"),
+                func.min(G.c.created_at).label("since"),
+            )
+            .where(G.c.status == "forming", G.c.member_count > 0)
+            .group_by(G.c.source, G.c.member_count)
+        )
+    )
+    alone = alone_cohort = small = 0
+    alone_since: float | None = None
+    small_since: float | None = None
+    for source, members, groups, since in forming:
+        if members > 1:
+            small += int(members) * int(groups)
+            small_since = since if small_since is None else min(small_since, since)
+        elif source == "cohort":
+            alone_cohort += int(groups)
+        else:
+            alone += int(groups)
+            alone_since = since if alone_since is None else min(alone_since, since)
+    newest_ready = (
+        owned(select(G.c.id).where(G.c.status == "ready"))
+        .order_by(G.c.created_at.desc())
+        .limit(window)
+        .subquery()
+    )
+    rewarded = exists().where(R.c.trajectory_id == GM.c.trajectory_id)
+    unrewarded = exists().where(
+        GM.c.group_id == newest_ready.c.id, or_(GM.c.call_id.is_not(None), ~rewarded)
+    )
+    needs_judge = await conn.execute(
+        select(func.count()).select_from(newest_ready).where(unrewarded)
+    )
+    held = await conn.execute(owned(select(func.count()).where(G.c.status == "held")))
+    open_stmt = select(func.count()).select_from(T).where(T.c.status == "open")
+    if owner is not None:
+        open_stmt = open_stmt.where(T.c.owner_key_id == owner)
+    return Waiting(
+        alone=alone,
+        alone_since=alone_since,
+        alone_cohort=alone_cohort,
+        small=small,
+        small_since=small_since,
+        unrewarded_ready=int(needs_judge.scalar_one()),
+        equal_rewards=equal_rewards,
+        held=int(held.scalar_one()),
+        open_trajectories=int((await conn.execute(open_stmt)).scalar_one()),
     )
 
 

@@ -28,6 +28,7 @@ from sqlalchemy.engine import make_url
 
 from proxy.settings import Settings
 from storage.records import AdapterRecord
+from proxy.telemetry.waiting import why_not_training
 from storage.stats import GroupQueue, Totals, VersionReward
 
 LABEL = 14
@@ -104,6 +105,8 @@ def build_report(
             "last_failed": None if queue.last_failed is None else asdict(queue.last_failed),
         },
         "reward_by_version": [asdict(r) for r in rewards],
+        "waiting": asdict(queue.waiting),
+        "why_not_training": [asdict(a) for a in why_not_training(queue.waiting, settings)],
     }
 
 
@@ -166,7 +169,19 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
         failed = judge["last_failed"]
         parts.append(f"last failure {_ago(failed['at'], now)}: {failed['failure'] or '?'}")
     line("judge", "; ".join(parts))
+    print_waiting(report["why_not_training"], out)
     print_rewards(report["reward_by_version"], out)
+
+
+def print_waiting(reasons: list[dict[str, str]], out: TextIO) -> None:
+    """Why traffic waits instead of training (`proxy.telemetry.waiting`), when it does."""
+    if not reasons:
+        return
+    print(file=out)
+    print("why traffic is not training yet:", file=out)
+    for reason in reasons:
+        print(f"  - {reason['what']}", file=out)
+        print(f"    {reason['fix']}", file=out)
 
 
 def print_rewards(rows: list[dict[str, Any]], out: TextIO) -> None:

@@ -109,6 +109,83 @@ async def test_lonely_task_moves_to_a_cohort_when_enabled(store: Store, make_cal
     assert len(expired) == 3
 
 
+async def test_tasks_asked_once_train_by_default_in_their_agents_cohort(
+    store: Store, make_call: Any
+) -> None:
+    """Live traffic: every task new, asked once. With no setting changed each trajectory waits
+    alone for `alone_s`, then joins its agent's cohort, which is ready at min_size."""
+    grouper = SignatureGrouper()  # the defaults serve uses
+    assert grouper.cohort and grouper.alone_s == 60.0
+    tasks = [await _run(store, make_call, _task(f"question {i}")) for i in range(4)]
+    other_agent = await _run(store, make_call, _task("q", {"role": "system", "content": "y"}))
+    first = await store.form_groups(grouper)
+    assert first.assigned == 5 and first.moved == 0 and first.ready == []
+    soon = await store.form_groups(grouper, now=time.time() + 30)
+    assert soon.moved == 0  # a second run of a task may still come
+    later = await store.form_groups(grouper, now=time.time() + 61)
+    assert later.moved == 5
+    ready = await store.form_groups(grouper, now=time.time() + 62)
+    assert len(ready.ready) == 1  # four members: min_size; the other agent waits alone
+    cohort = await store.get_group(ready.ready[0])
+    assert cohort is not None and cohort.summary.source == "cohort"
+    assert {m.trajectory_id for m in cohort.members} == set(tasks)
+    assert other_agent not in {m.trajectory_id for m in cohort.members}
+
+
+async def test_a_task_run_again_within_the_wait_stays_a_task_group(
+    store: Store, make_call: Any
+) -> None:
+    grouper = SignatureGrouper(min_size=2)
+    first = await _run(store, make_call, _task("same task"))
+    await store.form_groups(grouper)
+    second = await _run(store, make_call, _task("same task"))
+    result = await store.form_groups(grouper, now=time.time() + 30)
+    (group,) = [await store.get_group(g) for g in result.ready]
+    assert group is not None and group.summary.source == "task"
+    assert [m.trajectory_id for m in group.members] == [first, second]
+
+
+async def test_cohort_off_leaves_lone_tasks_waiting(store: Store, make_call: Any) -> None:
+    grouper = SignatureGrouper(min_size=2, cohort=False)
+    await _run(store, make_call, _task("alone a"))
+    await _run(store, make_call, _task("alone b"))
+    await store.form_groups(grouper)
+    result = await store.form_groups(grouper, now=time.time() + 3600)
+    assert result.moved == 0 and result.ready == []
+
+
+async def test_the_queue_says_what_waits_alone_and_since_when(store: Store, make_call: Any) -> None:
+    """The figures behind "why is nothing training": lone tasks, a cohort of one, groups below
+    the ready size, and ready groups that only a judge can score."""
+    grouper = SignatureGrouper(min_size=3, cohort=False)
+    before = time.time()
+    await _run(store, make_call, _task("asked once a"))
+    await _run(store, make_call, _task("asked once b"))
+    await _run(store, make_call, _task("twice"))
+    await _run(store, make_call, _task("twice"))
+    await store.record_call(make_call(_task("still going")))
+    await store.form_groups(grouper)
+    waiting = (await store.group_queue()).waiting
+    assert waiting.alone == 2 and waiting.small == 2 and waiting.alone_cohort == 0
+    assert waiting.alone_since is not None and before <= waiting.alone_since <= time.time()
+    assert waiting.open_trajectories == 1
+    assert waiting.unrewarded_ready == 0 and waiting.held == 0
+
+    ready = await store.form_groups(grouper, now=time.time() + 601)  # the pair: window passed
+    assert len(ready.ready) == 1
+    waiting = (await store.group_queue()).waiting
+    assert waiting.small == 0 and waiting.unrewarded_ready == 1  # no rewards: a judge's job
+
+
+async def test_a_lone_agents_cohort_of_one_is_counted_apart(store: Store, make_call: Any) -> None:
+    grouper = SignatureGrouper(min_size=2)
+    await _run(store, make_call, _task("only task of this agent"))
+    await store.form_groups(grouper)
+    await store.form_groups(grouper, now=time.time() + 61)
+    waiting = (await store.group_queue()).waiting
+    assert (waiting.alone, waiting.alone_cohort) == (0, 1)
+
+
 async def test_shadow_samples_form_a_ready_group(store: Store, make_call: Any) -> None:
     record = make_call(_task("shadow me"), answer="picked")
     record.shadow_samples = [

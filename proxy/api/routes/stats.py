@@ -6,7 +6,10 @@
     rewards   per adapter version (0: the base model), mean ± standard error of the newest
               `window` explicit rewards and, separately, of the newest `window` judge scores
     groups    groups forming, ready and being scored; scored groups not yet trained on (among
-              the newest 500); the newest scored and failed group
+              the newest 500); the newest scored and failed group; `waiting`: trajectories
+              alone or in groups below the ready size, and since when, ready groups only a
+              judge can score, skipped and held groups; `why_not_training`: those figures read
+              against the settings, as {what, fix} sentences (`proxy.telemetry.waiting`)
     judge     which judge scores groups, whether background scoring runs, the reward policy
     trainer   the trainer child's state (as /health reports it), the newest version, and the
               staleness bound's counts over the trainer's run (groups trained on, dropped and
@@ -31,6 +34,7 @@ from fastapi import APIRouter, Query
 from proxy.api.auth import Caller
 from proxy.api.deps import Registry, SettingsDep, StoreDep, TrainerDep
 from proxy.telemetry.metrics import StaleGroups
+from proxy.telemetry.waiting import why_not_training
 
 router = APIRouter(prefix="/rl/stats")
 
@@ -83,6 +87,9 @@ async def stats(
             **asdict(queue),
             "last_scored": asdict(queue.last_scored) if queue.last_scored else None,
             "last_failed": asdict(queue.last_failed) if queue.last_failed else None,
+            "why_not_training": [
+                asdict(a) for a in why_not_training(queue.waiting, settings, now=now)
+            ],
         },
         "judge": {
             "model": settings.judge_model or f"{settings.model_name} (local base model)",

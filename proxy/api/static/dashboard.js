@@ -351,6 +351,20 @@
             : null,
         ], { id: "judge", small: true }),
       ),
+      groups.why_not_training && groups.why_not_training.length
+        ? h(
+            "section",
+            { class: "panel", id: "why-not-training" },
+            h("h2", { text: "Why traffic is not training yet" }),
+            h(
+              "ul",
+              {},
+              ...groups.why_not_training.map((r) =>
+                h("li", {}, h("div", { text: r.what }), h("div", { class: "small muted", text: r.fix })),
+              ),
+            ),
+          )
+        : null,
       h(
         "section",
         { class: "panel" },
