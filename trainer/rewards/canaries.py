@@ -87,7 +87,7 @@ def make_canary(
         text = answer[: len(answer) // 2]
     messages = copy.deepcopy(base.messages[:-1])
     messages.append({"role": "assistant", "content": text})
-    return JudgeMember(uuid.uuid4().hex, messages)
+    return JudgeMember(uuid.uuid4().hex, messages, copy.deepcopy(base.tools))
 
 
 def insert_canary(

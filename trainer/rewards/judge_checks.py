@@ -55,7 +55,14 @@ from storage.records import GroupDetail, JudgeCheckRecord
 from storage.store import Store
 from trainer.rewards import judge_stats as st
 from trainer.rewards.canaries import KINDS, final_text, insert_canary
-from trainer.rewards.ruler import Judge, JudgeGroup, JudgeResult, rubric_hash, score_group
+from trainer.rewards.ruler import (
+    Judge,
+    JudgeGroup,
+    JudgeResult,
+    ScoreGroup,
+    rubric_hash,
+    score_group,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -370,11 +377,17 @@ class JudgeChecker:
         self.drift_alarm = False
 
     async def judge(
-        self, group: JudgeGroup, judge: Judge, detail: GroupDetail, reward_policy: str
+        self,
+        group: JudgeGroup,
+        judge: Judge,
+        detail: GroupDetail,
+        reward_policy: str,
+        *,
+        score: ScoreGroup = score_group,
     ) -> tuple[JudgeResult, JudgeCheckRecord | None]:
-        """Judge `group` with its checks. The result holds the real members' scores only (the
-        canary's is removed) with the tokens, cost, attempts and time of every call summed; the
-        check is None when judging failed."""
+        """Judge `group` with its checks (`score`: RULER, or per-turn judging). The result holds
+        the real members' scores only (the canary's is removed) with the tokens, cost, attempts
+        and time of every call summed; the check is None when judging failed."""
         config = self.config
         members = list(group.members)
         canary = None
@@ -387,14 +400,12 @@ class JudgeChecker:
         reorder = len(members) >= 2 and self._rng.random() < config.position_share
         self._remember(group)
         judged = dataclasses.replace(group, members=members)
-        first = await score_group(judged, judge)
+        first = await score(judged, judge)
         if first.status != "scored":
             return _without(first, canary.member.member_id if canary else None, []), None
         second = None
         if reorder:
-            second = await score_group(
-                dataclasses.replace(group, members=list(reversed(members))), judge
-            )
+            second = await score(dataclasses.replace(group, members=list(reversed(members))), judge)
         result = _without(first, canary.member.member_id if canary else None, [second])
         check = JudgeCheckRecord(
             group_id=group.group_id,

@@ -5,7 +5,10 @@ one judge call sees every member of a group side by side and gives each a score 
 others, with an explanation (RULER, from OpenPipe's ART). The prompt shows the messages that all
 members share (system prompt, task, earlier turns) once, then each member's own continuation
 under a short id ("1", "2", ...); the judge answers with JSON in a strict schema, which is
-validated here. A malformed or incomplete reply is retried once with the error stated; a
+validated here. A group whose members are different tasks (a cohort of one agent's one-off tasks:
+`different_tasks`) gets its own prompt: each member is shown with its own task (system prompt,
+first user message, tools when they differ) and scored on how well it did that task, not against
+the others' tasks. A malformed or incomplete reply is retried once with the error stated; a
 transport failure (timeout, HTTP 5xx, unreachable provider) is retried once as it was. A group
 whose judging still fails is reported as failed, with the reason; `score_group` never raises.
 
@@ -29,11 +32,13 @@ import logging
 import math
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 DEFAULT_RUBRIC = """\
 - A trajectory that achieves its goal always scores clearly higher than one that does not.
@@ -60,6 +65,7 @@ def rubric_hash(rubric: str) -> str:
 class JudgeMember:
     member_id: str  # opaque id from storage (a trajectory id, "callid:2", ...)
     messages: list[dict[str, Any]]  # request messages + the final assistant message
+    tools: list[dict[str, Any]] | None = None  # its own tool schemas; None: the group's
 
 
 @dataclass
@@ -117,6 +123,11 @@ class JudgeResult:
     cost_usd: float | None
 
 
+ScoreGroup = Callable[[JudgeGroup, Judge], Awaitable[JudgeResult]]
+"""A way of judging a group, never raising: `score_group` (RULER, the whole episodes side by
+side) or `trainer.rewards.turns.TurnScoring` (each assistant turn from what came next)."""
+
+
 # ----------------------------------------------------------------------------- prompt
 
 
@@ -140,9 +151,37 @@ def shared_prefix(members: list[JudgeMember]) -> int:
     return n
 
 
+def task_length(messages: list[dict[str, Any]]) -> int:
+    """How many leading messages make a member's task: up to and including the first user message
+    (the system prompt and the request, as the task signature reads them); without a user
+    message, those before the first assistant message. Never the whole conversation."""
+    end = len(messages)
+    for n, message in enumerate(messages):
+        if message.get("role") in ("user", "assistant"):
+            end = n + 1 if message["role"] == "user" else n
+            break
+    return min(end, max(0, len(messages) - 1))
+
+
+def _task(member: JudgeMember, tools: list[dict[str, Any]] | None) -> tuple[Any, ...]:
+    messages = member.messages
+    return (messages[: task_length(messages)], member.tools if member.tools is not None else tools)
+
+
+def different_tasks(members: list[JudgeMember], tools: list[dict[str, Any]] | None = None) -> bool:
+    """Whether the members are not all one task: their task messages (`task_length`) or their
+    tool schemas (a member's own, else `tools`, the group's) differ. Source "task" groups never
+    are (the task signature hashes the same parts); a cohort of one agent's one-off tasks is."""
+    tasks = [_task(m, tools) for m in members]
+    return any(t != tasks[0] for t in tasks[1:])
+
+
 def build_judge_messages(group: JudgeGroup) -> list[dict[str, Any]]:
     """The judge's conversation: a system message (rubric, how to reply) and one user message
-    (tools once, the shared prefix once, then each member's remainder under its short id)."""
+    (tools once, the shared prefix once, then each member's remainder under its short id).
+    Members of different tasks: each shown whole with its own task (`_different_tasks_prompt`)."""
+    if different_tasks(group.members, group.tools):
+        return _different_tasks_prompt(group)
     ids = short_ids(len(group.members))
     prefix = shared_prefix(group.members)
     parts = [
@@ -150,17 +189,18 @@ def build_judge_messages(group: JudgeGroup) -> list[dict[str, Any]]:
         "Score each one relative to the others, following the rubric."
     ]
     if group.tools:
-        tools = json.dumps(group.tools, indent=1, ensure_ascii=False)
-        parts.append(f"<tools>\nThe agent could call these tools:\n{tools}\n</tools>")
+        parts.append(
+            f"<tools>\nThe agent could call these tools:\n{tools_json(group.tools)}\n</tools>"
+        )
     if prefix:
         first = group.members[0].messages
-        shared = _render_messages(first[:prefix], _tool_names(first))
+        shared = render_messages(first[:prefix], tool_names(first))
         parts.append(
             f"<shared_context>\nEvery trajectory begins with these {prefix} messages:\n\n"
             f"{shared}\n</shared_context>"
         )
     for short, member in zip(ids, group.members, strict=True):
-        own = _render_messages(member.messages[prefix:], _tool_names(member.messages))
+        own = render_messages(member.messages[prefix:], tool_names(member.messages))
         lead = "continues the shared context with:\n\n" if prefix else ""
         parts.append(f'<trajectory id="{short}">\n{lead}{own}\n</trajectory>')
     parts.append(
@@ -171,6 +211,67 @@ def build_judge_messages(group: JudgeGroup) -> list[dict[str, Any]]:
         {"role": "system", "content": _system_prompt(group.rubric)},
         {"role": "user", "content": "\n\n".join(parts)},
     ]
+
+
+def _different_tasks_prompt(group: JudgeGroup) -> list[dict[str, Any]]:
+    """Each member under its short id with its own task first (messages up to the first user
+    message, and its tools when the members' tools differ), then the rest of its conversation;
+    nothing factored out, so no member's task is read as another's."""
+    ids = short_ids(len(group.members))
+    own_tools = [m.tools if m.tools is not None else group.tools for m in group.members]
+    shared_tools = own_tools[0] if all(t == own_tools[0] for t in own_tools) else None
+    parts = [
+        f"Below are {len(ids)} trajectories of an AI agent, each at a different task. Each "
+        "trajectory shows its own task first (the agent's instructions and the user's request), "
+        "then what the agent did. Score each one on how well it did its own task, following the "
+        "rubric; never judge a trajectory by another trajectory's task."
+    ]
+    if shared_tools:
+        parts.append(
+            f"<tools>\nThe agent could call these tools:\n{tools_json(shared_tools)}\n</tools>"
+        )
+    for short, member, tools in zip(ids, group.members, own_tools, strict=True):
+        messages = member.messages
+        names = tool_names(messages)
+        n = task_length(messages)
+        task = [render_messages(messages[:n], names)] if n else []
+        if tools and shared_tools is None:
+            task.append(
+                f"<tools>\nThe agent could call these tools:\n{tools_json(tools)}\n</tools>"
+            )
+        rest = render_messages(messages[n:], names)
+        parts.append(
+            f'<trajectory id="{short}">\n<task>\n'
+            + ("\n\n".join(task) or "(no task message)")
+            + f"\n</task>\n\n{rest}\n</trajectory>"
+        )
+    parts.append(
+        f"Reply with one JSON object and nothing else: {_reply_shape(ids)} "
+        f"with exactly one entry for each trajectory ({', '.join(ids)}), in that order."
+    )
+    return [
+        {"role": "system", "content": _different_tasks_system_prompt(group.rubric)},
+        {"role": "user", "content": "\n\n".join(parts)},
+    ]
+
+
+def _different_tasks_system_prompt(rubric: str) -> str:
+    return (
+        "You are a careful, impartial judge of AI agents. You are shown several trajectories of "
+        "an agent, each at a different task, each with its own task. Score every trajectory on "
+        "how well it did what its own task asked, not against the other trajectories' tasks.\n\n"
+        f"Rubric:\n{rubric}\n\n"
+        "Where the rubric compares trajectories, compare how well each did its own task: one "
+        "that fully did what its own user asked scores higher than one that did not do its own "
+        "task, whatever the tasks are; a harder task does not by itself earn a lower score.\n\n"
+        "For each trajectory give its id as shown (trajectory_id), an explanation of a sentence "
+        "or two saying what it did well or badly at its own task (write it before deciding the "
+        "score), and a score, a number from 0 to 1."
+    )
+
+
+def tools_json(tools: list[dict[str, Any]]) -> str:
+    return json.dumps(tools, indent=1, ensure_ascii=False)
 
 
 def _system_prompt(rubric: str) -> str:
@@ -193,7 +294,7 @@ def _reply_shape(ids: list[str]) -> str:
     )
 
 
-def _tool_names(messages: list[dict[str, Any]]) -> dict[str, str]:
+def tool_names(messages: list[dict[str, Any]]) -> dict[str, str]:
     """tool_call_id -> function name, so that tool results can say which tool answered."""
     names = {}
     for m in messages:
@@ -203,7 +304,7 @@ def _tool_names(messages: list[dict[str, Any]]) -> dict[str, str]:
     return names
 
 
-def _render_messages(messages: list[dict[str, Any]], names: dict[str, str]) -> str:
+def render_messages(messages: list[dict[str, Any]], names: dict[str, str]) -> str:
     return "\n\n".join(_render_message(m, names) for m in messages)
 
 
@@ -296,16 +397,7 @@ def parse_judge_reply(content: str, ids: list[str]) -> list[tuple[str, float, st
     prompt used, in member order). Raises JudgeReplyInvalid with the reason otherwise.
 
     A reply wrapped in a ``` fence is accepted; an integer id (1 for "1") is read as its string."""
-    text = (content or "").strip()
-    fenced = _FENCE.match(text)
-    if fenced:
-        text = fenced.group(1).strip()
-    if not text:
-        raise JudgeReplyInvalid("the reply is empty")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise JudgeReplyInvalid(f"the reply is not valid JSON ({exc})") from exc
+    data = load_reply_json(content)
     if not isinstance(data, dict) or not isinstance(data.get("scores"), list):
         raise JudgeReplyInvalid('the reply is not a JSON object with a "scores" list')
     entries = data["scores"]
@@ -349,6 +441,21 @@ def parse_judge_reply(content: str, ids: list[str]) -> list[tuple[str, float, st
     return [(i, *found[i]) for i in ids]
 
 
+def load_reply_json(content: str) -> Any:
+    """The JSON value of a judge's reply, which may be wrapped in a ``` fence; raises
+    JudgeReplyInvalid when it is empty or not JSON."""
+    text = (content or "").strip()
+    fenced = _FENCE.match(text)
+    if fenced:
+        text = fenced.group(1).strip()
+    if not text:
+        raise JudgeReplyInvalid("the reply is empty")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise JudgeReplyInvalid(f"the reply is not valid JSON ({exc})") from exc
+
+
 def _entry_id(entry: Any) -> str | None:
     if not isinstance(entry, dict):
         return None
@@ -364,68 +471,106 @@ def _entry_id(entry: Any) -> str | None:
 async def score_group(group: JudgeGroup, judge: Judge) -> JudgeResult:
     """Judge one group: one call, at most one retry. Never raises (except CancelledError)."""
     ids = short_ids(len(group.members))
-    messages = build_judge_messages(group)
-    response_format = response_format_for(group)
     started = time.monotonic()
-    attempts = 0
-    replies: list[JudgeReply] = []
-
-    def result(failure: str | None, parsed: list[tuple[str, float, str]]) -> JudgeResult:
-        costs = [r.cost_usd for r in replies if r.cost_usd is not None]
-        return JudgeResult(
-            status="scored" if failure is None else "failed",
-            scores=[
-                MemberScore(member.member_id, score, explanation)
-                for member, (_, score, explanation) in zip(group.members, parsed, strict=False)
-            ],
-            failure=failure,
-            judge_model=judge.model,
-            rubric_hash=rubric_hash(group.rubric),
-            latency_s=time.monotonic() - started,
-            attempts=attempts,
-            prompt_tokens=_sum(r.prompt_tokens for r in replies),
-            completion_tokens=_sum(r.completion_tokens for r in replies),
-            cost_usd=sum(costs) if costs else None,
-        )
-
     if not group.members:
-        return result("the group has no members", [])
+        return _result(group, judge, started, Asked(None, [], 0, "the group has no members"), [])
+    messages = build_judge_messages(group)
+    asked = await ask_judge(
+        judge,
+        messages,
+        response_format_for(group),
+        lambda content: parse_judge_reply(content, ids),
+        lambda bad, reason: [*messages, *_correction(bad, reason, ids)],
+        f"group {group.group_id}",
+    )
+    return _result(group, judge, started, asked, asked.parsed or [])
+
+
+def _result(
+    group: JudgeGroup,
+    judge: Judge,
+    started: float,
+    asked: Asked[Any],
+    parsed: list[tuple[str, float, str]],
+) -> JudgeResult:
+    replies = asked.replies
+    costs = [r.cost_usd for r in replies if r.cost_usd is not None]
+    return JudgeResult(
+        status="scored" if asked.failure is None else "failed",
+        scores=[
+            MemberScore(member.member_id, score, explanation)
+            for member, (_, score, explanation) in zip(group.members, parsed, strict=False)
+        ],
+        failure=asked.failure,
+        judge_model=judge.model,
+        rubric_hash=rubric_hash(group.rubric),
+        latency_s=time.monotonic() - started,
+        attempts=asked.attempts,
+        prompt_tokens=_sum(r.prompt_tokens for r in replies),
+        completion_tokens=_sum(r.completion_tokens for r in replies),
+        cost_usd=sum(costs) if costs else None,
+    )
+
+
+@dataclass
+class Asked(Generic[T]):
+    """What asking the judge one question came to (`ask_judge`)."""
+
+    parsed: T | None  # the validated reply; None when the question failed
+    replies: list[JudgeReply]  # every reply received (valid or not), for tokens and cost
+    attempts: int  # calls made: 1 or 2
+    failure: str | None  # why it failed (both attempts, or a backend that raised)
+    bug: bool = False  # the backend raised something other than JudgeError (not retried)
+
+
+async def ask_judge(
+    judge: Judge,
+    messages: list[dict[str, Any]],
+    response_format: dict[str, Any],
+    parse: Callable[[str], T],
+    correct: Callable[[str, str], list[dict[str, Any]]],
+    about: str,
+) -> Asked[T]:
+    """Ask one question, validate the reply with `parse` (which raises JudgeReplyInvalid), and
+    retry once: an invalid reply with the conversation `correct(reply, reason)` builds (the bad
+    reply and the error stated), a failed call (JudgeError) with the same messages. A backend
+    that raises anything else is a bug: reported, not retried. Never raises (except
+    CancelledError); `about` names the question in the log ("group g1")."""
+    replies: list[JudgeReply] = []
     problems: list[tuple[str, str]] = []  # (kind, reason) of each failed attempt
     attempt_messages = messages
+    attempts = 0
     while attempts < 2:
         attempts += 1
         try:
             reply = await judge.complete(attempt_messages, response_format)
         except JudgeError as exc:
             logger.warning(
-                "judge %s failed on group %s (attempt %s): %s",
-                judge.model,
-                group.group_id,
-                attempts,
-                exc,
+                "judge %s failed on %s (attempt %s): %s", judge.model, about, attempts, exc
             )
             problems.append(("judge call failed", str(exc)))
             attempt_messages = messages  # the same question again
             continue
         except Exception as exc:  # a backend's bug: report it, do not retry
-            logger.exception("judge %s raised on group %s", judge.model, group.group_id)
-            return result(f"judge raised {type(exc).__name__}: {exc}", [])
+            logger.exception("judge %s raised on %s", judge.model, about)
+            failure = f"judge raised {type(exc).__name__}: {exc}"
+            return Asked(None, replies, attempts, failure, bug=True)
         replies.append(reply)
         try:
-            parsed = parse_judge_reply(reply.content, ids)
+            parsed = parse(reply.content)
         except JudgeReplyInvalid as exc:
             logger.warning(
-                "judge %s replied invalidly on group %s (attempt %s): %s",
+                "judge %s replied invalidly on %s (attempt %s): %s",
                 judge.model,
-                group.group_id,
+                about,
                 attempts,
                 exc,
             )
             problems.append(("judge reply invalid", str(exc)))
-            attempt_messages = [*messages, *_correction(reply.content, str(exc), ids)]
+            attempt_messages = correct(reply.content, str(exc))
             continue
-        return result(None, parsed)
-    return result(_failure(problems), [])
+        return Asked(parsed, replies, attempts, None)
+    return Asked(None, replies, attempts, _failure(problems))
 
 
 def _correction(bad: str, reason: str, ids: list[str]) -> list[dict[str, Any]]:

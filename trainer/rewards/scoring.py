@@ -27,13 +27,22 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from storage.group_ops import DEFAULT_LEASE_S, FormResult
 from storage.grouping import SignatureGrouper
 from storage.records import GroupDetail, JudgeOutcome, ScoreRecord
 from storage.store import Store
 from trainer.rewards.judge_checks import JudgeChecker, JudgeChecksConfig
-from trainer.rewards.ruler import DEFAULT_RUBRIC, Judge, JudgeGroup, JudgeMember, score_group
+from trainer.rewards.ruler import (
+    DEFAULT_RUBRIC,
+    Judge,
+    JudgeGroup,
+    JudgeMember,
+    ScoreGroup,
+    score_group,
+)
+from trainer.rewards.turns import DEFAULT_TURN_RUBRIC, DEFAULT_VOTES, TurnScoring
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +55,13 @@ logged, never the scorer's."""
 @dataclass
 class ScoringConfig:
     rubric: str = DEFAULT_RUBRIC
-    """The rubric for every group without one of its own."""
+    """The rubric for every group without one of its own (with mode "turns" the default is
+    `DEFAULT_TURN_RUBRIC`: RULER's speaks of comparing trajectories)."""
+    mode: Literal["group", "turns"] = "group"
+    """How the judge scores a group: "group", RULER (one call compares the members); "turns",
+    each assistant turn from what came next (`trainer.rewards.turns`)."""
+    votes: int = DEFAULT_VOTES
+    """Judge calls per turn in mode "turns"; the turn's verdict is their majority."""
     rubrics: dict[str, str] = field(default_factory=dict)
     """Per explicit group key, or per agent as `agent:<system prompt text>`."""
     judge_explicit_groups: bool = False
@@ -56,6 +71,16 @@ class ScoringConfig:
     """How long a claim on a group holds without renewal (renewed every third of it)."""
     checks: JudgeChecksConfig | None = None
     """Canaries, self-agreement and the gate (`trainer.rewards.judge_checks`); None: off."""
+
+    def __post_init__(self) -> None:
+        if self.votes < 1:
+            raise ValueError(f"votes must be at least 1 (judge calls per turn), not {self.votes}")
+        if self.mode == "turns" and self.rubric == DEFAULT_RUBRIC:
+            self.rubric = DEFAULT_TURN_RUBRIC
+
+    def score_group(self) -> ScoreGroup:
+        """How this configuration judges a group."""
+        return TurnScoring(votes=self.votes) if self.mode == "turns" else score_group
 
 
 class Scorer:
@@ -189,16 +214,17 @@ class Scorer:
         rubric = self.rubric_for(group)
         judge_group = JudgeGroup(
             group_id=group.id,
-            members=[JudgeMember(m.member_id, m.messages) for m in members],
+            members=[JudgeMember(m.member_id, m.messages, m.tools) for m in members],
             tools=members[0].tools if members else None,
             rubric=rubric,
         )
         check = hold_reason = None
+        score = self.config.score_group()
         if self.checker is None:
-            result = await score_group(judge_group, self.judge)
+            result = await score(judge_group, self.judge)
         else:
             result, check = await self.checker.judge(
-                judge_group, self.judge, group, self.config.reward_policy
+                judge_group, self.judge, group, self.config.reward_policy, score=score
             )
             if check is not None:
                 gate = await self.checker.decide(self.store, check)
