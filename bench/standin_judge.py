@@ -15,7 +15,9 @@ own `<trajectory id="k">` block. Its true reward is, in order:
    `DELETE /truth` forgets them;
 2. built in, with `--truth lookup`: examples/lookup_agent.py's reward recomputed from the
    rendered episode (`lookup_reward`: the question's word, the `find` calls and their results,
-   the first `get` call);
+   the first `get` call); with `--truth arithmetic`: examples/arithmetic_agent.py's reward
+   recomputed from the question "What is A + B?" and the assistant's reply
+   (`arithmetic_reward`);
 3. otherwise `--unknown-reward` (default 0.0), e.g. for a judge check's canary.
 
 Noise (`noisy_scores`). With pair accuracy p in [0.5, 1], each group independently is, with
@@ -29,6 +31,7 @@ by whole groups (a blind group is wholly blind); pair accuracy is the one figure
 (tests/e2e/test_standin_judge.py measures it). Each score's explanation says which it was.
 
     python bench/standin_judge.py --port 9100 --pair-accuracy 0.9 --truth lookup --seed 1
+    python bench/standin_judge.py --port 9100 --pair-accuracy 0.5 --truth arithmetic --seed 1
     STANDIN_KEY=x RLPROXY_JUDGE_MODEL=openai/standin RLPROXY_JUDGE_API_KEY_ENV=STANDIN_KEY \\
         RLPROXY_JUDGE_API_BASE=http://127.0.0.1:9100/v1 rlproxy serve
 
@@ -149,6 +152,46 @@ def lookup_truth() -> Truth:
     import lookup_agent
 
     return lambda text: lookup_reward(text, lookup_agent.number_of)
+
+
+_SUM = re.compile(r"What is (-?\d+) \+ (-?\d+)\?")
+_ASSISTANT = "[assistant]\n"
+_EMPTY = "(empty)"  # what RULER's rendering writes for a message with no text and no tool call
+
+
+def arithmetic_reward(text: str, reward: Callable[[str, int], float]) -> float | None:
+    """examples/arithmetic_agent.py's reward recomputed from a rendered episode: `reward` of the
+    assistant's reply (the text after the first assistant message's header that follows the
+    question) and the question's sum. None when the text holds no "What is A + B?" question or
+    no reply. A reply of exactly "(empty)" reads as an empty one: that is how RULER renders an
+    empty answer (a canary's, say)."""
+    question = _SUM.search(text)
+    if question is None:
+        return None
+    start = text.find(_ASSISTANT, question.end())
+    if start < 0:
+        return None
+    reply = text[start + len(_ASSISTANT) :]
+    reply = "" if reply.strip() == _EMPTY else reply
+    return reward(reply, int(question.group(1)) + int(question.group(2)))
+
+
+def arithmetic_truth() -> Truth:
+    """`arithmetic_reward` with examples/arithmetic_agent.py's own `reward`."""
+    examples = str(Path(__file__).resolve().parent.parent / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    import arithmetic_agent
+
+    return lambda text: arithmetic_reward(text, arithmetic_agent.reward)
+
+
+TRUTHS: dict[str, Callable[[], Truth] | None] = {
+    "posted": None,
+    "lookup": lookup_truth,
+    "arithmetic": arithmetic_truth,
+}
+"""`--truth`: the built-in truth beside the posted fragments (None: posted fragments only)."""
 
 
 # ----------------------------------------------------------------------------- the judge
@@ -331,19 +374,21 @@ def main() -> None:
     )
     parser.add_argument(
         "--truth",
-        choices=("posted", "lookup"),
+        choices=tuple(TRUTHS),
         default="posted",
-        help="posted: only fragments POSTed to /truth; lookup: also recompute "
-        "examples/lookup_agent.py's reward from the rendered episode",
+        help="posted: only fragments POSTed to /truth; lookup, arithmetic: also recompute "
+        "examples/lookup_agent.py's or examples/arithmetic_agent.py's reward from the rendered "
+        "episode",
     )
     parser.add_argument("--unknown-reward", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args()
     if not math.isfinite(args.unknown_reward):
         parser.error("--unknown-reward must be a number")
+    make_truth = TRUTHS[args.truth]
     judge = StandinJudge(
         args.pair_accuracy,
-        truth=lookup_truth() if args.truth == "lookup" else None,
+        truth=make_truth() if make_truth is not None else None,
         unknown_reward=args.unknown_reward,
         seed=args.seed,
     )

@@ -1,7 +1,8 @@
 """The stand-in judge (bench/standin_judge.py), a fixture of known quality, is what it says: its
 measured pair accuracy is the one it was given, at small and large reward gaps alike; it answers
 RULER's request, as rlproxy's own client sends it, in RULER's reply format; and it recomputes the
-lookup agent's reward from the rendered episode as the agent's environment computes it."""
+lookup agent's and the arithmetic agent's rewards from the rendered episode as each agent's
+environment computes them."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 from bench.standin_judge import (
     StandinJudge,
     StandinJudgeServer,
+    arithmetic_truth,
     lookup_truth,
     noisy_scores,
     pair_accuracy_of,
@@ -28,6 +30,7 @@ from trainer.rewards.ruler import JudgeGroup, JudgeMember, build_judge_messages,
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
+import arithmetic_agent
 import lookup_agent
 
 LEVELS = [0.0, 0.1, 0.5, 1.0]  # gaps from 0.1 (0 against 0.1) to 1.0 (0 against 1)
@@ -215,4 +218,44 @@ def test_the_lookup_truth_is_the_lookup_agents_reward(shape: str) -> None:
     judge = StandinJudge(1.0, truth=lookup_truth())
     reply = json.loads(judge.reply(prompt))
     assert [e["score"] for e in reply["scores"]] == expected
+    assert judge.stats["unknown"] == 0
+
+
+# ----------------------------------------------------------------------------- the arithmetic agent
+
+REPLIES = [
+    "25",  # the right number alone: 1.0
+    "25.",  # with a trailing period: 1.0
+    "24",  # a wrong number alone: 0.25
+    "11 + 14 = 25",  # the right number inside text
+    "11 + 14 = 25\n\nJust a number",
+    "The magazine publishes The Amazing SpTrans",  # anything else, long: 0
+    "one-one equals eight.",  # anything else, short
+    "",  # empty (a canary's answer): 0.1
+    "I'm sorry, but I can't help with that request.",  # a refusal canary
+]
+
+
+@pytest.mark.parametrize("shape", ["same task", "different tasks"])
+def test_the_arithmetic_truth_is_the_arithmetic_agents_reward(shape: str) -> None:
+    """Each member as the agent stores it (its question, the model's reply), through RULER's
+    prompt for a same-task group (the question in the shared context) and for a cohort of
+    different questions (each member shown whole with its own task)."""
+    pairs = [(11, 14)] * len(REPLIES) if shape == "same task" else [(11, 14 + n) for n in range(9)]
+    members, expected = [], []
+    for n, ((a, b), reply) in enumerate(zip(pairs, REPLIES, strict=True)):
+        reply = reply.replace("25", str(a + b))  # the right number of this member's question
+        messages = [
+            {"role": "user", "content": arithmetic_agent.question_text(a, b)},
+            {"role": "assistant", "content": reply},
+        ]
+        members.append(JudgeMember(f"m{n}", messages))
+        expected.append(arithmetic_agent.reward(reply, a + b))
+    assert len(set(expected)) >= 6  # every branch of the reward, several brevities
+    prompt = build_judge_messages(JudgeGroup("g", members, None))
+    assert ("<shared_context>" in prompt[1]["content"]) == (shape == "same task")
+    assert ("<task>" in prompt[1]["content"]) == (shape == "different tasks")
+    judge = StandinJudge(1.0, truth=arithmetic_truth())
+    reply = json.loads(judge.reply(prompt))
+    assert [e["score"] for e in reply["scores"]] == [round(r, 6) for r in expected]
     assert judge.stats["unknown"] == 0
