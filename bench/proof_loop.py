@@ -72,9 +72,11 @@ def start_servers(
     prefix: str = "rlproxy-proof-",
     trainer_extra: dict[str, Any] | None = None,
     grouping_defaults: bool = False,
+    train_env_extra: dict[str, str] | None = None,
 ) -> Servers:
     """`grouping_defaults`: leave the RLPROXY_GROUP_* settings at serve's defaults (live traffic:
-    groups form as they would for any user) instead of groups of exactly `runs` runs of a task."""
+    groups form as they would for any user) instead of groups of exactly `runs` runs of a task.
+    `train_env_extra`: more settings for the training server only (a judge, say)."""
     work = Path(tempfile.mkdtemp(prefix=prefix))
     train_dir, eval_dir = work / "train", work / "eval"
     (train_dir / "checkpoints" / "rlproxy").mkdir(parents=True)
@@ -104,6 +106,7 @@ def start_servers(
             "RLPROXY_GROUP_MAX_SIZE": str(runs),
             "RLPROXY_GROUP_WINDOW_S": "1e9",
         }
+    train_env |= train_env_extra or {}
     print(f"working in {work}", flush=True)
     train_proc, train_url = start_server(train_dir, model_dir, train_env)
     try:
@@ -148,6 +151,8 @@ class Run:
     wall_s: float = 0.0
     eval_s: float = 0.0
     to_3se: dict[str, Any] | None = None
+    stalled: int | None = None
+    """The version that did not appear within `run`'s `stalled_s` (the run ended there)."""
 
 
 def run(
@@ -164,13 +169,20 @@ def run(
     describe: Callable[[dict[str, Any]], str] = lambda p: f"practice reward {p['mean_reward']:.3f}",
     step_fields: Callable[[dict[str, Any]], dict[str, Any]] = lambda p: {},
     stop: Callable[[dict[str, Any]], bool] = lambda e: False,
+    finish: Callable[[str], None] = lambda url: None,
+    stalled_s: float | None = None,
 ) -> Run:
     """Practise, step, evaluate (see the module's text). `ahead`: 0 waits for every version the
     last round's groups make before practising again (on-policy), 1 practises the next round
     while the trainer steps, K > 1 also lets the trainer fall up to K - 1 versions behind the
     groups practised (traffic that does not wait for training, sampled by older versions).
     `score` and `stderr` name the held-out measure in `evaluate`'s result that the gain is
-    counted in; `stop` ends the run early after an evaluation."""
+    counted in; `stop` ends the run early after an evaluation; `finish` reads what it needs from
+    the training server (its URL) before the servers stop, whether the run ended or failed. A
+    version the counted groups should make that has not appeared after 900 s is an error; with
+    `stalled_s`, one missing for that long ends the run there instead (`Run.stalled`): for a
+    judge whose gate may hold groups, or a trainer that drops stale groups after they were
+    counted, when no more traffic would come to make up for them."""
     out = Run()
     started = 0.0
     # a proof stopped with SIGTERM (kill, nohup'd runs) still stops its servers and trainer
@@ -228,7 +240,13 @@ def run(
                 pending = pool.submit(practise, servers.train_url, rounds)
                 rounds += 1
             while out.version < target:
-                published = wait_for_version(servers.train_url, out.version + 1, timeout_s=900)
+                published = wait_for_version(
+                    servers.train_url, out.version + 1, timeout_s=stalled_s or 900
+                )
+                if published is None and stalled_s is not None:
+                    out.stalled = out.version + 1
+                    print(f"version {out.stalled} did not appear in {stalled_s:g} s: ending")
+                    break
                 if published is None:
                     raise RuntimeError(
                         f"version {out.version + 1} never appeared; see {servers.train_dir}"
@@ -259,7 +277,7 @@ def run(
                 )
                 if out.version % eval_every == 0:
                     held_out(out.version)
-            if len(out.evals) > 1 and stop(out.evals[-1]):
+            if out.stalled is not None or (len(out.evals) > 1 and stop(out.evals[-1])):
                 break
         if pending is not None:
             pending.result()
@@ -268,7 +286,10 @@ def run(
             held_out(out.version)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-        servers.stop()
+        try:
+            finish(servers.train_url)
+        finally:
+            servers.stop()
     return out
 
 
