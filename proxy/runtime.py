@@ -34,6 +34,7 @@ from proxy.adapters.publisher import Publisher
 from proxy.adapters.registry import ServedModels
 from proxy.adapters.rollout import RolloutConfig
 from proxy.adapters.rollout_stats import RolloutTest
+from proxy.chat.budget import BudgetRule
 from proxy.chat.request import RequestLimits
 from proxy.chat.service import ChatService
 from proxy.chat.upstream import UpstreamChat
@@ -300,6 +301,7 @@ async def _serve(
         policy=settings.model_name,
         aliases=tuple(settings.aliases),
         base_model=settings.base_model_name,
+        patterns={"messages": tuple(settings.messages_model_patterns)},
     )
     replica_id = settings.replica_id or default_replica_id()
     # Heartbeats say which versions this replica keeps; a version is unloaded from a shared
@@ -321,7 +323,7 @@ async def _serve(
         registry,
         engine.tokenizer,
         max_n=settings.max_n,
-        default_max_tokens=settings.default_max_tokens,
+        budget=BudgetRule(settings.output_budget, settings.resolved_default_max_tokens),
         record=record,
         shadow_samples=settings.shadow_samples,
         shadow_turns=settings.shadow_turns,

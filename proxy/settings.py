@@ -13,6 +13,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+EMBEDDED_DEFAULT_MAX_TOKENS = 512
+"""The budget of a request that sends none on the embedded SmolLM2-135M (`default_max_tokens`)."""
+
 
 class UpstreamTarget(BaseModel):
     """Where one upstream model name is forwarded: `openai/...` targets straight to the
@@ -50,6 +53,15 @@ class Settings(BaseSettings):
         default_factory=lambda: ["gpt-4o-mini", "gpt-4o", "gpt-3.5-turbo"],
         description="Other model names served by the policy (for clients that validate names).",
     )
+    messages_model_patterns: list[str] = Field(
+        default_factory=lambda: ["claude-*"],
+        description="On Anthropic's Messages API (/v1/messages) only, further model names the "
+        "policy serves: globs (`fnmatch`, case-sensitive). Claude Code and other Anthropic "
+        "clients send their own names (`claude-opus-5-5`, `claude-haiku-...`); an upstream model "
+        "of the same name (RLPROXY_UPSTREAM_MODELS) wins. Other names stay a 404 there, and on "
+        "Chat Completions and Responses every unknown name does. []: the policy's name and "
+        "aliases only.",
+    )
     model_dir: Path | None = Field(
         None, description="Where the fp32 model cache lives (default: the data directory)."
     )
@@ -77,8 +89,23 @@ class Settings(BaseSettings):
     )
     max_batch_size: int = Field(16, ge=1, description="Rows decoded together by the local engine.")
     max_n: int = Field(8, ge=1, description="Largest `n` (choices per request) accepted.")
-    default_max_tokens: int = Field(
-        512, ge=1, description="Completion budget when the request sets none."
+    default_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="The answer's budget when a request sets none (no `max_tokens`, "
+        "`max_completion_tokens` or `max_output_tokens`), capped at what the context leaves "
+        "after the prompt. Unset: what the context leaves (vLLM's rule; Codex sends no budget "
+        "and treats a cut answer as an error), except on the embedded model: "
+        f"{EMBEDDED_DEFAULT_MAX_TOKENS} (a 135M model at temperature 1 rarely stops, and its "
+        "whole 8,192-token context takes minutes on a CPU).",
+    )
+    output_budget: Literal["fit", "strict"] = Field(
+        "fit",
+        description="A budget asked for that does not fit what the context leaves after the "
+        "prompt: `fit` generates up to what it leaves (as Ollama and llama.cpp do; the "
+        "X-RLProxy-Output-Budget header says so), `strict` refuses it with a 400 "
+        "context_length_exceeded (vLLM's rule). A prompt that alone fills the context is a 400 "
+        "either way.",
     )
     upstream_models: dict[str, UpstreamTarget] = Field(
         default_factory=dict,
@@ -564,6 +591,14 @@ class Settings(BaseSettings):
     def public_bind(self) -> bool:
         """True when the server listens beyond loopback (then it needs API keys)."""
         return not _is_loopback(self.host)
+
+    @property
+    def resolved_default_max_tokens(self) -> int | None:
+        """The budget of a request that sends none (`default_max_tokens`): as set, else
+        EMBEDDED_DEFAULT_MAX_TOKENS on the embedded model, else None (what the context leaves)."""
+        if self.default_max_tokens is not None:
+            return self.default_max_tokens
+        return EMBEDDED_DEFAULT_MAX_TOKENS if self.base_model is None else None
 
     @property
     def base_model_name(self) -> str:

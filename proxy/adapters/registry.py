@@ -4,6 +4,9 @@
     NAME@base     the base model, no adapter
     NAME@N        adapter version N, pinned (while it is loaded)
     alias         configured other names (e.g. `gpt-4o-mini`) that mean NAME
+    a pattern     on one protocol only, names matching a glob that mean NAME: on Anthropic's
+                  Messages API `claude-*` (RLPROXY_MESSAGES_MODEL_PATTERNS), the names Claude
+                  Code and other Anthropic clients send by default
 
 During a canary rollout (`proxy.adapters.rollout`) NAME and the aliases mean one of two
 versions per call: the canary for a share of the traffic, the active version for the rest
@@ -28,6 +31,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Any
 
 from proxy.api.errors import ModelNotFoundError
@@ -47,10 +51,13 @@ def adapter_name(version: int) -> str:
 
 @dataclass(frozen=True)
 class Resolved:
-    """What a requested model name serves: `version` None means the base model."""
+    """What a requested model name serves: `version` None means the base model.
+    `follows_policy`: the name means NAME (the policy, an alias or a pattern), not a pin; a
+    canary splits its traffic."""
 
     requested: str
     version: int | None
+    follows_policy: bool = False
 
     @property
     def adapter(self) -> str | None:
@@ -144,6 +151,9 @@ class ServedModels:
     aliases: tuple[str, ...] = ()
     base_model: str | None = None
     """The base model's name (RLPROXY_BASE_MODEL as given), each entry's `root` as in vLLM."""
+    patterns: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Protocol -> globs of further names that mean NAME on that protocol only (case-sensitive,
+    `fnmatch`): `{"messages": ("claude-*",)}`. Not listed by `GET /v1/models`."""
     created: int = field(default_factory=lambda: int(time.time()))
     _loaded: dict[int, int] = field(default_factory=dict)  # version -> loaded-at time
     _active: int | None = None
@@ -205,42 +215,43 @@ class ServedModels:
             self._canary = None
             self.sticky.clear()
 
-    def is_policy_name(self, name: str) -> bool:
-        """True for NAME and the aliases (the names a canary splits), not for pins."""
-        return name == self.policy or name in self.aliases
-
     def route(self, resolved: Resolved, key: str | None = None) -> Resolved:
         """The version this call gets: `resolved` unchanged unless it names the policy while a
         canary runs; then the version `key`'s conversation drew before, else a fresh draw (the
         canary when `key`'s stable draw falls under `share`; without a key at random),
         remembered under `key`."""
         canary = self._canary
-        if canary is None or not self.is_policy_name(resolved.requested):
+        if canary is None or not resolved.follows_policy:
             return resolved
         if key is not None:
             known, version = self.sticky.get(key)
             if known and (version in (canary.version, self._active)):
-                return Resolved(resolved.requested, version)
+                return Resolved(resolved.requested, version, follows_policy=True)
         draw = self.rng.random() if key is None else canary_draw(key, self.policy, canary.version)
         version = canary.version if draw < canary.share else self._active
         if key is not None:
             self.sticky.put(key, version)
-        return Resolved(resolved.requested, version)
+        return Resolved(resolved.requested, version, follows_policy=True)
 
     def remember(self, key: str, version: int | None) -> None:
         """Keep a conversation on `version` (while a canary runs; otherwise nothing to keep)."""
         if self._canary is not None:
             self.sticky.put(key, version)
 
-    def resolve(self, name: str) -> Resolved:
-        if name == self.policy or name in self.aliases:
-            return Resolved(name, self._active)
+    def resolve(self, name: str, *, protocol: str = "chat") -> Resolved:
+        """What `name` serves when a request of `protocol` ("chat", "responses", "messages")
+        asks for it. Raises `ModelNotFoundError` (404) for a name this server does not serve."""
+        if name == self.policy or name in self.aliases or self._matches(name, protocol):
+            return Resolved(name, self._active, follows_policy=True)
         if name == f"{self.policy}@base":
             return Resolved(name, None)
         version = self.pinned(name)
         if version is not None and version in self._loaded:
             return Resolved(name, version)
         raise ModelNotFoundError(name)
+
+    def _matches(self, name: str, protocol: str) -> bool:
+        return any(fnmatchcase(name, p) for p in self.patterns.get(protocol, ()))
 
     def pinned(self, name: str) -> int | None:
         """N when `name` is `NAME@N` (loaded or not), else None."""

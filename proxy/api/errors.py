@@ -55,7 +55,28 @@ class InvalidRequestError(APIError):
 
 
 class ContextLengthError(InvalidRequestError):
+    """The prompt, or the prompt and the budget asked for, do not fit the model's context
+    (`proxy.chat.budget`). The figures let each protocol's edge say it in its own words."""
+
     default_code = "context_length_exceeded"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        prompt_tokens: int = 0,
+        max_context: int = 0,
+        requested: int | None = None,
+        at_least: bool = False,
+    ):
+        super().__init__(message, param=param)
+        self.prompt_tokens = prompt_tokens
+        """The prompt's tokens (`at_least`: more than this many, counted without tokenizing)."""
+        self.max_context = max_context
+        self.requested = requested
+        """The budget asked for, when it is what did not fit (RLPROXY_OUTPUT_BUDGET=strict)."""
+        self.at_least = at_least
 
 
 class NotFoundError(APIError):

@@ -5,6 +5,7 @@ body or chunk stream out.
     answer = await serve(request, runtime, caller, call)
     answer.body        # non-streamed: the core's body (Chat Completions' shape), or
     answer.chunks      # streamed: the core's chunks, for the protocol's edge to re-frame
+    answer.headers     # what every protocol's answer carries (X-RLProxy-Output-Budget)
 
 Whichever protocol a request came in by (`proxy/protocols/` translates it into a
 `ChatCompletionRequest`), it is served here the same way: an upstream model name goes to the
@@ -25,6 +26,8 @@ from fastapi import Request
 
 from proxy.api.auth import PermissionDeniedError, Principal
 from proxy.api.http_metrics import label_model
+from proxy.chat.budget import HEADER as BUDGET_HEADER
+from proxy.chat.budget import OutputBudget
 from proxy.chat.record import CallInfo
 from proxy.chat.streaming import prepend
 from proxy.runtime import Runtime
@@ -42,10 +45,20 @@ class Answer:
     chunks: AsyncIterator[dict[str, Any]] | None = None
     prompt_tokens: int | None = None
     """The prompt's length in tokens when known before generating (the policy's engines)."""
+    budget: OutputBudget | None = None
+    """The answer's budget, asked for and used (the policy's engines; an upstream model's
+    provider keeps its own)."""
 
     @property
     def disconnected(self) -> bool:
         return self.body is None and self.chunks is None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Headers every protocol's answer carries: `X-RLProxy-Output-Budget`."""
+        if self.budget is None:
+            return {}
+        return {BUDGET_HEADER: self.budget.header_value()}
 
 
 async def serve(request: Request, runtime: Runtime, caller: Principal, call: CallInfo) -> Answer:
@@ -64,12 +77,13 @@ async def serve(request: Request, runtime: Runtime, caller: Principal, call: Cal
         return Answer(chunks=prepend(first, chunks))
     await served.adapters.ensure_servable(body.model)
     prepared = await served.chat.prepare(call)
-    tokens = len(prepared.prompt_ids)
+    tokens, budget = len(prepared.prompt_ids), prepared.budget
     if body.stream:
-        return Answer(chunks=served.chat.stream(prepared), prompt_tokens=tokens)
+        return Answer(chunks=served.chat.stream(prepared), prompt_tokens=tokens, budget=budget)
     return Answer(
         body=await unless_disconnected(request, served.chat.complete(prepared)),
         prompt_tokens=tokens,
+        budget=budget,
     )
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.api.protocol import ChatCompletionRequest, completion_id
+from proxy.chat.budget import RECORD_KEY as OUTPUT_BUDGET
+from proxy.chat.budget import OutputBudget
 from storage.records import LOGPROBS_AFTER_GRAMMAR, CallRecord, CallStatus, ChoiceRecord
 
 TRAJECTORY_HEADER = "x-rlproxy-trajectory"
@@ -100,10 +102,14 @@ def call_record(
     shadow_samples: Sequence[ChoiceRecord] = (),
     token_ids_note: str | None = None,
     logprobs_after_grammar: bool = False,
+    output_budget: OutputBudget | None = None,
 ) -> CallRecord:
     """The record of one finished (or failed, or abandoned) call.
 
-    `messages` and `tools` default to the request's, as the client sent them.
+    `messages` and `tools` default to the request's, as the client sent them. `output_budget`
+    (the policy's calls) is stored as `params["output_budget"]`, `{"requested", "used"}`,
+    beside the request's own `max_tokens` / `max_completion_tokens` (what was asked for, as
+    ever).
     """
     req, headers = call.request, call.headers
     latency = time.monotonic() - call.started
@@ -114,6 +120,8 @@ def call_record(
     params = request_params(req)
     if logprobs_after_grammar:
         params[LOGPROBS_AFTER_GRAMMAR] = True
+    if output_budget is not None:
+        params[OUTPUT_BUDGET] = output_budget.as_params()
     if call.wire is not None:
         params[call.protocol] = call.wire
     return CallRecord(

@@ -3,7 +3,9 @@
 `prepare_chat` raises every 4xx the chat route can give (a request too big in shape, unknown
 model, invalid parameters, an over-long prompt, a schema or tool list that cannot become a
 grammar) before any token is generated; what it returns, `PreparedChat`, holds the rendered
-prompt ids, sampling parameters and grammar. No generation and no HTTP here.
+prompt ids, sampling parameters, grammar and the answer's budget (`proxy.chat.budget`, the one
+place budgets are fitted to the context). `count_prompt_tokens` validates and renders the same
+way and counts, whatever the prompt's length. No generation and no HTTP here.
 
 The shape limits (`check_shape`) run first, before anything that costs in proportion to them:
 messages, stop strings and tools are counted, and every schema (tool parameters,
@@ -19,9 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.adapters.registry import Resolved, ServedModels
-from proxy.api.errors import ContextLengthError, InvalidRequestError
+from proxy.api.errors import InvalidRequestError
 from proxy.api.protocol import ChatCompletionRequest
 from proxy.chat import grammar
+from proxy.chat.budget import DEFAULT_RULE, BudgetRule, OutputBudget, prompt_too_long
 from proxy.chat.grammar import ToolChoice, json_shape
 from proxy.chat.prompt import ChatTemplate
 from proxy.chat.record import CallInfo
@@ -63,6 +66,8 @@ class PreparedChat:
     n: int
     grammar: grammar.Grammar | None
     include_usage: bool
+    budget: OutputBudget
+    """The answer's budget: what the client asked for and what the context leaves it."""
 
     @property
     def request(self) -> ChatCompletionRequest:
@@ -84,7 +89,7 @@ def prepare_chat(
     tokenizer: Any,
     max_context: int,
     max_n: int,
-    default_max_tokens: int,
+    budget: BudgetRule = DEFAULT_RULE,
     max_token_chars: int = 0,
     limits: RequestLimits = DEFAULT_LIMITS,
     template: ChatTemplate | None = None,
@@ -92,13 +97,87 @@ def prepare_chat(
     """Validate `call.request` (every 4xx the chat route can give); turn it into engine inputs.
 
     `template`: the model's chat template and tool-call family (read from `tokenizer` when not
-    given; build it once per model, as `ChatService` does)."""
+    given; build it once per model, as `ChatService` does). `budget`: how the answer's budget is
+    fitted to what the context leaves after the prompt (`proxy.chat.budget`)."""
     template = template or ChatTemplate.for_tokenizer(tokenizer)
+    req = call.request
+    rendered = render_chat(call, registry=registry, max_n=max_n, limits=limits, template=template)
+    if max_token_chars and len(rendered.text) > max_context * max_token_chars:
+        # No token spells more than `max_token_chars` characters, so this prompt cannot fit:
+        # refuse it without tokenizing (megabytes of text take seconds to tokenize).
+        raise prompt_too_long(len(rendered.text) // max_token_chars, max_context, at_least=True)
+    prompt_ids = tokenizer.encode(rendered.text, add_special_tokens=False)
+    output = budget.fit(len(prompt_ids), req.max_completion_tokens or req.max_tokens, max_context)
+    params = SamplingParams(
+        max_tokens=output.used,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        seed=req.seed,
+        stop=req.stop_list,
+        logprobs=bool(req.logprobs),
+        top_logprobs=req.top_logprobs or 0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+    )
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return PreparedChat(
+        call=call,
+        resolved=rendered.resolved,
+        messages=rendered.messages,
+        tools=rendered.tools,
+        parse_tools=rendered.parse_tools,
+        prompt_ids=prompt_ids,
+        params=params,
+        n=req.n or 1,
+        grammar=rendered.grammar,
+        include_usage=include_usage,
+        budget=output,
+    )
+
+
+def count_prompt_tokens(
+    call: CallInfo,
+    *,
+    registry: ServedModels,
+    tokenizer: Any,
+    limits: RequestLimits = DEFAULT_LIMITS,
+    template: ChatTemplate | None = None,
+) -> int:
+    """The prompt's length in tokens, validated and rendered as `prepare_chat` would, whatever
+    its length: a prompt longer than the context is counted, not refused (Anthropic's
+    `count_tokens`, which a client asks to learn whether to shorten its conversation)."""
+    template = template or ChatTemplate.for_tokenizer(tokenizer)
+    rendered = render_chat(call, registry=registry, max_n=1, limits=limits, template=template)
+    return len(tokenizer.encode(rendered.text, add_special_tokens=False))
+
+
+@dataclass
+class RenderedChat:
+    """A validated request's prompt text and what was read from the request to render it."""
+
+    resolved: Resolved
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    parse_tools: bool
+    grammar: grammar.Grammar | None
+    text: str
+
+
+def render_chat(
+    call: CallInfo,
+    *,
+    registry: ServedModels,
+    max_n: int,
+    limits: RequestLimits,
+    template: ChatTemplate,
+) -> RenderedChat:
+    """Validate `call.request` (every 4xx but the context's) and render its prompt text."""
     req, request_id = call.request, call.request_id
     check_shape(req, limits)
     if req.unknown_fields():
         logger.info("request %s: ignoring unknown fields %s", request_id, req.unknown_fields())
-    resolved = registry.resolve(req.model)
+    resolved = registry.resolve(req.model, protocol=call.protocol)
     n = req.n or 1
     if n > max_n:
         raise InvalidRequestError(f"n={n} is above this server's limit of {max_n}.", param="n")
@@ -141,51 +220,13 @@ def prepare_chat(
         ) from exc
     except ValueError as exc:
         raise InvalidRequestError(str(exc), param="messages") from exc
-    max_tokens = req.max_completion_tokens or req.max_tokens
-    limit = max_context
-    if max_token_chars and len(text) > limit * max_token_chars:
-        # No token spells more than `max_token_chars` characters, so this prompt cannot fit:
-        # refuse it without tokenizing (megabytes of text take seconds to tokenize).
-        raise ContextLengthError(
-            f"This model's maximum context length is {limit} tokens. However, your messages "
-            f"resulted in more than {len(text) // max_token_chars} tokens. Please reduce the "
-            "length of the messages.",
-            param="messages",
-        )
-    prompt_ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(prompt_ids) + (max_tokens or 1) > limit:
-        raise ContextLengthError(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{len(prompt_ids) + (max_tokens or 0)} tokens ({len(prompt_ids)} in the messages, "
-            f"{max_tokens or 0} in the completion). Please reduce the length of the messages "
-            "or completion.",
-            param="messages",
-        )
-    budget = max_tokens or min(default_max_tokens, limit - len(prompt_ids))
-    params = SamplingParams(
-        max_tokens=budget,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
-        seed=req.seed,
-        stop=req.stop_list,
-        logprobs=bool(req.logprobs),
-        top_logprobs=top_logprobs,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-    )
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return PreparedChat(
-        call=call,
+    return RenderedChat(
         resolved=resolved,
         messages=messages,
         tools=tools,
         parse_tools=choice.kind != "none",
-        prompt_ids=prompt_ids,
-        params=params,
-        n=n,
         grammar=constraint,
-        include_usage=include_usage,
+        text=text,
     )
 
 

@@ -41,9 +41,16 @@ from proxy.api.protocol import (
     completion_body,
     usage,
 )
+from proxy.chat.budget import DEFAULT_RULE, BudgetRule
 from proxy.chat.prompt import ChatTemplate
 from proxy.chat.record import CallInfo, call_record
-from proxy.chat.request import DEFAULT_LIMITS, PreparedChat, RequestLimits, prepare_chat
+from proxy.chat.request import (
+    DEFAULT_LIMITS,
+    PreparedChat,
+    RequestLimits,
+    count_prompt_tokens,
+    prepare_chat,
+)
 from proxy.chat.streaming import Chunks, text_deltas
 from proxy.chat.tool_parser import StreamParser
 from proxy.engines.base import (
@@ -118,7 +125,7 @@ class ChatService:
         tokenizer: Any,
         *,
         max_n: int = 8,
-        default_max_tokens: int = 512,
+        budget: BudgetRule = DEFAULT_RULE,
         record: RecordSink | None = None,
         shadow_samples: int = 0,
         shadow_turns: Literal["first", "every"] = "first",
@@ -132,7 +139,7 @@ class ChatService:
         # The model's own chat template and tool-call family (RLPROXY_TOOL_FORMAT).
         self.template = ChatTemplate.for_tokenizer(tokenizer, tool_format)
         self.max_n = max_n
-        self.default_max_tokens = default_max_tokens
+        self.budget = budget
         self.record = record
         self.shadow_samples = shadow_samples
         self.shadow_turns = shadow_turns
@@ -162,9 +169,15 @@ class ChatService:
 
     async def count_prompt_tokens(self, call: CallInfo) -> int:
         """The prompt's length in tokens, validated as `prepare` does, never admitted to the
-        engine (Anthropic's `count_tokens`)."""
-        prep = await self._validate(call)
-        return len(prep.prompt_ids)
+        engine (Anthropic's `count_tokens`); a prompt longer than the context is counted too."""
+        return await asyncio.to_thread(
+            count_prompt_tokens,
+            call,
+            registry=self.registry,
+            tokenizer=self.tokenizer,
+            limits=self.limits,
+            template=self.template,
+        )
 
     async def _validate(self, call: CallInfo) -> PreparedChat:
         return await asyncio.to_thread(
@@ -174,7 +187,7 @@ class ChatService:
             tokenizer=self.tokenizer,
             max_context=self.engine.max_context,
             max_n=self.max_n,
-            default_max_tokens=self.default_max_tokens,
+            budget=self.budget,
             max_token_chars=self.max_token_chars,
             limits=self.limits,
             template=self.template,
@@ -458,7 +471,7 @@ class ChatService:
         if (
             self.registry.canary is not None
             and status == "completed"
-            and self.registry.is_policy_name(prep.resolved.requested)
+            and prep.resolved.follows_policy
         ):
             for outcome in outcomes:  # the next turn answers this: keep it on this version
                 key = conversation_key([*prep.messages, outcome.message])
@@ -480,6 +493,7 @@ class ChatService:
             adapter_version=prep.resolved.version,
             shadow_samples=shadow or [],
             logprobs_after_grammar=prep.grammar is not None and self.engine.logprobs_after_grammar,
+            output_budget=prep.budget,
         )
         await self.record(record)
 

@@ -4,18 +4,23 @@
     body = render(message_id, request, core, ...)  # the core's body -> a `message`
     async for event in Events(...).run(chunks)     # the core's chunks -> Anthropic's events
 
-`system` (a string or text blocks) becomes the first message; content blocks map to the core's
-messages: `text` to text, `image` (base64 or URL) to an image part, `tool_use` to an assistant's
-tool call (its `input` object as JSON arguments), `tool_result` to a tool message (the tool
-results of a user turn come first, in order, then its text). Tools are `{name, description,
-input_schema}`; `tool_choice` `auto`/`any`/`tool`/`none` is the core's `auto`/`required`/named/
-`none`, and `disable_parallel_tool_use` its `parallel_tool_calls: false`. `stop_sequences`,
+`system` (a string or text blocks) becomes the first message; a `role: "system"` message inside
+`messages` (Claude Code sends one: environment, skills, date) stays a system message at its place
+in the conversation. Content blocks map to the core's messages: `text` to text, `image` (base64
+or URL) to an image part, `tool_use` to an assistant's tool call (its `input` object as JSON
+arguments), `tool_result` to a tool message (the tool results of a user turn come first, in
+order, then its text). Tools are `{name, description, input_schema}`; `tool_choice`
+`auto`/`any`/`tool`/`none` is the core's `auto`/`required`/named/`none`, and
+`disable_parallel_tool_use` its `parallel_tool_calls: false`. `stop_sequences`,
 `max_tokens`, `temperature`, `top_p` and `top_k` are the core's sampling parameters (the
 anthropic SDK 2.x sends the last three only through `extra_body`); `output_config.format` (a
 JSON schema) is the core's structured output.
 
 Stop reasons: `tool_use` when the answer calls a tool, `max_tokens` when the budget cut it,
-`stop_sequence` (with the one matched) when a stop sequence ended it, else `end_turn`.
+`model_context_window_exceeded` when the context's end cut it (a `max_tokens` that did not fit
+what the prompt left was shortened, `proxy.chat.budget`), `stop_sequence` (with the one matched)
+when a stop sequence ended it, else `end_turn`. A prompt the context cannot hold is Anthropic's
+400 "prompt is too long: N tokens > M maximum" (`context_error`).
 
 Errors on these routes are Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`
 (`anthropic_error`, applied to every error of the path by `proxy.api.app`).
@@ -34,8 +39,9 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictFloat, StrictInt, ValidationError
 
-from proxy.api.errors import InvalidRequestError
+from proxy.api.errors import ContextLengthError, InvalidRequestError
 from proxy.api.protocol import ChatCompletionRequest, OpenAIModel
+from proxy.chat.budget import LONGER_CONTEXT
 
 _NOT_SUPPORTED = {
     "container": "Containers are not supported by this server.",
@@ -44,7 +50,8 @@ _NOT_SUPPORTED = {
 
 
 class MessageParam(OpenAIModel):
-    role: Literal["user", "assistant"]
+    # "system": not in Anthropic's published list; Claude Code sends one inside `messages`
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 
@@ -116,7 +123,6 @@ def to_chat(
         "model": req.model,
         "messages": messages,
         "tools": [_chat_tool(t, i) for i, t in enumerate(req.tools)] if req.tools else None,
-        "max_tokens": 1,  # count_tokens: a prompt that fits with one token to spare
         "stream": stream or None,
         "stream_options": {"include_usage": True} if stream else None,
     }
@@ -157,16 +163,17 @@ def _response_format(config: OutputConfig | None) -> dict[str, Any] | None:
     }
 
 
-def _system_text(system: str | list[dict[str, Any]]) -> str:
+def _system_text(system: str | list[dict[str, Any]], where: str = "system") -> str:
     if isinstance(system, str):
         return system
     texts = []
     for i, block in enumerate(system):
         if not isinstance(block, dict) or block.get("type") != "text":
             raise InvalidRequestError(
-                f"system.{i}: only text blocks are allowed in 'system'.", param=f"system.{i}"
+                f"{where}.{i}: only text blocks are allowed in a system prompt.",
+                param=f"{where}.{i}",
             )
-        texts.append(_text(block, f"system.{i}"))
+        texts.append(_text(block, f"{where}.{i}"))
     return "\n\n".join(texts)
 
 
@@ -180,6 +187,9 @@ def _text(block: dict[str, Any], where: str) -> str:
 
 
 def _chat_messages(message: MessageParam, where: str) -> list[dict[str, Any]]:
+    if message.role == "system":  # at its place: folded into `system`, it would change the
+        # prompt of every earlier turn, and the turns would no longer link by prefix
+        return [{"role": "system", "content": _system_text(message.content, f"{where}.content")}]
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     texts: list[dict[str, Any]] = []
@@ -299,11 +309,15 @@ def _chat_tool_choice(choice: ToolChoice) -> Any:
 # ----------------------------------------------------------------------------- out
 
 
-def stop_reason(finish_reason: str | None, stop: str | None, made_calls: bool) -> str:
+def stop_reason(
+    finish_reason: str | None, stop: str | None, made_calls: bool, shortened: bool = False
+) -> str:
+    """`shortened`: the request's `max_tokens` did not fit the context and was cut to what the
+    prompt left, so a cut answer ran into the context's end, not into `max_tokens`."""
     if made_calls:
         return "tool_use"
     if finish_reason == "length":
-        return "max_tokens"
+        return "model_context_window_exceeded" if shortened else "max_tokens"
     if stop is not None:
         return "stop_sequence"
     return "end_turn"
@@ -334,8 +348,14 @@ def _input(fn: dict[str, Any]) -> Any:
     return value if isinstance(value, dict) else {"value": value}
 
 
-def render(message_id: str, model: str, core: dict[str, Any], stop: str | None) -> dict[str, Any]:
-    """The `message` for a non-streamed answer of the core."""
+def render(
+    message_id: str,
+    model: str,
+    core: dict[str, Any],
+    stop: str | None,
+    shortened: bool = False,
+) -> dict[str, Any]:
+    """The `message` for a non-streamed answer of the core (`shortened`: see `stop_reason`)."""
     choice = core["choices"][0]
     message = choice["message"]
     calls = message.get("tool_calls") or []
@@ -350,7 +370,7 @@ def render(message_id: str, model: str, core: dict[str, Any], stop: str | None) 
         "role": "assistant",
         "model": model,
         "content": content,
-        "stop_reason": stop_reason(choice.get("finish_reason"), stop, bool(calls)),
+        "stop_reason": stop_reason(choice.get("finish_reason"), stop, bool(calls), shortened),
         "stop_sequence": stop,
         "usage": usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0)),
     }
@@ -373,8 +393,11 @@ class Events:
     An error after the stream started is an `error` event, last.
     """
 
-    def __init__(self, message_id: str, model: str, input_tokens: int, stop: Any) -> None:
+    def __init__(
+        self, message_id: str, model: str, input_tokens: int, stop: Any, shortened: bool = False
+    ) -> None:
         self.id = message_id
+        self.shortened = shortened
         self.model = model
         self.input_tokens = input_tokens
         self.stopped_by = stop  # a callable: the stop string that ended the answer, if any
@@ -422,7 +445,7 @@ class Events:
         yield {
             "type": "message_delta",
             "delta": {
-                "stop_reason": stop_reason(self.finish, stop, bool(self.calls)),
+                "stop_reason": stop_reason(self.finish, stop, bool(self.calls), self.shortened),
                 "stop_sequence": stop,
             },
             "usage": usage(self.input_tokens, self.output_tokens),
@@ -481,6 +504,25 @@ class Events:
     def _stop(self) -> list[dict[str, Any]]:
         block, self.open = self.open, None
         return [] if block is None else [{"type": "content_block_stop", "index": block.index}]
+
+
+def context_error(exc: ContextLengthError) -> InvalidRequestError:
+    """A context refusal in Anthropic's words, which its clients read (Claude Code compacts its
+    conversation on "prompt is too long"), with this server's advice."""
+    p, c = exc.prompt_tokens, exc.max_context
+    if exc.requested is not None:  # RLPROXY_OUTPUT_BUDGET=strict
+        message = (
+            f"input length and `max_tokens` exceed context limit: {p} + {exc.requested} > {c}, "
+            "decrease input length or `max_tokens` and try again"
+        )
+    else:
+        count = f"more than {p}" if exc.at_least else str(p)
+        message = (
+            f"prompt is too long: {count} tokens > {c - 1} maximum (this model's context is "
+            f"{c} tokens, and the answer needs one at least); shorten the conversation, or "
+            f"{LONGER_CONTEXT}"
+        )
+    return InvalidRequestError(message, param=exc.param, code=exc.code)
 
 
 ERROR_TYPES = {

@@ -9,18 +9,20 @@ a string or `input_text`/`output_text`/`input_image` parts), `function_call` and
 `function_call_output`; `instructions` become the first (system) message. A
 `previous_response_id` puts the stored conversation before the new input (without the earlier
 `instructions`, as OpenAI does) and names the earlier call's trajectory: the chain is one
-trajectory by construction. Tools are flat function definitions; `text.format` is the core's
-`response_format`; `max_output_tokens` its `max_tokens`; `include:
-["message.output_text.logprobs"]` its `logprobs`.
+trajectory by construction. Tools are flat function definitions and namespaces of them; hosted
+tools are accepted and not offered to the model (`responses_tools`); `text.format` is the core's
+`response_format`; `max_output_tokens` its `max_tokens` (the budget asked for, echoed as sent;
+`proxy.chat.budget` fits it to the context); `include: ["message.output_text.logprobs"]` its
+`logprobs`.
 
 A stored call is read back (`GET /v1/responses/{id}`) by rendering its row again (`from_call`),
 so what GET returns is what POST returned, logprobs aside (the row keeps the sampled token's
 logprob only). Item ids are derived from the response id and the tool call ids, never random,
 so a second rendering gives the same ids.
 
-Not supported (a 400 that says so): built-in tools (web search, file search, computer use, code
-interpreter, MCP), `conversation` objects, `background`, `prompt` templates, `item_reference`
-items, and `input_file` parts. `reasoning` and `truncation` are accepted and ignored.
+Not supported (a 400 that says so): `custom` tools, `conversation` objects, `background`,
+`prompt` templates, `item_reference` items, and `input_file` parts. `reasoning` and `truncation`
+are accepted and ignored.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from pydantic import Field, StrictFloat, StrictInt, ValidationError
 
 from proxy.api.errors import APIError, InvalidRequestError, NotFoundError
 from proxy.api.protocol import ChatCompletionRequest, OpenAIModel
+from proxy.protocols import responses_tools
+from proxy.protocols.responses_tools import client_name, core_name
 from storage.records import StoredCall
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -138,11 +142,15 @@ def to_chat(
     if not messages:
         raise InvalidRequestError("'input' must hold at least one item.", param="input")
     logprobs = LOGPROBS_INCLUDE in (req.include or [])
+    tools = responses_tools.read_tools(req.tools)
+    choice = _chat_tool_choice(req.tool_choice)
+    if not tools.chat and choice == "auto":  # hosted tools only: nothing to choose from
+        choice = None
     body: dict[str, Any] = {
         "model": req.model,
         "messages": messages,
-        "tools": [_chat_tool(t, i) for i, t in enumerate(req.tools)] if req.tools else None,
-        "tool_choice": _chat_tool_choice(req.tool_choice),
+        "tools": tools.chat or None,
+        "tool_choice": choice,
         "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req.text),
         "max_tokens": req.max_output_tokens,
@@ -177,6 +185,7 @@ def to_chat(
         "top_logprobs": req.top_logprobs,
         "metadata": req.metadata,
         "parallel_tool_calls": req.parallel_tool_calls,
+        **tools.wire(),
     }
     return chat, wire
 
@@ -207,7 +216,7 @@ def input_messages(items: list[Any]) -> list[dict[str, Any]]:
                 "id": _text_field(item, "call_id", where),
                 "type": "function",
                 "function": {
-                    "name": _text_field(item, "name", where),
+                    "name": core_name(_text_field(item, "name", where), item.get("namespace")),
                     "arguments": _text_field(item, "arguments", where, empty_ok=True),
                 },
             }
@@ -290,31 +299,12 @@ def _content(content: Any, where: str, *, assistant: bool) -> str | list[dict[st
     return parts
 
 
-def _chat_tool(tool: Any, i: int) -> dict[str, Any]:
-    where = f"tools[{i}]"
-    if not isinstance(tool, dict) or tool.get("type") != "function":
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        raise InvalidRequestError(
-            f"Tools of type {kind!r} are not supported by this server: it serves function "
-            "tools ({'type': 'function', 'name': ..., 'parameters': ...}).",
-            param=f"{where}.type",
-            code="unsupported_value",
-        )
-    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
-    if not isinstance(function.get("name"), str):
-        raise InvalidRequestError(
-            f"Missing required parameter: '{where}.name'.",
-            param=f"{where}.name",
-            code="missing_required_parameter",
-        )
-    return {"type": "function", "function": function}
-
-
 def _chat_tool_choice(choice: str | dict[str, Any] | None) -> Any:
     if choice is None or isinstance(choice, str):
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
+        name = core_name(choice["name"], choice.get("namespace"))
+        return {"type": "function", "function": {"name": name}}
     raise InvalidRequestError(
         "Invalid 'tool_choice': this server takes 'auto', 'none', 'required' or "
         "{'type': 'function', 'name': ...}.",
@@ -361,15 +351,23 @@ def output_text_part(text: str, logprobs: list[dict[str, Any]] | None = None) ->
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {
+def call_item(
+    call_id: str, name: str, arguments: str, status: str, wire: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A `function_call` item; `name` is the core's, given back as the request declared it
+    (`name` and `namespace` for a namespace's function)."""
+    namespace, declared = client_name(name, wire or {})
+    item = {
         "id": call_item_id(call_id),
         "type": "function_call",
         "status": status,
         "call_id": call_id,
-        "name": name,
+        "name": declared,
         "arguments": arguments,
     }
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
 
 
 def output_items(
@@ -377,6 +375,7 @@ def output_items(
     message: dict[str, Any],
     status: str,
     logprobs: list[dict[str, Any]] | None = None,
+    wire: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """An assistant message of the core as output items: its text (when it has any, or when
     it made no call), then one `function_call` per tool call."""
@@ -387,7 +386,9 @@ def output_items(
         items.append(message_item(response_id, text, status, logprobs))
     for call in calls:
         fn = call.get("function") or {}
-        items.append(call_item(call["id"], fn.get("name", ""), fn.get("arguments", ""), status))
+        items.append(
+            call_item(call["id"], fn.get("name", ""), fn.get("arguments", ""), status, wire)
+        )
     return items
 
 
@@ -436,24 +437,13 @@ def response_object(
         "temperature": params.get("temperature", 1.0),
         "text": wire.get("text") or {"format": {"type": "text"}},
         "tool_choice": wire.get("tool_choice") or "auto",
-        "tools": [_flat_tool(t) for t in tools or []],
+        "tools": responses_tools.echo(tools, wire),
         "top_logprobs": wire.get("top_logprobs") or 0,
         "top_p": params.get("top_p", 1.0),
         "truncation": "disabled",
         "usage": usage_,
         "user": params.get("user"),
         "metadata": wire.get("metadata") or {},
-    }
-
-
-def _flat_tool(tool: dict[str, Any]) -> dict[str, Any]:
-    fn = tool.get("function") or {}
-    return {
-        "type": "function",
-        "name": fn.get("name"),
-        "description": fn.get("description"),
-        "parameters": fn.get("parameters"),
-        "strict": fn.get("strict"),
     }
 
 
@@ -474,7 +464,7 @@ def render(
         created_at=core["created"],
         model=chat.model,
         status=status,
-        output=output_items(response_id, choice["message"], status, logprobs),
+        output=output_items(response_id, choice["message"], status, logprobs, wire),
         wire=wire,
         params=chat.model_dump(exclude_none=True),
         tools=[t.model_dump(exclude_none=True) for t in chat.tools or []],
@@ -494,7 +484,7 @@ def from_call(stored: StoredCall) -> dict[str, Any]:
     else:
         choice = record.choices[0]
         status, error = status_of(choice.finish_reason), None
-        output = output_items(record.completion_id or "", choice.message, status)
+        output = output_items(record.completion_id or "", choice.message, status, None, wire)
     return response_object(
         id=record.completion_id or "",
         created_at=record.created_at,
@@ -546,7 +536,11 @@ def input_items(stored: StoredCall) -> list[dict[str, Any]]:
             fn = call.get("function") or {}
             items.append(
                 call_item(
-                    call.get("id", ""), fn.get("name", ""), fn.get("arguments", ""), "completed"
+                    call.get("id", ""),
+                    fn.get("name", ""),
+                    fn.get("arguments", ""),
+                    "completed",
+                    wire,
                 )
             )
     return items
@@ -682,7 +676,8 @@ class Events:
                 events += self._close()
                 fn = call.get("function") or {}
                 item = _Item(
-                    len(self.items), call_item(call["id"], fn.get("name", ""), "", "in_progress")
+                    len(self.items),
+                    call_item(call["id"], fn.get("name", ""), "", "in_progress", self.wire),
                 )
                 self.items.append(item)
                 self.open = self.calls[call.get("index", 0)] = item

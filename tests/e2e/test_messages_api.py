@@ -3,7 +3,7 @@
 `messages.create`, `messages.stream`, a `tool_use`/`tool_result` round trip, the four stop
 reasons, `count_tokens`, and Anthropic's error shape. The raw event stream is read with httpx
 where the SDK hides events (`ping`). A conversation that moves between protocols stays one
-trajectory.
+trajectory. Claude Code's first request, as it sends it, is answered and stored.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 import anthropic
 import httpx
+import openai
 import pytest
 from openai import OpenAI
 
@@ -229,7 +230,7 @@ def test_reward_by_message_id(claude: anthropic.Anthropic, server: Server) -> No
         ({"model": "rlproxy", "messages": HELLO}, 400, "invalid_request_error"),  # no max_tokens
         ({"model": "nope", "max_tokens": 4, "messages": HELLO}, 404, "not_found_error"),
         (
-            {"model": "rlproxy", "max_tokens": 4, "messages": [{"role": "system", "content": "x"}]},
+            {"model": "rlproxy", "max_tokens": 4, "messages": [{"role": "tool", "content": "x"}]},
             400,
             "invalid_request_error",
         ),
@@ -280,3 +281,84 @@ def test_unknown_path_under_messages_is_anthropic_shaped(server: Server) -> None
     r = httpx.get(f"{server.url}/v1/messages/batches", timeout=30)
     assert r.status_code in (404, 405)
     assert r.json()["type"] == "error"
+
+
+# ----------------------------------------------------------------------------- Claude Code
+
+
+def claude_code_body() -> dict[str, Any]:
+    """A request shaped as Claude Code 2.1.332 sends its first (docs: CODING-AGENTS.md): its
+    default model name, `system` blocks with `cache_control`, a `role: "system"` message inside
+    `messages`, `max_tokens` 32,000, adaptive thinking, effort, context management, a deferred
+    tool. Its one tool is forced and takes an enum, so the answer ends in a few tokens."""
+    bash = {
+        "name": "Bash",
+        "description": "Run a shell command.",
+        "input_schema": {
+            "type": "object",
+            "properties": {"command": {"type": "string", "enum": ["echo hello"]}},
+            "required": ["command"],
+        },
+    }
+    cached = {"type": "ephemeral"}
+    return {
+        "model": "claude-opus-5-5",
+        "max_tokens": 32_000,
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332;"},
+            {"type": "text", "text": "You are Claude Code.", "cache_control": cached},
+        ],
+        "messages": [
+            {
+                "role": "system",
+                "content": [
+                    {"type": "text", "text": "Working directory: /tmp", "cache_control": cached}
+                ],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Reply with the word hello."}],
+            },
+        ],
+        "tools": [
+            bash,
+            {**WEATHER, "name": "DeferredToolPlaceholder", "defer_loading": True},
+        ],
+        "tool_choice": {"type": "tool", "name": "Bash"},
+        "thinking": {"type": "adaptive", "display": "omitted"},
+        "output_config": {"effort": "medium"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "metadata": {"user_id": json.dumps({"device_id": "d", "session_id": "s"})},
+        "stream": True,
+    }
+
+
+def test_claude_codes_first_request_is_answered_and_stored(server: Server) -> None:
+    headers = {
+        "x-api-key": "sk-test",
+        "anthropic-version": "2023-06-01",
+        "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14",
+        "x-app": "cli",
+        "user-agent": "claude-cli/2.1.332 (external, sdk-cli)",
+    }
+    url = f"{server.url}/v1/messages?beta=true"
+    with httpx.stream("POST", url, json=claude_code_body(), headers=headers, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        budget = r.headers["x-rlproxy-output-budget"]
+        evs = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    start = evs[0]["message"]
+    assert start["model"] == "claude-opus-5-5"
+    assert budget == f"used={8192 - start['usage']['input_tokens']}; requested=32000"
+    assert evs[-2]["delta"]["stop_reason"] == "tool_use"
+    [turn] = get_trajectory(server, start["id"])["turns"]
+    assert turn["model_requested"] == "claude-opus-5-5"
+    assert [m["role"] for m in turn["request_messages"]] == ["system", "system", "user"]
+
+
+def test_claude_model_names_are_the_policy_here_and_unknown_elsewhere(
+    claude: anthropic.Anthropic, client: OpenAI
+) -> None:
+    m = claude.messages.create(model="claude-haiku-4-5", max_tokens=2, messages=HELLO)
+    assert m.model == "claude-haiku-4-5" and m.usage.output_tokens <= 2
+    with pytest.raises(openai.NotFoundError):  # Chat Completions keeps OpenAI's 404
+        client.chat.completions.create(model="claude-haiku-4-5", messages=HELLO, max_tokens=2)

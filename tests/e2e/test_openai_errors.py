@@ -128,12 +128,6 @@ def test_prompt_over_the_context_window(client: OpenAI) -> None:
     assert_sdk_error(info.value, 400, code="context_length_exceeded")
 
 
-def test_max_tokens_over_the_context_window(client: OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="rlproxy", messages=HI, max_tokens=100_000)
-    assert_sdk_error(info.value, 400, code="context_length_exceeded")
-
-
 # ----------------------------------------------------------------------------- raw HTTP
 
 

@@ -2,8 +2,9 @@
 
 `client.responses.create`, `.stream`, `.retrieve`, `.delete`, `.input_items.list`, a
 `previous_response_id` chain through a function call and its output, `store: false`, structured
-output, logprobs, and the errors. What is checked are protocol properties (shapes, event order,
-what is stored and linked), not answers: the model has 135M parameters.
+output, logprobs, Codex's `namespace` and hosted tools, and the errors. What is checked are
+protocol properties (shapes, event order, what is stored and linked), not answers: the model has
+135M parameters.
 """
 
 from __future__ import annotations
@@ -291,7 +292,7 @@ def test_reward_by_response_id(client: OpenAI, server: Server) -> None:
             "input[0].call_id",
         ),
         (
-            {"model": "rlproxy", "input": "x", "tools": [{"type": "web_search"}]},
+            {"model": "rlproxy", "input": "x", "tools": [{"type": "custom", "name": "patch"}]},
             "tools[0].type",
         ),
         ({"model": "rlproxy", "input": "x", "conversation": "conv_1"}, "conversation"),
@@ -327,3 +328,97 @@ def test_a_405_names_every_method_of_the_path(server: Server) -> None:
     r = httpx.request("PUT", f"{server.base_url}/responses/resp_x", timeout=30)
     assert r.status_code == 405
     assert r.headers["allow"] == "DELETE, GET"
+
+
+# ----------------------------------------------------------------------------- Codex
+
+
+MULTI_AGENT = {
+    "type": "namespace",
+    "name": "multi_agent_v1",
+    "description": "Start and stop sub-agents.",
+    "tools": [
+        {
+            "type": "function",
+            "name": "spawn_agent",
+            "description": "Start a sub-agent on a task.",
+            "parameters": {
+                "type": "object",
+                "properties": {"task": {"type": "string", "enum": ["say hello"]}},
+                "required": ["task"],
+            },
+            "strict": False,
+        },
+        {
+            "type": "function",
+            "name": "close_agent",
+            "parameters": {
+                "type": "object",
+                "properties": {"id": {"type": "string", "enum": ["a1"]}},
+                "required": ["id"],
+            },
+            "strict": False,
+        },
+    ],
+}
+WEB_SEARCH = {"type": "web_search", "external_web_access": False}
+CODEX_INPUT = [
+    {"role": role, "content": [{"type": "input_text", "text": text}]}
+    for role, text in (("developer", "Be Codex."), ("user", "Say hello."))
+]
+
+
+def test_codexs_namespace_and_hosted_tools_are_served(client: OpenAI, server: Server) -> None:
+    """Codex 0.171.0's request (docs: CODING-AGENTS.md): a `namespace` of functions and a
+    `web_search` beside them, no output budget, `store: false`, encrypted reasoning asked for.
+    `required` makes the answer a call; its arguments are enums, so it ends in a few tokens."""
+    with client.responses.with_streaming_response.create(
+        model="rlproxy",
+        input=CODEX_INPUT,  # type: ignore[arg-type]
+        tools=[MULTI_AGENT, WEB_SEARCH],  # type: ignore[list-item]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        store=False,
+        include=["reasoning.encrypted_content"],
+        reasoning={"summary": "auto"},
+        prompt_cache_key="session-1",
+        stream=True,
+        extra_body={"client_metadata": {"thread_id": "t"}},
+    ) as raw:
+        assert raw.headers["x-rlproxy-ignored-tools"] == "web_search"
+        assert raw.headers["x-rlproxy-output-budget"].endswith("requested=none")
+        events = list(raw.parse())
+    [added] = [e for e in events if e.type == "response.output_item.added"]
+    assert added.item.type == "function_call"
+    assert added.item.namespace == "multi_agent_v1"
+    assert added.item.name in ("spawn_agent", "close_agent")
+    done = events[-1]
+    assert done.type == "response.completed"
+    [call] = done.response.output
+    assert call.type == "function_call" and call.namespace == "multi_agent_v1"
+    [echoed] = done.response.tools  # what the model was offered: the namespace, grouped
+    assert echoed.type == "namespace" and [t.name for t in echoed.tools] == [
+        "spawn_agent",
+        "close_agent",
+    ]
+
+    # Codex's next turn resends everything, the call with its namespace, and the call's output.
+    second = client.responses.create(
+        model="rlproxy",
+        input=[
+            *CODEX_INPUT,
+            {
+                "type": "function_call",
+                "call_id": call.call_id,
+                "name": call.name,
+                "namespace": call.namespace,
+                "arguments": call.arguments,
+            },
+            {"type": "function_call_output", "call_id": call.call_id, "output": "started"},
+        ],  # type: ignore[list-item]
+        tools=[MULTI_AGENT],  # type: ignore[list-item]
+        store=False,
+        max_output_tokens=4,
+    )
+    turns = get_trajectory(server, second.id)["turns"]
+    assert [t["completion_id"] for t in turns] == [done.response.id, second.id]

@@ -112,7 +112,7 @@ def test_activation_ends_the_canary_and_forgets_the_conversations() -> None:
     reg.start_canary(1, 0.5)
     reg.end_canary()  # rolled back
     assert reg.canary is None
-    assert reg.resolve("rlproxy") == Resolved("rlproxy", 2)
+    assert reg.resolve("rlproxy") == Resolved("rlproxy", 2, follows_policy=True)
 
 
 def test_a_canary_must_be_loaded_and_not_active_and_cannot_be_removed() -> None:

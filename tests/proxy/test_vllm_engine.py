@@ -713,6 +713,37 @@ async def test_calls_it_served_are_stored_as_the_vllm_engines(
     assert records[0].choices[0].completion_token_ids == [5, 6]
 
 
+async def test_a_budget_past_vllms_context_is_fitted_before_it_is_sent(
+    replicas: Replicas, chat_tokenizer: Any
+) -> None:
+    """The budget rule (`proxy.chat.budget`) runs before the engine: vLLM, which refuses
+    `prompt + max_tokens > max_model_len`, is sent what its context (2048 here) leaves."""
+    from proxy.adapters.registry import ServedModels
+    from proxy.chat.service import ChatService
+
+    sent: list[dict[str, Any]] = []
+    echo = echo_handler()
+
+    def handler(req: Req) -> httpx.Response | None:
+        if req.path == "/v1/completions":
+            sent.append(json.loads(req.content))
+        return echo(req)
+
+    records: list[Any] = []
+
+    async def record(call: Any) -> None:
+        records.append(call)
+
+    engine = await started(await replicas(handler, (A,)))
+    assert engine.max_context == 2048
+    chat = ChatService(engine, ServedModels("rlproxy"), chat_tokenizer, record=record)
+    prep = await chat.prepare(chat_request(max_tokens=32_000))
+    await chat.complete(prep)
+    left = 2048 - len(prep.prompt_ids)
+    assert sent[0]["max_tokens"] == left
+    assert records[0].params["output_budget"] == {"requested": 32_000, "used": left}
+
+
 async def test_admission_counts_rows_vllm_has_not_started(
     replicas: Replicas, chat_tokenizer: Any
 ) -> None:

@@ -35,8 +35,10 @@ async def create_chat_completion(
     answer = await serve(request, runtime, caller, call)
     if answer.chunks is not None:
         return StreamingResponse(
-            sse(answer.chunks), media_type="text/event-stream", headers=SSE_HEADERS
+            sse(answer.chunks),
+            media_type="text/event-stream",
+            headers={**SSE_HEADERS, **answer.headers},
         )
     if answer.body is None:  # nobody is listening any more; the call is stored as disconnected
         return Response(status_code=499)
-    return JSONResponse(answer.body)
+    return JSONResponse(answer.body, headers=answer.headers)

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from proxy.api.auth import Caller
 from proxy.api.body import TextJSONRoute
 from proxy.api.deps import Chat, Generating, request_id
+from proxy.api.errors import ContextLengthError
 from proxy.api.serving import serve
 from proxy.chat.record import CallInfo
 from proxy.chat.streaming import JSON_OR_SSE, SSE_HEADERS, typed_sse
@@ -38,29 +39,35 @@ async def create_message(
         client_ref=caller.client_ref,
         protocol="messages",
     )
-    answer = await serve(request, runtime, caller, call)
+    try:
+        answer = await serve(request, runtime, caller, call)
+    except ContextLengthError as exc:
+        raise messages.context_error(exc) from exc
+    shortened = answer.budget is not None and answer.budget.shortened
     if answer.chunks is not None:
         events = messages.Events(
             call.completion_id,
             body.model,
             answer.prompt_tokens or 0,
             lambda: call.stopped_by.get(0),
+            shortened,
         )
         return StreamingResponse(
             typed_sse(events.run(answer.chunks)),
             media_type="text/event-stream",
-            headers=SSE_HEADERS,
+            headers={**SSE_HEADERS, **answer.headers},
         )
     if answer.body is None:  # nobody is listening any more; the call is stored as disconnected
         return Response(status_code=499)
-    return JSONResponse(
-        messages.render(call.completion_id, body.model, answer.body, call.stopped_by.get(0))
+    message = messages.render(
+        call.completion_id, body.model, answer.body, call.stopped_by.get(0), shortened
     )
+    return JSONResponse(message, headers=answer.headers)
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request, chat: Chat) -> dict[str, Any]:
     """The prompt's length in the policy's tokens, rendered as it would be served (an upstream
-    model's own count may differ)."""
+    model's own count may differ), whatever its length: one longer than the context is counted."""
     call = CallInfo(messages.to_chat(body), request_id(request), protocol="messages")
     return {"input_tokens": await chat.count_prompt_tokens(call)}

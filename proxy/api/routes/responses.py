@@ -8,10 +8,14 @@ object, or typed events. A response is read back by rendering its stored call ag
 `store: false`: the response cannot be read back by id, nor named as `previous_response_id`;
 its call is still recorded (and trained on) like every call: rlproxy learns from what it serves.
 `DELETE` does the same to a stored response; the call stays in its trajectory.
+
+Hosted tools a request declares (`web_search`, ...) are not offered to the model: the answer
+names them in `X-RLProxy-Ignored-Tools` and the log says so (`proxy.protocols.responses_tools`).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -26,9 +30,11 @@ from proxy.chat.record import CallInfo
 from proxy.chat.streaming import JSON_OR_SSE, SSE_HEADERS, typed_sse
 from proxy.protocols import responses
 from proxy.protocols.responses import ResponsesRequest
+from proxy.protocols.responses_tools import IGNORED_HEADER
 from storage.records import StoredCall
 from storage.store import Store
 
+logger = logging.getLogger(__name__)
 router = APIRouter(route_class=TextJSONRoute)
 
 
@@ -41,9 +47,10 @@ async def create_response(
         stored = await _stored(runtime.store, body.previous_response_id, caller, chaining=True)
         previous = responses.previous_turn(stored)
     chat, wire = responses.to_chat(body, previous)
+    rid = request_id(request)
     call = CallInfo(
         chat,
-        request_id(request),
+        rid,
         dict(request.headers),
         owner=caller.owner,
         client_ref=caller.client_ref,
@@ -53,16 +60,22 @@ async def create_response(
         chained_trajectory_id=previous.trajectory_id if previous else None,
     )
     answer = await serve(request, runtime, caller, call)
+    headers = dict(answer.headers)
+    if wire.get("ignored_tools"):
+        ignored = ", ".join(wire["ignored_tools"])
+        logger.info("request %s: hosted tools not offered to the model: %s", rid, ignored)
+        headers[IGNORED_HEADER] = ignored
     if answer.chunks is not None:
         events = responses.Events(call.completion_id, chat, wire, call.started_at)
         return StreamingResponse(
             typed_sse(events.run(answer.chunks)),
             media_type="text/event-stream",
-            headers=SSE_HEADERS,
+            headers={**SSE_HEADERS, **headers},
         )
     if answer.body is None:  # nobody is listening any more; the call is stored as disconnected
         return Response(status_code=499)
-    return JSONResponse(responses.render(call.completion_id, chat, wire, answer.body))
+    response = responses.render(call.completion_id, chat, wire, answer.body)
+    return JSONResponse(response, headers=headers)
 
 
 @router.get("/v1/responses/{response_id}")
