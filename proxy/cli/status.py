@@ -27,8 +27,8 @@ from typing import Any, TextIO
 from sqlalchemy.engine import make_url
 
 from proxy.settings import Settings
-from storage.records import AdapterRecord
 from proxy.telemetry.waiting import why_not_training
+from storage.records import AdapterRecord
 from storage.stats import GroupQueue, Totals, VersionReward
 
 LABEL = 14
