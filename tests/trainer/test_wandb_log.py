@@ -6,6 +6,7 @@ checks what W&B stored, not what was handed to it.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,16 +16,36 @@ from trainer.loop import StepReport
 from trainer.wandb_log import WandbLog
 
 
-def wandb_history(wandb_dir: Path) -> list[dict[str, Any]]:
+def wandb_history(wandb_dir: Path, timeout_s: float = 120.0) -> list[dict[str, Any]]:
     """The history rows of the one offline run under `wandb_dir`, with their step.
+
+    W&B's writer is a process of its own, which may still be writing when `run.finish()` has
+    returned (seen on a loaded machine: no history rows read back). So this reads until the
+    file holds the run's `exit` record, written after every history row, for at most
+    `timeout_s`, and fails saying so if it never does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        files = list(wandb_dir.glob("wandb/offline-run-*/run-*.wandb"))
+        if len(files) == 1:
+            kinds, rows = _records(files[0])
+            if "exit" in kinds:
+                return rows
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no finished W&B run under {wandb_dir} after {timeout_s} s")
+        time.sleep(0.2)
+
+
+def _records(path: Path) -> tuple[set[str], list[dict[str, Any]]]:
+    """The kinds of record in a `.wandb` file and its history rows.
 
     A `.wandb` file is W&B's header (":W&B", a 2-byte magic, a version byte) and then LevelDB's
     log format: 32 KiB blocks of records, each with a 7-byte header (crc32, length, type: 1 a
     whole record, 2/3/4 its first, middle and last pieces), each a protobuf `Record`."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    (path,) = wandb_dir.glob("wandb/offline-run-*/run-*.wandb")
     data = path.read_bytes()
+    if len(data) < 7:
+        return set(), []
     assert data[:4] == b":W&B"
     block, header, pos = 32768, 7, 7
     raws, partial = [], b""
@@ -44,14 +65,19 @@ def wandb_history(wandb_dir: Path) -> list[dict[str, Any]]:
             partial += chunk
         elif kind == 4:
             raws.append(partial + chunk)
-    rows = []
+    rows, kinds = [], set()
     for raw in raws:
         record = pb.Record()
-        record.ParseFromString(raw)
-        if record.WhichOneof("record_type") == "history":
+        try:
+            record.ParseFromString(raw)
+        except Exception:  # a record still being written: read it on the next pass
+            continue
+        kind = record.WhichOneof("record_type")
+        kinds.add(kind or "")
+        if kind == "history":
             items = {i.key or "/".join(i.nested_key): i.value_json for i in record.history.item}
             rows.append({"step": record.history.step.num, **items})
-    return rows
+    return kinds, rows
 
 
 @pytest.fixture
