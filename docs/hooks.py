@@ -1,4 +1,5 @@
-"""MkDocs hooks: the HTTP API reference page, rendered from the app's own OpenAPI schema.
+"""MkDocs hooks: the HTTP API reference page, rendered from the app's own OpenAPI schema; and
+the README's status table on the home page with its links made relative to `docs/`.
 
 At every `mkdocs build` or `mkdocs serve` this builds the FastAPI app with default settings
 (`create_app(Settings()).openapi()`: the lifespan never runs, so no model, database or engine is
@@ -14,6 +15,7 @@ This is part of building the docs, not of rlproxy (registered in mkdocs.yml unde
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,28 @@ One difference from the schema as FastAPI writes it: a request that does not val
 **400** in its protocol's error shape (OpenAI's `{"error": {"message", "type", "param", "code"}}`,
 Anthropic's on `/v1/messages`), not a 422, so the 422 entries are left out below.
 """
+
+
+README_SECTION = re.compile(r'^--8<-- "README\.md:(?P<name>[\w-]+)"$', re.MULTILINE)
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    """MkDocs hook: put a README section (`--8<-- "README.md:NAME"`) into a page, its links
+    rewritten from the repository's root (`docs/x.md`) to the page's folder (`x.md`): the README
+    links into `docs/` from the root, the site's pages live inside it. Only the home page may
+    include README sections (its links are rewritten for `docs/` itself)."""
+    if page.file.src_uri != "index.md":
+        return markdown
+    return README_SECTION.sub(lambda m: readme_section(m.group("name")), markdown)
+
+
+def readme_section(name: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    start, end = f"<!-- --8<-- [start:{name}] -->", f"<!-- --8<-- [end:{name}] -->"
+    if start not in text or end not in text:
+        raise ValueError(f"README.md has no section {name!r} ({start} ... {end})")
+    section = text.split(start, 1)[1].split(end, 1)[0]
+    return re.sub(r"\]\(docs/", "](", section)
 
 
 def on_files(files: Any, config: Any) -> Any:
