@@ -25,8 +25,8 @@ from pathlib import Path
 
 from proxy.adapters.deployment import SharedVersions
 from proxy.adapters.registry import ServedModels, adapter_name
-from proxy.api.errors import APIError, InvalidRequestError, NotFoundError
 from proxy.engines.base import Engine
+from proxy.errors import APIError, InvalidRequestError, NotFoundError
 from trainer import checkpoints
 
 logger = logging.getLogger(__name__)

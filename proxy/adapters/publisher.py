@@ -43,7 +43,7 @@ import time
 from proxy.adapters.deployment import LeaseKeeper, SharedVersions, publisher_lease_name
 from proxy.adapters.manager import AdapterManager
 from proxy.adapters.rollout import ROLLED_BACK, Rollout, RolloutConfig
-from proxy.api.errors import APIError
+from proxy.errors import APIError
 from storage.records import AdapterRecord
 from storage.store import Store
 from trainer import checkpoints

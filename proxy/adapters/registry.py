@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
-from proxy.api.errors import ModelNotFoundError
+from proxy.errors import ModelNotFoundError
 
 
 def parse_version(suffix: str) -> int | None:

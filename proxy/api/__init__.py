@@ -1,5 +1,6 @@
-"""The HTTP face: the app factory, routes, typed dependencies, OpenAI wire types and errors.
+"""The HTTP face: the app factory, routes, typed dependencies, auth, limits, error rendering.
 
-`protocol` and `errors` are also used below the routes (chat validation raises `errors`); the
-app, the routes and the dependencies are only imported by `rlproxy serve`.
+Only HTTP lives here. The wire types are `proxy.protocols`, the errors `proxy.errors`; nothing
+below this package imports it (an import-linter contract). The app, the routes and the
+dependencies are only imported by `rlproxy serve`.
 """

@@ -24,7 +24,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from proxy.api.auth import AuthMiddleware, KeyRing
 from proxy.api.deps import RUNTIME_KEY
 from proxy.api.error_shapes import AnthropicErrorsMiddleware
-from proxy.api.errors import APIError, StorageUnavailableError, error_body
 from proxy.api.http_metrics import HttpMetricsMiddleware
 from proxy.api.limits import CallerLimitsMiddleware
 from proxy.api.redis_limits import RedisTokenBucket
@@ -39,6 +38,7 @@ from proxy.api.routes import models as model_routes
 from proxy.api.routes import responses as response_routes
 from proxy.api.routes import stats as stats_routes
 from proxy.api.routes import trajectories as trajectory_routes
+from proxy.errors import APIError, StorageUnavailableError, error_body
 from proxy.runtime import open_runtime
 from proxy.settings import Settings
 from proxy.telemetry.metrics import Metrics

@@ -28,7 +28,7 @@ from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from proxy.api.errors import APIError
+from proxy.errors import APIError
 from storage.api_keys import ApiKeyRecord, KeyScope, client_ref, split_key
 from storage.store import Store
 

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
-from proxy.api.errors import InvalidRequestError
+from proxy.errors import InvalidRequestError
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 

@@ -15,11 +15,11 @@ from fastapi import Depends, Request
 from proxy.adapters.manager import AdapterManager
 from proxy.adapters.publisher import Publisher
 from proxy.adapters.registry import ServedModels
-from proxy.api.errors import StorageUnavailableError
 from proxy.chat.service import ChatService
 from proxy.chat.upstream import UpstreamChat
 from proxy.cli.trainer_process import TrainerProcess
 from proxy.engines.base import Engine
+from proxy.errors import StorageUnavailableError
 from proxy.runtime import Runtime, Served
 from proxy.settings import Settings
 from proxy.telemetry.telemetry import Telemetry

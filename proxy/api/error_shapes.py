@@ -1,6 +1,6 @@
 """Errors in the shape of the protocol a path speaks.
 
-Every error of this server is built once, in OpenAI's shape (`proxy.api.errors`), by whichever
+Every error of this server is built once, in OpenAI's shape (`proxy.errors`), by whichever
 layer refuses the request: the body-size limit, authentication, the caller limits, validation,
 the route. Anthropic's clients read another shape, so for the Messages API's paths this
 middleware, outside all of those, rewrites each error answer's body to

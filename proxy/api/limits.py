@@ -1,5 +1,5 @@
 """Per-caller limits at the HTTP edge: a request rate and a concurrency cap, each refused with
-OpenAI's 429 (`proxy.api.errors.RateLimitError`, with `retry-after`).
+OpenAI's 429 (`proxy.errors.RateLimitError`, with `retry-after`).
 
     CallerLimitsMiddleware    pure ASGI, registered inside the auth middleware (it needs the caller)
     TokenBucket               requests per minute per caller in this process, on an injectable clock
@@ -41,7 +41,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.api.auth import PRINCIPAL_KEY, Principal
-from proxy.api.errors import RateLimitError
+from proxy.errors import RateLimitError
 
 LIMITED_PREFIX = "/v1/"
 

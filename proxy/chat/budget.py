@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from proxy.api.errors import ContextLengthError
+from proxy.errors import ContextLengthError
 
 BudgetMode = Literal["fit", "strict"]
 HEADER = "X-RLProxy-Output-Budget"

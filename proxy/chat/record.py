@@ -19,9 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.api.protocol import ChatCompletionRequest, completion_id
 from proxy.chat.budget import RECORD_KEY as OUTPUT_BUDGET
 from proxy.chat.budget import OutputBudget
+from proxy.protocols.chat import ChatCompletionRequest, completion_id
 from storage.records import LOGPROBS_AFTER_GRAMMAR, CallRecord, CallStatus, ChoiceRecord
 
 TRAJECTORY_HEADER = "x-rlproxy-trajectory"

@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.adapters.registry import Resolved, ServedModels
-from proxy.api.errors import InvalidRequestError
-from proxy.api.protocol import ChatCompletionRequest
 from proxy.chat import grammar
 from proxy.chat.budget import DEFAULT_RULE, BudgetRule, OutputBudget, prompt_too_long
 from proxy.chat.grammar import ToolChoice, json_shape
@@ -30,6 +28,8 @@ from proxy.chat.prompt import ChatTemplate
 from proxy.chat.record import CallInfo
 from proxy.chat.tool_formats import HERMES, ToolFormat
 from proxy.engines.base import SamplingParams
+from proxy.errors import InvalidRequestError
+from proxy.protocols.chat import ChatCompletionRequest
 
 logger = logging.getLogger(__name__)
 

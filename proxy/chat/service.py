@@ -27,20 +27,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from proxy.adapters.registry import ServedModels, conversation_key
-from proxy.api.errors import (
-    APIError,
-    BadGatewayError,
-    EngineUnreachableError,
-    InvalidRequestError,
-    OverloadedError,
-    ServerError,
-)
-from proxy.api.protocol import (
-    ChatCompletionRequest,
-    assistant_message,
-    completion_body,
-    usage,
-)
 from proxy.chat.budget import DEFAULT_RULE, BudgetRule
 from proxy.chat.prompt import ChatTemplate
 from proxy.chat.record import CallInfo, call_record
@@ -61,6 +47,20 @@ from proxy.engines.base import (
     GenerationRequest,
     RequestInputError,
     TokenEvent,
+)
+from proxy.errors import (
+    APIError,
+    BadGatewayError,
+    EngineUnreachableError,
+    InvalidRequestError,
+    OverloadedError,
+    ServerError,
+)
+from proxy.protocols.chat import (
+    ChatCompletionRequest,
+    assistant_message,
+    completion_body,
+    usage,
 )
 from storage.records import CallRecord, CallStatus, ChoiceRecord
 

@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.api.protocol import chunk
 from proxy.chat.tool_parser import StreamParser, TextDelta, ToolCallArgsDelta, ToolCallStart
+from proxy.protocols.chat import chunk
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 JSON_OR_SSE: dict[int | str, dict[str, object]] = {

@@ -16,11 +16,11 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from proxy.api.protocol import assistant_message, completion_body
 from proxy.chat.record import CallInfo, call_record
 from proxy.chat.service import RecordSink
 from proxy.chat.streaming import Chunks
 from proxy.engines.upstream import UpstreamEngine
+from proxy.protocols.chat import assistant_message, completion_body
 from storage.records import CallStatus, ChoiceRecord
 
 logger = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
-from proxy.api.errors import APIError, ServerError
-from proxy.api.protocol import ChatCompletionRequest
+from proxy.errors import APIError, ServerError
+from proxy.protocols.chat import ChatCompletionRequest
 from proxy.redact import Redactor
 from proxy.settings import UpstreamTarget
 

@@ -39,9 +39,9 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictFloat, StrictInt, ValidationError
 
-from proxy.api.errors import ContextLengthError, InvalidRequestError
-from proxy.api.protocol import ChatCompletionRequest, OpenAIModel
 from proxy.chat.budget import LONGER_CONTEXT
+from proxy.errors import ContextLengthError, InvalidRequestError
+from proxy.protocols.chat import ChatCompletionRequest, OpenAIModel
 
 _NOT_SUPPORTED = {
     "container": "Containers are not supported by this server.",

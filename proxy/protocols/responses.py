@@ -33,9 +33,9 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictFloat, StrictInt, ValidationError
 
-from proxy.api.errors import APIError, InvalidRequestError, NotFoundError
-from proxy.api.protocol import ChatCompletionRequest, OpenAIModel
+from proxy.errors import APIError, InvalidRequestError, NotFoundError
 from proxy.protocols import responses_tools
+from proxy.protocols.chat import ChatCompletionRequest, OpenAIModel
 from proxy.protocols.responses_tools import client_name, core_name
 from storage.records import StoredCall
 

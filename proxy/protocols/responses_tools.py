@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.api.errors import InvalidRequestError
+from proxy.errors import InvalidRequestError
 
 SEPARATOR = "__"
 """Between a namespace's name and its function's name in the core's function name."""

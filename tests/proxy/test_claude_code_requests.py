@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from proxy.adapters.registry import Resolved, ServedModels
-from proxy.api.errors import ContextLengthError, ModelNotFoundError
 from proxy.chat.budget import BudgetRule, prompt_too_long
+from proxy.errors import ContextLengthError, ModelNotFoundError
 from proxy.protocols import messages
 from proxy.protocols.messages import CountTokensRequest, MessagesRequest
 

@@ -412,8 +412,8 @@ def test_objects_without_additional_properties_are_closed() -> None:
 
 def test_a_tool_named_auto_is_forced_when_named() -> None:
     """tool_choice is typed: naming a tool called "auto" forces that call, it is not the mode."""
-    from proxy.api.protocol import ChatCompletionRequest
     from proxy.chat.request import grammar_for, tool_choice
+    from proxy.protocols.chat import ChatCompletionRequest
 
     tools = [_tool("auto", {"type": "object", "properties": {}}), *TOOLS]
     req = ChatCompletionRequest.model_validate(

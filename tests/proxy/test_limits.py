@@ -18,14 +18,14 @@ import pytest
 
 from proxy.adapters.registry import ServedModels
 from proxy.api.auth import PRINCIPAL_KEY, Principal
-from proxy.api.errors import InvalidRequestError, OverloadedError
 from proxy.api.limits import CallerLimitsMiddleware, TokenBucket
-from proxy.api.protocol import ChatCompletionRequest
 from proxy.chat.record import CallInfo
 from proxy.chat.request import RequestLimits, check_shape, json_shape
 from proxy.chat.service import ChatService
 from proxy.engines.base import GenerationRequest, SamplingParams
 from proxy.engines.local import LocalEngine
+from proxy.errors import InvalidRequestError, OverloadedError
+from proxy.protocols.chat import ChatCompletionRequest
 from proxy.settings import Settings
 
 ALICE, BOB = Principal("key-a", "inference"), Principal("key-b", "inference")

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 
 from proxy.adapters.registry import ServedModels
-from proxy.api.errors import ContextLengthError
-from proxy.api.protocol import ChatCompletionRequest
 from proxy.chat.budget import BudgetMode, BudgetRule, OutputBudget
 from proxy.chat.record import CallInfo, call_record
 from proxy.chat.request import count_prompt_tokens, prepare_chat
+from proxy.errors import ContextLengthError
+from proxy.protocols.chat import ChatCompletionRequest
 
 CONTEXT = 100
 

@@ -10,11 +10,11 @@ import httpx
 import openai
 import pytest
 
-from proxy.api.errors import ServerError
-from proxy.api.protocol import ChatCompletionRequest
 from proxy.chat.record import CallInfo, call_record, explicit_id, retry_count
 from proxy.chat.upstream import NO_TOKEN_IDS, StreamAccumulator
 from proxy.engines.upstream import UpstreamEngine, to_api_error
+from proxy.errors import ServerError
+from proxy.protocols.chat import ChatCompletionRequest
 from proxy.settings import Settings, UpstreamTarget
 from storage.api_keys import client_ref
 

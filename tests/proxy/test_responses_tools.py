@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.api.errors import InvalidRequestError
+from proxy.errors import InvalidRequestError
 from proxy.protocols import responses, responses_tools
 from proxy.protocols.responses import ResponsesRequest
 

@@ -20,7 +20,6 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from proxy.api.errors import BadGatewayError, EngineUnreachableError
 from proxy.chat.grammar import ToolChoice, constraint_for_json_schema, constraint_for_tools
 from proxy.chat.service import _api_error
 from proxy.engines.base import (
@@ -33,6 +32,7 @@ from proxy.engines.base import (
 )
 from proxy.engines.vllm import VLLMEngine, lark_text
 from proxy.engines.vllm_replicas import ReplicaMisconfigured
+from proxy.errors import BadGatewayError, EngineUnreachableError
 from tests.fakes.loopback_http import Handler, HangUp, Req, serve
 
 A, B = "http://a:8000", "http://b:8000"
@@ -686,8 +686,8 @@ def echo_handler(gate: asyncio.Event | None = None) -> Handler:
 
 
 def chat_request(**extra: Any) -> Any:
-    from proxy.api.protocol import ChatCompletionRequest
     from proxy.chat.record import CallInfo
+    from proxy.protocols.chat import ChatCompletionRequest
 
     body = {"model": "rlproxy", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     return CallInfo(ChatCompletionRequest.model_validate({**body, **extra}), "req")
@@ -750,8 +750,8 @@ async def test_admission_counts_rows_vllm_has_not_started(
     """RLPROXY_MAX_QUEUED_ROWS bounds the rows sent to vLLM that have no token yet (waiting in
     its queue), as it bounds the local engine's queue; rows generating do not count."""
     from proxy.adapters.registry import ServedModels
-    from proxy.api.errors import OverloadedError
     from proxy.chat.service import ChatService
+    from proxy.errors import OverloadedError
 
     gate = asyncio.Event()
     engine = await started(await replicas(echo_handler(gate)))

@@ -13,10 +13,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from proxy.api.auth import Caller
 from proxy.api.body import TextJSONRoute
 from proxy.api.deps import Generating, request_id
-from proxy.api.protocol import ChatCompletionRequest
 from proxy.api.serving import serve
 from proxy.chat.record import CallInfo
 from proxy.chat.streaming import JSON_OR_SSE, SSE_HEADERS, sse
+from proxy.protocols.chat import ChatCompletionRequest
 
 router = APIRouter(route_class=TextJSONRoute)
 

@@ -19,7 +19,7 @@ from importlib import resources
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from proxy.api.errors import NotFoundError
+from proxy.errors import NotFoundError
 
 router = APIRouter(prefix="/dashboard")
 

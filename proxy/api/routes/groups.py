@@ -17,7 +17,7 @@ from fastapi import APIRouter, Query
 from proxy.api.auth import Caller
 from proxy.api.body import TextJSONRoute
 from proxy.api.deps import ScorerDep, SettingsDep, StoreDep
-from proxy.api.errors import InvalidRequestError, NotFoundError
+from proxy.errors import InvalidRequestError, NotFoundError
 from storage.records import GroupDetail, GroupMemberView, GroupSummary
 
 router = APIRouter(prefix="/rl/groups", route_class=TextJSONRoute)

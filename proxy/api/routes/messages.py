@@ -16,10 +16,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from proxy.api.auth import Caller
 from proxy.api.body import TextJSONRoute
 from proxy.api.deps import Chat, Generating, request_id
-from proxy.api.errors import ContextLengthError
 from proxy.api.serving import serve
 from proxy.chat.record import CallInfo
 from proxy.chat.streaming import JSON_OR_SSE, SSE_HEADERS, typed_sse
+from proxy.errors import ContextLengthError
 from proxy.protocols import messages
 from proxy.protocols.messages import CountTokensRequest, MessagesRequest
 

@@ -24,10 +24,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from proxy.api.auth import Caller, Principal
 from proxy.api.body import TextJSONRoute
 from proxy.api.deps import Generating, StoreDep, request_id
-from proxy.api.errors import InvalidRequestError
 from proxy.api.serving import serve
 from proxy.chat.record import CallInfo
 from proxy.chat.streaming import JSON_OR_SSE, SSE_HEADERS, typed_sse
+from proxy.errors import InvalidRequestError
 from proxy.protocols import responses
 from proxy.protocols.responses import ResponsesRequest
 from proxy.protocols.responses_tools import IGNORED_HEADER

@@ -25,8 +25,8 @@ from pydantic import BaseModel, Field, StrictFloat
 from proxy.api.auth import Caller, Principal
 from proxy.api.body import TextJSONRoute
 from proxy.api.deps import StoreDep, TelemetryDep
-from proxy.api.errors import InvalidRequestError, NotFoundError
-from proxy.api.protocol import ID_PREFIXES
+from proxy.errors import InvalidRequestError, NotFoundError
+from proxy.protocols.chat import ID_PREFIXES
 from storage.errors import TrajectoryNotFound
 from storage.records import MAX_ABS_REWARD, TrajectoryDetail, TrajectorySummary
 from storage.store import Store

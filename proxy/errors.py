@@ -16,10 +16,12 @@
     │                             takes no writes: a call could not be stored, so none is made)
     └── UpstreamError             the provider's status (proxy.engines.upstream)
 
-Errors are raised anywhere below the routes and rendered only at the HTTP edge, as
-`{"error": {"message", "type", "param", "code"}}` with a string code. A deterministic failure
-(bad input) is always a 4xx: clients retry 5xx. A 429 is retried too: the openai SDK raises
-`openai.RateLimitError` and waits for `retry-after` before trying again.
+Errors are raised anywhere below the routes (this module imports nothing of rlproxy, so chat,
+engines, adapters and protocols all may) and rendered only at the HTTP edge (`proxy.api.app`;
+`proxy.api.error_shapes` for Anthropic's paths), as `{"error": {"message", "type", "param",
+"code"}}` with a string code. A deterministic failure (bad input) is always a 4xx: clients retry
+5xx. A 429 is retried too: the openai SDK raises `openai.RateLimitError` and waits for
+`retry-after` before trying again.
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ never coerced (a float field takes a JSON integer, as JSON has one number type).
 
 Responses are plain dicts built by the helpers at the bottom: they are produced on the hot path
 (one per streamed token) and must match OpenAI's JSON exactly, nulls included.
+
+These are also the core's shapes: `proxy.chat` serves a `ChatCompletionRequest` for every engine,
+and the other protocols (`responses`, `messages`) translate into and out of it. No rlproxy
+imports here, so every room may use them.
 """
 
 from __future__ import annotations
