@@ -23,7 +23,7 @@ import pytest
 from tests.e2e.conftest import Server
 from tests.e2e.helpers import db_rows
 
-ROUNDS = 3
+ROUNDS = 2
 LONG = "Write a very long story about the sea, with many chapters."
 
 CLIENT = r"""
