@@ -124,9 +124,16 @@ def tiny_tokenizer(embedded_dir: Path, family: Literal["qwen2", "llama3"]):  # -
 
 
 def build_tiny_model(
-    folder: Path, embedded_dir: Path, family: Literal["qwen2", "llama3"], seed: int = 0
+    folder: Path,
+    embedded_dir: Path,
+    family: Literal["qwen2", "llama3"],
+    seed: int = 0,
+    context: int = 4096,
+    words: str | None = None,
 ) -> Path:
-    """Save a tiny random `family` model with the embedded tokenizer into `folder`."""
+    """Save a tiny random `family` model with the embedded tokenizer into `folder`; its context
+    (`max_position_embeddings`, what rlproxy serves as the model's context) is `context`. With
+    `words`, its answers are a few of those words and end (`answer_in_words`)."""
     import torch
     from transformers import (
         GenerationConfig,
@@ -144,8 +151,8 @@ def build_tiny_model(
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": True,
+        "max_position_embeddings": context,
+        "tie_word_embeddings": words is None,
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
@@ -157,6 +164,8 @@ def build_tiny_model(
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**shape))
         eos = [tokenizer.eos_token_id]
+    if words is not None:
+        answer_in_words(model, tokenizer, words, end=eos[0])
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
     )
@@ -164,3 +173,41 @@ def build_tiny_model(
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def answer_in_words(
+    model, tokenizer, words: str, end: int, mean_tokens: int = 10, first: str = "\n"
+) -> None:
+    """Make a freshly built random model (untied output head) answer with the tokens of `words`
+    in random order, `mean_tokens` of them on average, then `end`; never `end` first.
+
+    A random model samples all ~49k tokens nearly uniformly, so an answer runs until the budget
+    (tens of thousands of tokens in a long context, which Codex reads as an error). Here one
+    hidden channel `B` of every token embedding is large, so the residual stream after the final
+    norm is about `sqrt(hidden) * e_B` whatever the prompt, and the output head reads only `B`: a
+    fixed bias, 0 for the words, -24 for every other token, and for `end` the log-odds that give
+    probability 1 / `mean_tokens` at each step. The token `first` (the last one of the ChatML
+    generation prompt, `<|im_start|>assistant\\n`) also lights a channel `F` that forbids `end`,
+    so an answer is never empty. The layers stay random; nothing here is a language model.
+    """
+    import math
+
+    import torch
+
+    b, f, big = 0, 1, 10.0  # channels, and their size against the embeddings' ~0.02
+    allowed = sorted(set(tokenizer.encode(words, add_special_tokens=False)))
+    (first_id,) = tokenizer.encode(first, add_special_tokens=False)
+    assert first_id not in allowed and end not in allowed
+    scale = math.sqrt(model.config.hidden_size)  # |normalised channel B| on a word's position
+    odds = len(allowed) / (mean_tokens - 1)  # P(end) = 1 / mean_tokens among the words
+    with torch.no_grad():
+        embed = model.get_input_embeddings().weight
+        embed[:, [b, f]] = 0.0
+        embed[:, b] = big
+        embed[first_id, f] = big
+        head = model.get_output_embeddings().weight
+        head.zero_()
+        head[:, b] = -24.0 / scale
+        head[allowed, b] = 0.0
+        head[end, b] = math.log(odds) / scale
+        head[end, f] = -40.0 / scale
