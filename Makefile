@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup browser haproxy serve serve-vllm docs docs-check test test-slow test-all test-fuzz test-deploy test-vllm test-scale lint bench bench-overhead bench-ruler bench-learning bench-grpo bench-history bench-telemetry soak clean
+.PHONY: setup browser haproxy serve serve-vllm docs docs-check test test-slow test-all test-fuzz test-deploy test-vllm test-scale test-coding-agents lint bench bench-overhead bench-ruler bench-learning bench-grpo bench-history bench-telemetry soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -114,6 +114,14 @@ test-vllm: setup
 # on SIGKILL), activations and the canary split hold on both, a shared vLLM keeps what either serves.
 test-scale: setup haproxy
 	$(BIN)/python -m pytest -q -m scale tests/scale tests/replicas
+
+# The coding-agent CLIs (Claude Code, Codex, OpenCode, pi) from npm at pinned versions against
+# `rlproxy serve` (tests/e2e/test_coding_agents.py, marker `coding_agents`): pi and OpenCode on
+# the embedded model, all four on a tiny random model with a 65,536-token context. The CLIs are
+# installed once into ~/.cache/rlproxy/cli (RLPROXY_CLI_CACHE; about 1.4 GB, the npm registry
+# needed only then). See docs/quickstart/coding-agents.md.
+test-coding-agents: setup
+	$(BIN)/python -m pytest -q -m coding_agents tests/e2e/test_coding_agents.py
 
 test-all: setup
 	$(BIN)/python -m pytest -q -m "slow or not slow"; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc

@@ -1,0 +1,426 @@
+"""The coding-agent CLIs, run as their users run them against a real `rlproxy serve`: Claude Code
+(`claude -p`), Codex (`codex exec`), OpenCode (`opencode run`) and pi (`pi -p`).
+
+Each CLI is installed from npm at a pinned version, once, into a cache outside the checkout
+(`~/.cache/rlproxy/cli/<name>-<version>`, or RLPROXY_CLI_CACHE); the npm registry is needed only
+then. Each run gets a throw-away HOME (and CODEX_HOME) under the test's folder, an environment
+built from nothing (no key or config of the machine's user leaks in), the CLI's update checks and
+telemetry switched off, and only the settings docs/quickstart/coding-agents.md gives a user. The
+task is "Reply with the word hello."; a run passes when the CLI exits 0, prints an answer, and the
+server stored its calls in order: one trajectory per session, its turns in order, each turn's
+request the previous request plus the answer that came back, and the answer the CLI printed as
+the last turn's. A CLI's side calls (OpenCode's title) are trajectories of their own.
+
+Which model: pi's prompt (~1,500 tokens) and OpenCode's (~7,700) fit the embedded SmolLM2-135M's
+8,192-token context and run on it. Claude Code's (~12,500) and Codex's (~9,200) do not; they run
+on a tiny random Qwen2-style model built here with a 65,536-token context (tests/tiny_models.py),
+whose output head is set so that an answer is a few words and ends: a plain random model samples
+its ~49k tokens uniformly and runs to the budget, which Claude Code retries and Codex reports as
+an error (docs/quickstart/coding-agents.md). The same model serves a session of two calls per CLI
+(the task, then the CLI's own resume flag with a second message), which must stay one trajectory.
+
+A CLI whose binary cannot run on this machine (a native binary npm has none for) is skipped with
+the reason, never passed. One server runs at a time (each class has its own).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import Server
+from tests.e2e.helpers import get_trajectory, list_trajectories, own_server
+from tests.tiny_models import build_tiny_model
+
+pytestmark = pytest.mark.coding_agents
+
+TASK = "Reply with the word hello."
+FOLLOW_UP = "Now reply with the word bye."
+KEY = "sk-test"  # rlproxy serves without keys here; every CLI insists on one
+CLI_TIMEOUT_S = 600  # OpenCode's 7,700-token prompt on the embedded model, on a loaded 2-core CPU
+WORDS = " a tiny random test model answers with these words"
+EMBEDDED_OUTPUT_CAP = 32  # tokens: OpenCode's `limit.output`, pi's `maxTokens`
+
+
+@dataclass(frozen=True)
+class CLI:
+    name: str  # the cache folder's stem, and the test ids
+    package: str
+    version: str
+    binary: str
+    protocol: str  # what rlproxy stores as the call's protocol
+
+
+CLAUDE_CODE = CLI("claude-code", "@anthropic-ai/claude-code", "2.1.332", "claude", "messages")
+CODEX = CLI("codex", "@openai/codex", "0.171.0", "codex", "responses")
+OPENCODE = CLI("opencode", "opencode-ai", "1.18.33", "opencode", "chat")
+PI = CLI("pi", "@mariozechner/pi-coding-agent", "0.73.1", "pi", "chat")
+ALL = (CLAUDE_CODE, CODEX, OPENCODE, PI)
+
+
+# ----------------------------------------------------------------------------- installing
+
+
+@pytest.fixture(scope="session")
+def cli_cache() -> Path:
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("node and npm are not on PATH: install Node.js 20+ to run the coding agents")
+    default = Path.home() / ".cache" / "rlproxy" / "cli"
+    return Path(os.environ.get("RLPROXY_CLI_CACHE", default))
+
+
+def installed(cli: CLI, cache: Path) -> Path:
+    """The CLI's executable, installed by `npm install --prefix` into `cache` the first time.
+    Skips (with npm's or the binary's words) when the binary cannot run on this machine."""
+    prefix = cache / f"{cli.name}-{cli.version}"
+    if not (prefix / "installed").exists():
+        staging = prefix.with_name(f"{prefix.name}.{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        done = subprocess.run(
+            ["npm", "install", "--prefix", str(staging), "--no-audit", "--no-fund",
+             "--loglevel=error", f"{cli.package}@{cli.version}"],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0, f"npm install {cli.package}@{cli.version}:\n{done.stderr}"
+        (staging / "installed").touch()
+        try:
+            staging.rename(prefix)  # atomic: a half-done install is never taken for a cache
+        except OSError:  # another session installed it first
+            shutil.rmtree(staging, ignore_errors=True)
+    binary = prefix / "node_modules" / ".bin" / cli.binary
+    try:
+        with tempfile.TemporaryDirectory() as home:
+            probe = subprocess.run(
+                [str(binary), "--version"],
+                env=base_env(Path(home)),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+    except OSError as e:
+        pytest.skip(f"{cli.package} {cli.version} does not run on this machine: {e}")
+    if probe.returncode != 0 or cli.version not in probe.stdout + probe.stderr:  # pi: stderr
+        pytest.skip(
+            f"{cli.package} {cli.version} does not run on this machine "
+            f"(`{cli.binary} --version` exit {probe.returncode}): {probe.stderr.strip()[-500:]}"
+        )
+    return binary
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def base_env(home: Path) -> dict[str, str]:
+    """An environment built from nothing: node on PATH, a throw-away HOME."""
+    home.mkdir(parents=True, exist_ok=True)
+    node_dir = str(Path(shutil.which("node") or "/usr/bin/node").parent)
+    return {
+        "PATH": f"{node_dir}:/usr/local/bin:/usr/bin:/bin",
+        "HOME": str(home),
+        "TMPDIR": str(home),
+        "LANG": "C.UTF-8",
+        "TERM": "dumb",
+        "NO_COLOR": "1",
+    }
+
+
+def configure(
+    cli: CLI, home: Path, server: Server, output_cap: int | None = None
+) -> dict[str, str]:
+    """What docs/quickstart/coding-agents.md tells a user to set: the CLI's environment, and its
+    config file written under `home`; `output_cap`, OpenCode's and pi's answer budget."""
+    env = base_env(home)
+    if cli is CLAUDE_CODE:
+        env |= {
+            "ANTHROPIC_BASE_URL": server.url,  # the root: the SDK adds /v1
+            "ANTHROPIC_API_KEY": KEY,
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "DISABLE_AUTOUPDATER": "1",
+            "DISABLE_BUG_COMMAND": "1",
+            "DISABLE_ERROR_REPORTING": "1",
+            "DISABLE_TELEMETRY": "1",
+        }
+    elif cli is CODEX:
+        codex_home = home / ".codex"
+        codex_home.mkdir(exist_ok=True)
+        (codex_home / "config.toml").write_text(
+            'model = "rlproxy"\n'
+            'model_provider = "rlproxy"\n'
+            "check_for_update_on_startup = false\n\n"
+            "[model_providers.rlproxy]\n"
+            'name = "rlproxy"\n'
+            f'base_url = "{server.base_url}"\n'
+            'env_key = "RLPROXY_API_KEY"\n'
+            'wire_api = "responses"\n\n'
+            "[analytics]\nenabled = false\n\n"
+            "[feedback]\nenabled = false\n"
+        )
+        env |= {"CODEX_HOME": str(codex_home), "RLPROXY_API_KEY": KEY}
+    elif cli is OPENCODE:
+        model = {"limit": {"context": 8192, "output": output_cap}} if output_cap else {}
+        config = {
+            "$schema": "https://opencode.ai/config.json",
+            "autoupdate": False,
+            "share": "disabled",
+            "model": "rlproxy/rlproxy",
+            "small_model": "rlproxy/rlproxy",
+            "provider": {
+                "rlproxy": {
+                    "npm": "@ai-sdk/openai-compatible",
+                    "name": "rlproxy",
+                    "options": {"baseURL": server.base_url, "apiKey": KEY},
+                    "models": {"rlproxy": model},
+                }
+            },
+        }
+        folder = home / ".config" / "opencode"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "opencode.json").write_text(json.dumps(config, indent=2))
+        env |= {
+            "OPENCODE_DISABLE_AUTOUPDATE": "1",
+            "OPENCODE_DISABLE_MODELS_FETCH": "1",
+            "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+            "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
+        }
+    else:
+        models = {
+            "providers": {
+                "rlproxy": {
+                    "baseUrl": server.base_url,
+                    "api": "openai-completions",
+                    "apiKey": KEY,
+                    "models": [
+                        {"id": "rlproxy", **({"maxTokens": output_cap} if output_cap else {})}
+                    ],
+                }
+            }
+        }
+        folder = home / ".pi" / "agent"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "models.json").write_text(json.dumps(models, indent=2))
+        env |= {"PI_OFFLINE": "1"}
+    return env
+
+
+def argv(cli: CLI, binary: Path, message: str, resume: bool) -> list[str]:
+    """The CLI's non-interactive command; `resume`: continue the last session in this folder."""
+    if cli is CLAUDE_CODE:
+        return [str(binary), "-p", *(["--continue"] if resume else []), message]
+    if cli is CODEX:  # the folder is not a git repository, which Codex checks by default
+        return [
+            str(binary), "exec", "--skip-git-repo-check",
+            *(["resume", "--last"] if resume else []), message,
+        ]  # fmt: skip
+    if cli is OPENCODE:
+        return [str(binary), "run", *(["--continue"] if resume else []), message]
+    return [
+        str(binary), "-p", *(["--continue"] if resume else []),
+        "--provider", "rlproxy", "--model", "rlproxy", message,
+    ]  # fmt: skip
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    def why(self) -> str:
+        return f"exit {self.returncode} after {self.seconds:.1f} s\n{self.stderr[-3000:]}"
+
+
+class Session:
+    """One user's folder and HOME for a CLI against a server: its runs share them, so the CLI's
+    resume flag finds the session before."""
+
+    def __init__(
+        self, cli: CLI, binary: Path, server: Server, root: Path, output_cap: int | None = None
+    ) -> None:
+        self.cli, self.binary, self.server = cli, binary, server
+        self.workdir = root / "work"
+        self.workdir.mkdir(parents=True)
+        self.env = configure(cli, root / "home", server, output_cap)
+
+    def run(self, message: str, resume: bool = False) -> Run:
+        start = time.monotonic()
+        done = subprocess.run(
+            argv(self.cli, self.binary, message, resume),
+            cwd=self.workdir,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=CLI_TIMEOUT_S,
+        )
+        return Run(done.returncode, done.stdout, done.stderr, time.monotonic() - start)
+
+
+# ----------------------------------------------------------------------------- what is stored
+
+
+def stored(server: Server) -> dict[str, dict[str, Any]]:
+    """Every trajectory on the server, with its turns."""
+    return {t["id"]: get_trajectory(server, t["id"]) for t in list_trajectories(server)}
+
+
+def text_of(message: dict[str, Any]) -> str:
+    """A message's text, whitespace removed (content as a string or as parts)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    return "".join((content or "").split())
+
+
+def shape(message: dict[str, Any]) -> tuple[str, str]:
+    return message["role"], text_of(message)
+
+
+def changed(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> list[dict]:
+    """The trajectories a run opened or added calls to, oldest first."""
+    out = [
+        t
+        for tid, t in after.items()
+        if tid not in before or t["call_count"] != before[tid]["call_count"]
+    ]
+    return sorted(out, key=lambda t: t["created_at"])
+
+
+def main_and_side(trajectories: list[dict[str, Any]]) -> tuple[dict, list[dict]]:
+    """The session's trajectory (its calls carry the CLI's tools) and its side calls' (none)."""
+    main = [t for t in trajectories if t["turns"][0]["tools"]]
+    assert len(main) == 1, [t["turns"][0]["request_messages"][0] for t in trajectories]
+    return main[0], [t for t in trajectories if t is not main[0]]
+
+
+def assert_in_order(trajectory: dict[str, Any], protocol: str) -> None:
+    """Turns numbered in order, each a completed call of `protocol` whose request is the turn
+    before's request plus the answer it got."""
+    turns = trajectory["turns"]
+    assert [t["turn_index"] for t in turns] == list(range(len(turns)))
+    assert [t["created_at"] for t in turns] == sorted(t["created_at"] for t in turns)
+    for before, turn in pairwise(turns):
+        history = [shape(m) for m in before["request_messages"] + before["response_messages"]]
+        assert [shape(m) for m in turn["request_messages"][: len(history)]] == history
+    for turn in turns:
+        assert turn["protocol"] == protocol and turn["status"] == "completed", turn
+
+
+def assert_answered(run: Run, trajectory: dict[str, Any], message: str) -> None:
+    """The CLI exited 0 and printed the last turn's answer, and that turn was asked the message
+    the CLI was given (its last user message)."""
+    assert run.returncode == 0, run.why()
+    assert run.stdout.strip(), f"no answer printed: {run.why()}"
+    users = [m for m in trajectory["turns"][-1]["request_messages"] if m["role"] == "user"]
+    assert "".join(message.split()) in text_of(users[-1])
+    answer = text_of(trajectory["turns"][-1]["response_messages"][0])
+    assert answer, trajectory["turns"][-1]
+    assert answer in "".join(run.stdout.split()), (answer, run.stdout)
+
+
+def assert_side_calls(cli: CLI, side: list[dict[str, Any]]) -> None:
+    """OpenCode asks `small_model` for the session's title beside the task: a trajectory of its
+    own, one call without tools. `opencode run` exits once the task is answered, so the title may
+    be cut (stored as `client_disconnected`). The others make no side call in these runs."""
+    if cli is not OPENCODE:
+        assert side == []
+        return
+    (title,) = side
+    (turn,) = title["turns"]
+    assert not turn["tools"] and turn["status"] in ("completed", "client_disconnected")
+    system = turn["request_messages"][0]
+    assert system["role"] == "system" and "title" in text_of(system)
+
+
+def first_task(session: Session) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The task in a new session: its session's trajectory, and its side calls'."""
+    before = stored(session.server)
+    run = session.run(TASK)
+    assert run.returncode == 0, run.why()
+    main, side = main_and_side(changed(before, stored(session.server)))
+    assert_in_order(main, session.cli.protocol)
+    assert_answered(run, main, TASK)
+    return main, side
+
+
+# ----------------------------------------------------------------------------- the embedded model
+
+
+@pytest.fixture(scope="class")
+def embedded_server(
+    tmp_path_factory: pytest.TempPathFactory, model_data_dir: Path
+) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("agents-embedded")
+    with own_server(root / "data", model_data_dir) as server:
+        yield server
+
+
+@pytest.mark.parametrize("cli", [PI, OPENCODE], ids=lambda c: c.name)
+class TestOnTheEmbeddedModel:
+    """pi's and OpenCode's prompts fit SmolLM2-135M's 8,192 tokens. Their answers are capped at
+    EMBEDDED_OUTPUT_CAP tokens by their own model settings (the quickstart's advice for a CPU):
+    OpenCode's prompt alone takes minutes to read, and an uncapped answer may take ten more."""
+
+    def test_the_task_is_answered_and_stored_as_one_session(
+        self, cli: CLI, embedded_server: Server, cli_cache: Path, tmp_path: Path
+    ) -> None:
+        binary = installed(cli, cli_cache)
+        session = Session(cli, binary, embedded_server, tmp_path, EMBEDDED_OUTPUT_CAP)
+        main, side = first_task(session)
+        assert_side_calls(cli, side)
+        assert main["turns"][0]["prompt_tokens"] < 8192
+
+
+# ----------------------------------------------------------------------------- a long context
+
+
+@pytest.fixture(scope="class")
+def long_context_server(
+    tmp_path_factory: pytest.TempPathFactory, model_data_dir: Path
+) -> Iterator[Server]:
+    from proxy.engines.loader import ensure_fp32_cache
+
+    root = tmp_path_factory.mktemp("agents-long-context")
+    folder = build_tiny_model(
+        root / "model", ensure_fp32_cache(model_data_dir), "qwen2", context=65536, words=WORDS
+    )
+    with own_server(root / "data", root / "cache", {"RLPROXY_BASE_MODEL": str(folder)}) as s:
+        assert httpx.get(f"{s.url}/health", timeout=10).json()["base_model"] == str(folder)
+        yield s
+
+
+@pytest.mark.parametrize("cli", ALL, ids=lambda c: c.name)
+class TestOnALongContextModel:
+    """Every CLI's full prompt, on a tiny random model with a 65,536-token context."""
+
+    def test_a_session_of_two_calls_is_one_trajectory_in_order(
+        self, cli: CLI, long_context_server: Server, cli_cache: Path, tmp_path: Path
+    ) -> None:
+        server = long_context_server
+        session = Session(cli, installed(cli, cli_cache), server, tmp_path)
+        main, side = first_task(session)
+        if cli is CLAUDE_CODE or cli is CODEX:  # what the embedded model cannot hold
+            assert main["turns"][0]["prompt_tokens"] > 8192
+        assert_side_calls(cli, side)
+
+        before = stored(server)
+        again = session.run(FOLLOW_UP, resume=True)
+        assert again.returncode == 0, again.why()
+        (resumed,) = changed(before, stored(server))  # no new trajectory, no second title
+        assert resumed["id"] == main["id"]
+        assert len(resumed["turns"]) == len(main["turns"]) + 1
+        assert_in_order(resumed, cli.protocol)
+        assert_answered(again, resumed, FOLLOW_UP)
