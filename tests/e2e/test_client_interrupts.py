@@ -7,11 +7,10 @@ client per protocol runs to the end. After the rounds: every protocol still answ
 has no rows left running, every answer a client received in full is stored as completed, and
 every interrupted one is stored as a call the client left (nothing acknowledged is lost).
 
-Marked slow (`make test-slow`), not in the default run: alone it passes (twice, 2026-12-05), but
-in one full default run on the shared session server it failed, and that server still had 3
-engine rows running 10 minutes later, its calls table holding no `client_disconnected` row: the
-interrupted generations were not stopped there. Not understood yet; the test now runs on a server
-of its own.
+The clients restore Python's SIGINT handler themselves: a test run started as a background job
+inherits SIGINT ignored, and then the clients kept streaming after the "Ctrl-C" (seen once: a
+neighbouring test timed out on the 2000-token streams left running). Clients still alive at the
+end are killed, so a failure here never slows the tests after it.
 """
 
 from __future__ import annotations
@@ -35,7 +34,10 @@ ROUNDS = 2
 LONG = "Write a very long story about the sea, with many chapters."
 
 CLIENT = r"""
-import json, sys
+import json, signal, sys
+# Ctrl-C raises KeyboardInterrupt, as in a terminal, even when this test runs where SIGINT is
+# ignored (a shell's background job: Python then leaves it ignored for its children too).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 protocol, base, prompt, max_tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 if protocol == "messages":
     import anthropic
@@ -111,15 +113,27 @@ def server(tmp_path_factory: pytest.TempPathFactory, model_data_dir: Path) -> It
         yield s
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_ctrl_c_mid_stream_again_and_again_loses_nothing_and_every_protocol_answers(
     server: Server,
 ) -> None:
     finished: list[str] = []
+    clients: list[subprocess.Popen[str]] = []
+    try:
+        _rounds(server, finished, clients)
+    finally:
+        for proc in clients:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    _check_after(server, finished)
+
+
+def _rounds(server: Server, finished: list[str], clients: list[subprocess.Popen[str]]) -> None:
     for _ in range(ROUNDS):
         interrupted = [_client(server, p, 2000) for p in PROTOCOLS]
         complete = [_client(server, p, 8) for p in PROTOCOLS]
+        clients += interrupted + complete
         for proc in interrupted:
             _wait_line(proc, "FIRST", 240)
             proc.send_signal(signal.SIGINT)
@@ -131,6 +145,8 @@ def test_ctrl_c_mid_stream_again_and_again_loses_nothing_and_every_protocol_answ
             finished.append(json.loads(line.removeprefix("DONE "))["id"])
             assert proc.wait(timeout=60) == 0
 
+
+def _check_after(server: Server, finished: list[str]) -> None:
     deadline = time.monotonic() + 120
     while _running_rows(server) and time.monotonic() < deadline:
         time.sleep(0.5)
