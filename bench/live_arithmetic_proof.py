@@ -51,6 +51,7 @@ import math
 import os
 import random
 import re
+import signal
 import statistics
 import sys
 import time
@@ -331,6 +332,8 @@ def main() -> None:
             "fresh questions: raise --max-term or --round-s"
         )
     args.out.mkdir(parents=True, exist_ok=True)
+    # stopped with SIGTERM while starting, it still stops the stand-in and the servers
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     print(f"settings: {json.dumps({k: str(v) for k, v in vars(args).items()})}", flush=True)
     print(f"load average at start: {os.getloadavg()}", flush=True)
     judging = args.reward == "judge"
