@@ -27,8 +27,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lookup_agent
+
+from storage.prompt_chunks import sqlite_prompts
 
 TASK = re.compile(r"number of the code of (\w+)\?")
 MAX_TURNS = 4
@@ -49,7 +52,7 @@ def calls_of(response: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 def episodes(db: Path) -> list[dict[str, Any]]:
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     rows = con.execute(
-        "select trajectory_id, turn_index, model_requested, params, request_messages, response "
+        "select trajectory_id, turn_index, model_requested, params, id, response "
         "from calls where status = 'completed' and superseded_by is null "
         "order by trajectory_id, turn_index"
     ).fetchall()
@@ -58,7 +61,7 @@ def episodes(db: Path) -> list[dict[str, Any]]:
         by_trajectory[row[0]].append(row)
     out = []
     for turns in by_trajectory.values():
-        messages = json.loads(turns[0][4])
+        messages = sqlite_prompts(con, [turns[0][4]])[turns[0][4]].messages
         user = next((m["content"] for m in messages if m["role"] == "user"), "")
         match = TASK.search(user if isinstance(user, str) else json.dumps(user))
         if match is None:

@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from peft.utils import set_peft_model_state_dict  # noqa: E402
 
+from storage.prompt_chunks import sqlite_prompts  # noqa: E402
 from trainer.config import TrainerConfig  # noqa: E402
 from trainer.grpo import TrainingExample  # noqa: E402
 from trainer.packing import pack_turns  # noqa: E402
@@ -68,12 +69,14 @@ def practise(model_dir: Path, tasks: int) -> Path:
 
 def turns_from(db: Path, episodes: int) -> list[TrainingExample]:
     """Each trajectory's turns in order, as the training loop builds them (one per call)."""
-    rows = sqlite3.connect(db).execute(
-        "select c.trajectory_id, c.turn_index, c.prompt_token_ids, ch.completion_token_ids,"
+    conn = sqlite3.connect(db)
+    rows = conn.execute(
+        "select c.trajectory_id, c.turn_index, c.id, ch.completion_token_ids,"
         " ch.completion_logprobs from calls c join call_choices ch on ch.call_id = c.id"
-        " where c.prompt_token_ids is not null and ch.completion_token_ids is not null"
+        " where c.token_refs is not null and ch.completion_token_ids is not null"
         " order by c.trajectory_id, c.turn_index"
-    )
+    ).fetchall()
+    prompts = sqlite_prompts(conn, [r[2] for r in rows])
     by_trajectory: dict[str, list[TrainingExample]] = defaultdict(list)
     for trajectory, _, prompt, completion, logprobs in rows:
         if trajectory not in by_trajectory:
@@ -81,7 +84,7 @@ def turns_from(db: Path, episodes: int) -> list[TrainingExample]:
         by_trajectory[trajectory].append(
             TrainingExample(
                 trajectory,
-                json.loads(prompt),
+                prompts[prompt].token_ids or [],
                 json.loads(completion),
                 json.loads(logprobs),
                 advantage,

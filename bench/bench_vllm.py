@@ -64,6 +64,8 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from storage.prompt_chunks import sqlite_prompts  # noqa: E402
+
 PROMPTS = [
     "Write a short story about a dragon.",
     "Explain what a hash table is.",
@@ -234,11 +236,9 @@ def profile(out: Path, pid: int) -> subprocess.Popen[bytes]:
 
 def stored_prompts(db: Path) -> dict[str, list[int]]:
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
-        rows = conn.execute("SELECT request_messages, prompt_token_ids FROM calls").fetchall()
-    out = {}
-    for messages, ids in rows:
-        out[json.loads(messages)[-1]["content"]] = json.loads(ids)
-    return out
+        ids = [r[0] for r in conn.execute("SELECT id FROM calls")]
+        prompts = sqlite_prompts(conn, ids)
+    return {p.messages[-1]["content"]: p.token_ids or [] for p in prompts.values()}
 
 
 def parse_args() -> argparse.Namespace:

@@ -40,6 +40,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from storage.prompt_chunks import sqlite_prompts  # noqa: E402
+
 PROMPTS = [
     "Write a short story about a dragon.",
     "Explain what a hash table is.",
@@ -101,12 +103,13 @@ def stored(db: Path, ids: list[str]) -> list[tuple[list[int], list[int], list[fl
     marks = ",".join("?" * len(ids))
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
         rows = conn.execute(
-            "SELECT c.prompt_token_ids, ch.completion_token_ids, ch.completion_logprobs "
+            "SELECT c.id, ch.completion_token_ids, ch.completion_logprobs "
             f"FROM calls c JOIN call_choices ch ON ch.call_id = c.id WHERE c.completion_id IN "
             f"({marks})",
             ids,
         ).fetchall()
-    out = [(json.loads(p), json.loads(c), json.loads(lp)) for p, c, lp in rows]
+        prompts = sqlite_prompts(conn, [r[0] for r in rows])
+    out = [(prompts[i].token_ids or [], json.loads(c), json.loads(lp)) for i, c, lp in rows]
     return [row for row in out if row[1]]
 
 

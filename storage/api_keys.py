@@ -156,6 +156,9 @@ async def delete_owner_data(conn: AsyncConnection, key_id: str) -> dict[str, int
         ("rewards", f"DELETE FROM rewards WHERE trajectory_id IN ({owned_t})"),
         ("calls", f"DELETE FROM calls WHERE trajectory_id IN ({owned_t})"),
         ("trajectories", "DELETE FROM trajectories WHERE owner_key_id = :k"),
+        # Prompt chunks are hashed per owner (storage.prompt_chunks): no other key's call
+        # refers to one of these.
+        ("prompt_chunks", "DELETE FROM prompt_chunks WHERE owner_key_id = :k"),
     ]
     counts: dict[str, int] = {}
     for table, sql in steps:

@@ -23,6 +23,7 @@ from storage.models import groups_table as G
 from storage.models import rewards_table as R
 from storage.models import scores_table as S
 from storage.models import trajectories_table as T
+from storage.prompt_chunks import load_prompts
 from storage.records import (
     CallRecord,
     GroupCandidate,
@@ -139,12 +140,13 @@ async def _candidates(conn: AsyncConnection, trajectory_ids: list[str]) -> list[
     rows = (await conn.execute(select(T).where(T.c.id.in_(trajectory_ids)))).all()
     first: dict[str, Any] = {}
     calls = await conn.execute(
-        select(C.c.trajectory_id, C.c.request_messages, C.c.tools)
+        select(C.c.id, C.c.trajectory_id, C.c.message_refs, C.c.tools)
         .where(C.c.trajectory_id.in_(trajectory_ids), C.c.turn_index == 0)
         .order_by(C.c.recorded_at)
     )
     for c in calls:
         first.setdefault(c.trajectory_id, c)
+    prompts = await load_prompts(conn, list(first.values()), token_ids=False)
     out = []
     for r in rows:
         call = first.get(r.id)
@@ -154,7 +156,7 @@ async def _candidates(conn: AsyncConnection, trajectory_ids: list[str]) -> list[
                 closed_at=r.closed_at if r.closed_at is not None else r.updated_at,
                 group_key=r.group_key,
                 task_signature=r.task_signature,
-                first_messages=call.request_messages if call is not None else [],
+                first_messages=prompts[call.id].messages if call is not None else [],
                 tools=call.tools if call is not None else None,
                 owner_key_id=r.owner_key_id,
             )

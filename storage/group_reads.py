@@ -204,9 +204,10 @@ async def _trajectory_member(
 async def _sample_member(
     conn: AsyncConnection, m: Row[Any]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, list[TrainingTurn]]:
-    call = (await conn.execute(select(C).where(C.c.id == m.call_id))).first()
-    if call is None:
+    row = (await conn.execute(select(C).where(C.c.id == m.call_id))).first()
+    if row is None:
         return [], None, []
+    call = (await read_ops.read_calls(conn, [row]))[0].record
     if m.sample_index is None:
         table, where = CC, and_(CC.c.call_id == m.call_id, CC.c.choice_index == m.choice_index)
     else:

@@ -7,11 +7,13 @@ append a new `Migration` to `MIGRATIONS`; never edit one that has shipped.
 
 `migrate` applies the pending ones in order, all in one transaction, under a lock (BEGIN
 IMMEDIATE on SQLite, an advisory transaction lock on Postgres), so replicas that start together
-do not race. This module knows nothing about calls or trajectories beyond their DDL.
+do not race. This module knows nothing about calls or trajectories beyond their DDL, except
+m010, which moves every stored prompt into `prompt_chunks` (`storage.prompt_chunks`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import time
@@ -381,6 +383,73 @@ def _m009_replicas(conn: Connection) -> None:
     md.create_all(conn)
 
 
+_M010_PAGE = 200
+"""Calls rewritten per step of m010: bounded memory on a database of any size."""
+
+
+def _m010_prompt_chunks(conn: Connection) -> None:
+    """Prompts stored once by content (`storage.prompt_chunks`): a `prompt_chunks` table, each
+    call's `message_refs` and `token_refs` (hashes of its messages and token-id blocks), every
+    stored call rewritten into them, then `request_messages` and `prompt_token_ids` dropped.
+
+    The rewrite uses today's split (`SplitPrompts`); that is safe for a frozen migration because
+    readers only follow hashes, so any split this migration ever made reads back the same."""
+    from storage.prompt_chunks import SplitPrompts  # pure; no storage.models shapes used
+
+    md = MetaData()
+    Table(
+        "prompt_chunks",
+        md,
+        Column("hash", String, primary_key=True),
+        Column("owner_key_id", String),
+        Column("body", Text, nullable=False),
+        Index("ix_prompt_chunks_owner", "owner_key_id"),
+    )
+    md.create_all(conn)
+    conn.execute(text("ALTER TABLE calls ADD COLUMN message_refs TEXT NOT NULL DEFAULT '[]'"))
+    conn.execute(text("ALTER TABLE calls ADD COLUMN token_refs TEXT"))
+    after = ""
+    while True:
+        rows = conn.execute(
+            text(
+                "SELECT c.id, c.request_messages, c.prompt_token_ids, t.owner_key_id "
+                "FROM calls c JOIN trajectories t ON t.id = c.trajectory_id "
+                "WHERE c.id > :after ORDER BY c.id LIMIT :n"
+            ),
+            {"after": after, "n": _M010_PAGE},
+        ).all()
+        if not rows:
+            break
+        split = SplitPrompts()
+        updates = []
+        for r in rows:
+            ids = None if r.prompt_token_ids is None else json.loads(r.prompt_token_ids)
+            updates.append(
+                {
+                    "i": r.id,
+                    "m": _json(split.messages(r.owner_key_id, json.loads(r.request_messages))),
+                    "t": None if ids is None else _json(split.token_ids(r.owner_key_id, ids)),
+                }
+            )
+        conn.execute(
+            text(
+                "INSERT INTO prompt_chunks (hash, owner_key_id, body) VALUES (:h, :o, :b) "
+                "ON CONFLICT (hash) DO NOTHING"
+            ),
+            [{"h": h, "o": split.owners[h], "b": b} for h, b in split.bodies.items()],
+        )
+        conn.execute(
+            text("UPDATE calls SET message_refs = :m, token_refs = :t WHERE id = :i"), updates
+        )
+        after = rows[-1].id
+    conn.execute(text("ALTER TABLE calls DROP COLUMN request_messages"))
+    conn.execute(text("ALTER TABLE calls DROP COLUMN prompt_token_ids"))
+
+
+def _json(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
 MIGRATIONS: list[Migration] = [
     Migration(1, "m001_initial", _m001_initial),
     Migration(2, "m002_groups_and_adapters", _m002_groups_and_adapters),
@@ -391,6 +460,7 @@ MIGRATIONS: list[Migration] = [
     Migration(7, "m007_adapter_rollout", _m007_adapter_rollout),
     Migration(8, "m008_call_protocols", _m008_call_protocols),
     Migration(9, "m009_replicas", _m009_replicas),
+    Migration(10, "m010_prompt_chunks", _m010_prompt_chunks),
 ]
 
 

@@ -102,11 +102,9 @@ class Call(Base):
     model_requested: Mapped[str] = mapped_column(String)
     adapter_version: Mapped[int | None] = mapped_column(Integer)
     engine: Mapped[str] = mapped_column(String)
-    request_messages: Mapped[Any] = mapped_column(JSONText, nullable=False)
     tools: Mapped[Any] = mapped_column(JSONText, nullable=True)
     params: Mapped[Any] = mapped_column(JSONText, nullable=False)
     response: Mapped[Any] = mapped_column(JSONText, nullable=True)
-    prompt_token_ids: Mapped[Any] = mapped_column(JSONText, nullable=True)
     usage: Mapped[Any] = mapped_column(JSONText, nullable=True)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
@@ -127,6 +125,10 @@ class Call(Base):
     completion_id: Mapped[str | None] = mapped_column(String)
     protocol: Mapped[str | None] = mapped_column(String)
     retrievable: Mapped[bool | None] = mapped_column(Boolean)
+    # The prompt, by content (storage.prompt_chunks): the hashes of the request messages, one a
+    # message, and of the prompt token ids, one per block (None: no token ids).
+    message_refs: Mapped[Any] = mapped_column(JSONText, nullable=False)
+    token_refs: Mapped[Any] = mapped_column(JSONText, nullable=True)
 
     __table_args__ = (
         Index("ix_calls_trajectory_id_turn_index", "trajectory_id", "turn_index"),
@@ -134,6 +136,19 @@ class Call(Base):
         Index("ix_calls_request_id", "request_id"),
         Index("ix_calls_completion_id", "completion_id"),
     )
+
+
+class PromptChunk(Base):
+    """A piece of some calls' prompts, stored once: one request message (JSON), or one block of
+    prompt token ids (a JSON list). `hash` is seeded with the owner, so keys never share one."""
+
+    __tablename__ = "prompt_chunks"
+
+    hash: Mapped[str] = mapped_column(String, primary_key=True)
+    owner_key_id: Mapped[str | None] = mapped_column(String)
+    body: Mapped[str] = mapped_column(Text)
+
+    __table_args__ = (Index("ix_prompt_chunks_owner", "owner_key_id"),)
 
 
 class CallChoice(Base):
@@ -367,6 +382,7 @@ class Replica(Base):
 trajectories_table = cast(Table, Trajectory.__table__)
 calls_table = cast(Table, Call.__table__)
 call_choices_table = cast(Table, CallChoice.__table__)
+prompt_chunks_table = cast(Table, PromptChunk.__table__)
 rewards_table = cast(Table, Reward.__table__)
 migrations_table = cast(Table, Migration.__table__)
 call_samples_table = cast(Table, CallSample.__table__)

@@ -23,6 +23,7 @@ from storage.models import call_choices_table as CC
 from storage.models import calls_table as C
 from storage.models import rewards_table as R
 from storage.models import trajectories_table as T
+from storage.prompt_chunks import Prompt, load_prompts
 from storage.records import (
     CallRecord,
     ChoiceRecord,
@@ -131,7 +132,7 @@ def _choice(row: Row[Any]) -> ChoiceRecord:
     )
 
 
-def _call(row: Row[Any], choices: list[ChoiceRecord]) -> StoredCall:
+def _call(row: Row[Any], prompt: Prompt, choices: list[ChoiceRecord]) -> StoredCall:
     record = CallRecord(
         id=row.id,
         request_id=row.request_id,
@@ -140,12 +141,12 @@ def _call(row: Row[Any], choices: list[ChoiceRecord]) -> StoredCall:
         model_requested=row.model_requested,
         adapter_version=row.adapter_version,
         engine=row.engine,
-        request_messages=row.request_messages,
+        request_messages=prompt.messages,
         tools=row.tools,
         params=row.params,
         response=row.response,
         choices=choices,
-        prompt_token_ids=row.prompt_token_ids,
+        prompt_token_ids=prompt.token_ids,
         usage=row.usage,
         latency_s=row.latency_s,
         status=row.status,
@@ -181,11 +182,16 @@ async def _choices_for(conn: AsyncConnection, call_ids: list[str]) -> dict[str, 
     return out
 
 
+async def read_calls(conn: AsyncConnection, rows: Sequence[Row[Any]]) -> list[StoredCall]:
+    """Whole calls from `calls` rows: their prompts joined from their chunks, their choices."""
+    prompts = await load_prompts(conn, rows)
+    choices = await _choices_for(conn, [r.id for r in rows])
+    return [_call(r, prompts[r.id], choices[r.id]) for r in rows]
+
+
 async def get_call(conn: AsyncConnection, call_id: str) -> StoredCall | None:
     row = (await conn.execute(select(C).where(C.c.id == call_id))).first()
-    if row is None:
-        return None
-    return _call(row, (await _choices_for(conn, [call_id]))[call_id])
+    return None if row is None else (await read_calls(conn, [row]))[0]
 
 
 async def calls_of(conn: AsyncConnection, trajectory_id: str) -> list[StoredCall]:
@@ -197,8 +203,7 @@ async def calls_of(conn: AsyncConnection, trajectory_id: str) -> list[StoredCall
             .order_by(C.c.turn_index, C.c.recorded_at, C.c.id)
         )
     ).all()
-    choices = await _choices_for(conn, [r.id for r in rows])
-    return [_call(r, choices[r.id]) for r in rows]
+    return await read_calls(conn, rows)
 
 
 def _attempts_by_turn(calls: list[StoredCall]) -> dict[int, list[StoredCall]]:
@@ -312,9 +317,7 @@ async def call_by_completion_id(conn: AsyncConnection, completion_id: str) -> St
             .limit(1)
         )
     ).first()
-    if row is None:
-        return None
-    return _call(row, (await _choices_for(conn, [row.id]))[row.id])
+    return None if row is None else (await read_calls(conn, [row]))[0]
 
 
 async def trajectory_owner(conn: AsyncConnection, trajectory_id: str) -> tuple[bool, str | None]:

@@ -4,18 +4,20 @@ Every query the dashboard runs on a page load is bounded: it reads an index rang
 time window (calls per minute over the last hour), a fixed number of the newest rows (rewards
 per adapter version over the newest `window` rewards and judge scores), or the groups still in
 the pipeline (forming, ready, scoring). Aggregation happens in SQL; Python only shapes the rows.
-`totals` counts whole tables and is meant for the command line, not for polling.
+`totals` counts whole tables and is meant for the command line, not for polling;
+`trajectory_bytes` sums what one trajectory's rows hold (benchmarks of long sessions).
 
 Callers go through `storage.store.Store`; nothing else should import this module.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Integer, case, cast, exists, func, or_, select
+from sqlalchemy import Connection, Integer, case, cast, exists, func, or_, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -392,3 +394,45 @@ async def totals(conn: AsyncConnection) -> Totals:
         scores=await count(select(func.count()).select_from(S)),
         groups_trained=await count(select(func.count()).select_from(G).where(G.c.trained_step > 0)),
     )
+
+
+def _value_bytes(value: Any) -> int:
+    """A stored value's size as SQLite's `length(CAST(v AS BLOB))` gives it: text by its UTF-8
+    bytes, a number by its text."""
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        return len(value.encode())
+    if isinstance(value, bytes):
+        return len(value)
+    return len(str(value))
+
+
+def trajectory_bytes(conn: Connection, trajectory_id: str) -> int:
+    """Bytes one trajectory's rows hold, summed over their columns: the trajectory, its calls,
+    choices and shadow samples, and every prompt chunk its calls refer to (each once; a chunk
+    shared with other trajectories, such as a system prompt, is counted here too). Synchronous,
+    for a benchmark or `AsyncConnection.run_sync`; indexes and page slack are not counted."""
+    where = {"t": trajectory_id}
+    total = 0
+    refs: set[str] = set()
+    for sql in (
+        "SELECT * FROM trajectories WHERE id = :t",
+        "SELECT * FROM calls WHERE trajectory_id = :t",
+        "SELECT x.* FROM call_choices x JOIN calls c ON c.id = x.call_id "
+        "WHERE c.trajectory_id = :t",
+        "SELECT x.* FROM call_samples x JOIN calls c ON c.id = x.call_id "
+        "WHERE c.trajectory_id = :t",
+    ):
+        for row in conn.execute(text(sql), where).mappings():
+            total += sum(_value_bytes(v) for v in row.values())
+            for column in ("message_refs", "token_refs"):
+                if row.get(column):
+                    refs.update(json.loads(row[column]))
+    hashes = sorted(refs)
+    for i in range(0, len(hashes), 500):
+        part = {f"h{j}": h for j, h in enumerate(hashes[i : i + 500])}
+        marks = ", ".join(f":{k}" for k in part)
+        rows = conn.execute(text(f"SELECT * FROM prompt_chunks WHERE hash IN ({marks})"), part)
+        total += sum(_value_bytes(v) for row in rows.mappings() for v in row.values())
+    return total

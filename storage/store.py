@@ -726,6 +726,12 @@ class Store:
         async with self._engines.read.connect() as conn:
             return await stats.totals(conn)
 
+    async def trajectory_bytes(self, trajectory_id: str) -> int:
+        """Bytes the trajectory's rows and the prompt chunks they refer to hold (see
+        `storage.stats.trajectory_bytes`)."""
+        async with self._engines.read.connect() as conn:
+            return await conn.run_sync(stats.trajectory_bytes, trajectory_id)
+
 
 def _redact_json(value: Any, redact: Callable[[str], str]) -> Any:
     """`value` with `redact` applied to every string in it, keys included."""

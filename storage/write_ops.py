@@ -3,7 +3,8 @@
 `record_calls` links a whole batch of calls to trajectories and inserts them in a fixed number
 of statements, whatever the batch size: it loads every trajectory the batch could touch (locking
 the rows on Postgres), lets the linking rule (`storage.linking`) decide call by call against an
-in-memory view that already includes the earlier calls of the batch, then writes new
+in-memory view that already includes the earlier calls of the batch, then writes the prompt
+chunks not stored yet (`storage.prompt_chunks`: a call row keeps only their hashes), new
 trajectories, changed trajectories, calls, choices and supersede marks with one executemany
 each. The other handlers close trajectories and add rewards. Handlers never commit: the writer
 commits the batch.
@@ -29,6 +30,7 @@ from storage.models import group_members_table as GM
 from storage.models import groups_table as G
 from storage.models import rewards_table as R
 from storage.models import trajectories_table as T
+from storage.prompt_chunks import SplitPrompts, insert_missing
 from storage.records import CallRecord, LinkKeys
 from storage.trajectory_view import (
     TRAJECTORY_FIELDS,
@@ -40,7 +42,18 @@ from storage.trajectory_view import (
 
 log = logging.getLogger(__name__)
 
-_SKIP = frozenset({"choices", "shadow_samples", "time_to_first_token_s"})  # no columns
+# No columns of their own: choices and samples have tables, the prompt is stored by content
+# (storage.prompt_chunks), the owner is the trajectory's, time to first token is telemetry's.
+_SKIP = frozenset(
+    {
+        "choices",
+        "shadow_samples",
+        "time_to_first_token_s",
+        "request_messages",
+        "prompt_token_ids",
+        "owner_key_id",
+    }
+)
 
 
 async def _turn_of(conn: AsyncConnection, call_id: str, pending: dict[str, dict[str, Any]]) -> int:
@@ -53,11 +66,13 @@ async def _turn_of(conn: AsyncConnection, call_id: str, pending: dict[str, dict[
 
 
 def _call_row(
-    record: CallRecord, keys: LinkKeys, tid: str, turn: int, now: float
+    record: CallRecord, keys: LinkKeys, tid: str, turn: int, now: float, prompts: SplitPrompts
 ) -> dict[str, Any]:
     prompt_tokens, completion_tokens = record.token_counts()
     row = {f.name: getattr(record, f.name) for f in fields(CallRecord) if f.name not in _SKIP}
     row.update(
+        message_refs=prompts.messages(record.owner_key_id, record.request_messages),
+        token_refs=prompts.token_ids(record.owner_key_id, record.prompt_token_ids),
         recorded_at=now,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
@@ -84,6 +99,7 @@ async def record_calls(
         stats.calls += len(records)
         stats.rows += len(view.by_id)
     pending: dict[str, dict[str, Any]] = {}  # call id -> calls row, in batch order
+    prompts = SplitPrompts()  # the batch's prompt chunks
     supersede: list[dict[str, str]] = []  # earlier calls (already stored) retried now
     tids: list[str] = []
 
@@ -157,7 +173,7 @@ async def record_calls(
                     changes["next_prefix_hash"] = k.next_prefix_hash
             view.change(t, **changes)
 
-        row = _call_row(record, k, t.id, turn, now)
+        row = _call_row(record, k, t.id, turn, now, prompts)
         if decision.action == "retry" and decision.same_turn_as is not None:
             row["retry_of"] = decision.same_turn_as
             if decision.same_turn_as in pending:
@@ -169,6 +185,7 @@ async def record_calls(
         pending[record.id] = row
         tids.append(t.id)
 
+    await insert_missing(conn, prompts)
     await _write(conn, view, records, pending, supersede)
     await _write_shadow_samples(conn, records, tids, now)
     return tids

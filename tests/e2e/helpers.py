@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from storage.prompt_chunks import Prompt, sqlite_prompts
 from tests.e2e.conftest import Server, start_server, stop_server
 
 
@@ -93,23 +94,34 @@ def db_rows(data_dir: Path, sql: str, params: tuple[Any, ...] = ()) -> list[sqli
         return conn.execute(sql, params).fetchall()
 
 
+def stored_prompts(data_dir: Path, call_ids: list[str]) -> dict[str, Prompt]:
+    """Each call's request messages and prompt token ids, joined from their stored chunks
+    (`storage.prompt_chunks`), read-only beside the running server."""
+    uri = f"file:{data_dir / 'rlproxy.db'}?mode=ro"
+    with closing(sqlite3.connect(uri, uri=True, timeout=30)) as conn:
+        return sqlite_prompts(conn, call_ids)
+
+
 def calls_of(data_dir: Path, trajectory_id: str) -> list[dict[str, Any]]:
-    """The stored calls of a trajectory in turn order, with their choices' token ids."""
+    """The stored calls of a trajectory in turn order, with their prompts (`request_messages`,
+    `prompt_token_ids`) and their choices' token ids."""
     calls = db_rows(
         data_dir,
         "SELECT * FROM calls WHERE trajectory_id = ? ORDER BY turn_index, recorded_at",
         (trajectory_id,),
     )
+    prompts = stored_prompts(data_dir, [row["id"] for row in calls])
     out = []
     for row in calls:
         call = dict(row)
+        call["request_messages"] = prompts[row["id"]].messages
         choices = db_rows(
             data_dir,
             "SELECT * FROM call_choices WHERE call_id = ? ORDER BY choice_index",
             (row["id"],),
         )
         call["choices"] = [dict(c) for c in choices]
-        call["prompt_token_ids"] = json.loads(call["prompt_token_ids"] or "null")
+        call["prompt_token_ids"] = prompts[row["id"]].token_ids
         for c in call["choices"]:
             c["completion_token_ids"] = json.loads(c["completion_token_ids"] or "null")
         out.append(call)

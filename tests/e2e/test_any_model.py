@@ -20,7 +20,7 @@ import pytest
 from openai import OpenAI
 
 from tests.e2e.conftest import Server
-from tests.e2e.helpers import db_rows, own_server
+from tests.e2e.helpers import db_rows, own_server, stored_prompts
 from tests.tiny_models import build_tiny_model
 
 WEATHER = {
@@ -96,21 +96,19 @@ def test_the_served_name_stays_and_the_prompt_is_the_models_own(
     done = client.chat.completions.create(
         model="rlproxy", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=60
     )
-    rows = db_rows(
-        tiny_server.data_dir, "SELECT prompt_token_ids FROM calls WHERE id = ?", (done.id,)
-    ) or db_rows(
-        tiny_server.data_dir,
-        "SELECT prompt_token_ids FROM calls ORDER BY recorded_at DESC LIMIT 1",
+    data_dir = tiny_server.data_dir
+    rows = db_rows(data_dir, "SELECT id FROM calls WHERE id = ?", (done.id,)) or db_rows(
+        data_dir, "SELECT id FROM calls ORDER BY recorded_at DESC LIMIT 1"
     )
+    prompt_ids = stored_prompts(data_dir, [rows[0]["id"]])[rows[0]["id"]].token_ids
+    assert prompt_ids is not None
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_server.data_dir.parent / "model"))
-    prompt = tokenizer.decode(json.loads(rows[0]["prompt_token_ids"]))
+    prompt = tokenizer.decode(prompt_ids)
     assert MARKERS[family] in prompt
     assert '"get_weather"' in prompt  # the tools went through the template
-    assert done.usage is not None and done.usage.prompt_tokens == len(
-        json.loads(rows[0]["prompt_token_ids"])
-    )
+    assert done.usage is not None and done.usage.prompt_tokens == len(prompt_ids)
 
 
 def test_a_named_tool_is_called_with_valid_arguments(client: OpenAI) -> None:

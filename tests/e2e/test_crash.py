@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import start_server, stop_server
-from tests.e2e.helpers import db_rows
+from tests.e2e.helpers import db_rows, stored_prompts
 
 
 @dataclass
@@ -92,13 +92,14 @@ def _check_after_restart(data_dir: Path, model_dir: Path, outcomes: list[Outcome
         for o in done:
             rows = db_rows(
                 data_dir,
-                "SELECT id, status, prompt_token_ids FROM calls WHERE request_id = ?",
+                "SELECT id, status FROM calls WHERE request_id = ?",
                 (o.request_id,),
             )
             assert len(rows) == 1, f"acknowledged request {o.request_id} has no row"
             call = rows[0]
             assert call["status"] == "completed"
-            assert json.loads(call["prompt_token_ids"]), "prompt token ids missing"
+            prompt = stored_prompts(data_dir, [call["id"]])[call["id"]]
+            assert prompt.token_ids, "prompt token ids missing"
             choices = db_rows(
                 data_dir,
                 "SELECT completion_token_ids FROM call_choices WHERE call_id = ?",

@@ -91,7 +91,8 @@ class VersionJudge:
         uri = f"file:{self.data_dir / 'rlproxy.db'}?mode=ro"
         with closing(sqlite3.connect(uri, uri=True, timeout=30)) as conn:
             row = conn.execute(
-                "SELECT adapter_version FROM calls WHERE request_messages LIKE ?",
+                "SELECT adapter_version FROM calls WHERE EXISTS (SELECT 1 FROM prompt_chunks p "
+                "WHERE p.body LIKE ? AND instr(calls.message_refs, '\"' || p.hash || '\"'))",
                 (f"%[run-{tag}]%",),
             ).fetchone()
         return int(row[0] or 0) if row else -1

@@ -231,7 +231,9 @@ def test_a_negative_retry_header_is_no_retry_and_the_call_is_stored(
         assert '"error"' not in response.text
     rows = db_rows(
         traj_server.data_dir,
-        "SELECT status, retry_count FROM calls WHERE request_messages LIKE ?",
+        # A request message holds the marker (prompts are stored by chunk: storage.prompt_chunks).
+        "SELECT status, retry_count FROM calls WHERE EXISTS (SELECT 1 FROM prompt_chunks p "
+        "WHERE p.body LIKE ? AND instr(calls.message_refs, '\"' || p.hash || '\"'))",
         (f"%{marker}%",),
     )
     assert [(r["status"], r["retry_count"]) for r in rows] == [("completed", 0)]

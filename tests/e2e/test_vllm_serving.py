@@ -25,7 +25,7 @@ import pytest
 from openai import OpenAI
 
 from tests.e2e.conftest import Server
-from tests.e2e.helpers import db_rows
+from tests.e2e.helpers import db_rows, stored_prompts
 from tests.fakes.stack import FakeReplica, vllm_stack
 
 
@@ -46,17 +46,18 @@ def client(stack: tuple[Server, list[FakeReplica]]) -> Iterator[OpenAI]:
 def _stored(server: Server, trajectory: str) -> list[dict[str, Any]]:
     rows = db_rows(
         server.data_dir,
-        "SELECT c.id, c.status, c.engine, c.stream, c.prompt_token_ids, ch.choice_index, "
+        "SELECT c.id, c.status, c.engine, c.stream, ch.choice_index, "
         "ch.completion_token_ids, ch.completion_logprobs FROM calls c "
         "JOIN call_choices ch ON ch.call_id = c.id WHERE c.trajectory_id = "
         "(SELECT trajectory_id FROM calls WHERE explicit_trajectory_id = ? LIMIT 1) "
         "ORDER BY c.recorded_at, ch.choice_index",
         (trajectory,),
     )
+    prompts = stored_prompts(server.data_dir, [r["id"] for r in rows])
     return [
         {
             **dict(r),
-            "prompt_token_ids": json.loads(r["prompt_token_ids"]),
+            "prompt_token_ids": prompts[r["id"]].token_ids,
             "completion_token_ids": json.loads(r["completion_token_ids"]),
             "completion_logprobs": json.loads(r["completion_logprobs"]),
         }

@@ -25,7 +25,7 @@ import torch
 from openai import OpenAI
 
 from tests.e2e.conftest import Server
-from tests.e2e.helpers import db_rows, wait_for
+from tests.e2e.helpers import db_rows, stored_prompts, wait_for
 from tests.vllm_real.conftest import real_stack
 from tests.vllm_real.replica import RealReplica
 
@@ -101,7 +101,7 @@ def test_a_version_trained_on_vllm_calls_is_served_by_vllm_as_the_policy(
 
     rows = db_rows(
         server.data_dir,
-        "SELECT c.completion_id, c.engine, c.adapter_version, c.prompt_token_ids, "
+        "SELECT c.id, c.completion_id, c.engine, c.adapter_version, "
         "ch.completion_token_ids, ch.completion_logprobs FROM calls c "
         "JOIN call_choices ch ON ch.call_id = c.id ORDER BY c.recorded_at",
     )
@@ -114,7 +114,8 @@ def test_a_version_trained_on_vllm_calls_is_served_by_vllm_as_the_policy(
     model_dir = real_replicas[0].model
     checkpoint = server.data_dir / "checkpoints" / "rlproxy" / "0001"
     for row, adapter in ((served, checkpoint), (rows[0], None)):
-        prompt, ids = json.loads(row["prompt_token_ids"]), json.loads(row["completion_token_ids"])
+        prompt = stored_prompts(server.data_dir, [row["id"]])[row["id"]].token_ids
+        ids = json.loads(row["completion_token_ids"])
         stored = torch.tensor(json.loads(row["completion_logprobs"]))
         delta = (_recomputed(model_dir, adapter, prompt, ids) - stored).abs()
         assert float(delta.max()) < 1e-3, (adapter, delta)

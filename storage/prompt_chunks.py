@@ -1,0 +1,183 @@
+"""A call's prompt (its request messages and prompt token ids), stored once by content.
+
+Agents resend the whole history on every call, so call N+1's prompt is mostly call N's. Storing
+each prompt whole made a session's rows grow with the square of its length (a 13-turn session of
+a 2,733-token system prompt took 848 KB for a last request of 27 KB). Here a prompt is cut into
+chunks, each stored once in `prompt_chunks` under the hash of its content, and a call row keeps
+only the list of its chunks' hashes:
+
+- messages: one chunk per message (its JSON text, key order kept), so a message resent on every
+  turn is stored once and a call adds only the messages that are new;
+- prompt token ids: blocks of `TOKEN_BLOCK` ids at fixed positions (ids 0-127, 128-255, ...), so
+  the blocks a prompt shares with the previous call's are stored once; the block where the two
+  first differ and every later one are new chunks.
+
+Why content addressing rather than "a reference to the parent call plus the new suffix": nothing
+is assumed about what the previous call held. A client that edits earlier history, compaction,
+or a re-tokenised boundary simply produce new chunks, and whatever is identical is shared, also
+across trajectories (one agent's system prompt is stored once per API key, not once per
+session). A write needs no earlier call (no chain to rebuild, one query for the hashes that exist
+already); a read needs no chain either: one query for a call's chunks, whatever turn it is. The
+cost is the list of hashes each call keeps (22 characters a chunk), which still grows with the
+history, at about 1/300 of the prompt's size for messages of 100 tokens.
+
+Hashes are seeded with the owning API key (`CallRecord.owner_key_id`), so keys never share a
+chunk and deleting a key's data deletes its chunks (`storage.api_keys.delete_owner_data`).
+
+Any split reads back the same: readers only follow hashes, so a later change of the block size
+or of the split (or the migration that moved older rows here, `m010_prompt_chunks`) needs no
+rewrite. This module holds the split, the join and their SQL; callers are `storage.write_ops`,
+`storage.read_ops`, `storage.group_ops`, `storage.group_reads` and `storage.stats`.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import sqlite3
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Row, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from storage.models import prompt_chunks_table as P
+
+TOKEN_BLOCK = 128
+"""Prompt token ids per chunk. Smaller blocks store less of a changed tail again; larger ones
+keep fewer hashes per call. At 128 the tail costs ~0.6 KB a call and the hashes ~0.2 KB per
+1,000 prompt tokens."""
+
+_QUERY_SLICE = 500
+"""Hashes per `IN (...)` query: far below SQLite's and asyncpg's bound-parameter limits."""
+
+
+def _dumps(value: Any) -> str:
+    """Compact JSON, as `storage.models.JSONText` writes it (key order and -Infinity kept)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def chunk_hash(owner: str | None, kind: str, body: str) -> str:
+    """128 bits of sha256 over (owner, kind, body), base64url without padding (22 chars)."""
+    h = hashlib.sha256()
+    for part in (owner or "", kind, body):
+        h.update(part.encode())
+        h.update(b"\x00")
+    return base64.urlsafe_b64encode(h.digest()[:16]).decode().rstrip("=")
+
+
+@dataclass
+class SplitPrompts:
+    """The chunks of a batch of prompts (deduplicated), to insert where missing."""
+
+    bodies: dict[str, str] = field(default_factory=dict)
+    """hash -> JSON text of the chunk."""
+    owners: dict[str, str | None] = field(default_factory=dict)
+
+    def _add(self, owner: str | None, kind: str, value: Any) -> str:
+        body = _dumps(value)
+        key = chunk_hash(owner, kind, body)
+        self.bodies.setdefault(key, body)
+        self.owners.setdefault(key, owner)
+        return key
+
+    def messages(self, owner: str | None, messages: Sequence[Any]) -> list[str]:
+        """The hashes of these messages, in order (the `calls.message_refs` value)."""
+        return [self._add(owner, "m", m) for m in messages]
+
+    def token_ids(self, owner: str | None, ids: Sequence[int] | None) -> list[str] | None:
+        """The hashes of these ids' blocks, in order (the `calls.token_refs` value)."""
+        if ids is None:
+            return None
+        ids = list(ids)
+        return [
+            self._add(owner, "t", ids[i : i + TOKEN_BLOCK]) for i in range(0, len(ids), TOKEN_BLOCK)
+        ]
+
+
+def _slices(items: Sequence[str]) -> Iterable[Sequence[str]]:
+    for i in range(0, len(items), _QUERY_SLICE):
+        yield items[i : i + _QUERY_SLICE]
+
+
+async def insert_missing(conn: AsyncConnection, split: SplitPrompts) -> int:
+    """Insert the chunks not stored yet; return how many were new.
+
+    One query finds the hashes that exist (most of a long session's), so their text is never
+    sent again; the insert ignores a chunk another replica inserted meanwhile."""
+    if not split.bodies:
+        return 0
+    wanted = list(split.bodies)
+    present: set[str] = set()
+    for part in _slices(wanted):
+        present.update(r[0] for r in await conn.execute(select(P.c.hash).where(P.c.hash.in_(part))))
+    rows = [
+        {"hash": h, "owner_key_id": split.owners[h], "body": split.bodies[h]}
+        for h in wanted
+        if h not in present
+    ]
+    if rows:
+        insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+        await conn.execute(insert(P).on_conflict_do_nothing(index_elements=["hash"]), rows)
+    return len(rows)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A call's prompt as stored before chunking: request messages and prompt token ids."""
+
+    messages: list[dict[str, Any]]
+    token_ids: list[int] | None
+
+
+async def _bodies(conn: AsyncConnection, hashes: set[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for part in _slices(sorted(hashes)):
+        for r in await conn.execute(select(P.c.hash, P.c.body).where(P.c.hash.in_(part))):
+            out[r.hash] = json.loads(r.body)
+    return out
+
+
+def _join(
+    call_id: str, message_refs: list[str], token_refs: list[str] | None, bodies: dict[str, Any]
+) -> Prompt:
+    missing = [h for h in [*message_refs, *(token_refs or [])] if h not in bodies]
+    if missing:
+        raise RuntimeError(f"call {call_id}: prompt chunks missing from prompt_chunks: {missing}")
+    ids = None if token_refs is None else [i for h in token_refs for i in bodies[h]]
+    return Prompt(messages=[bodies[h] for h in message_refs], token_ids=ids)
+
+
+async def load_prompts(
+    conn: AsyncConnection, rows: Sequence[Row[Any]], token_ids: bool = True
+) -> dict[str, Prompt]:
+    """The prompt of each `calls` row (with `id`, `message_refs` and, unless `token_ids` is
+    False, `token_refs`), by call id, read with one query per `_QUERY_SLICE` distinct chunks
+    whatever the number of calls. With `token_ids` False, `Prompt.token_ids` is None."""
+    refs = {r.id: (r.message_refs, r.token_refs if token_ids else None) for r in rows}
+    hashes = {h for m, t in refs.values() for h in [*m, *(t or ())]}
+    bodies = await _bodies(conn, hashes)
+    return {cid: _join(cid, m, t, bodies) for cid, (m, t) in refs.items()}
+
+
+def sqlite_prompts(conn: sqlite3.Connection, call_ids: Sequence[str]) -> dict[str, Prompt]:
+    """The same for scripts and tests that read a SQLite file with the `sqlite3` module."""
+    refs: dict[str, tuple[list[str], list[str] | None]] = {}
+    for i in range(0, len(call_ids), _QUERY_SLICE):
+        part = list(call_ids[i : i + _QUERY_SLICE])
+        marks = ",".join("?" * len(part))
+        sql = f"SELECT id, message_refs, token_refs FROM calls WHERE id IN ({marks})"
+        for cid, m, t in conn.execute(sql, part):
+            refs[cid] = (json.loads(m), None if t is None else json.loads(t))
+    hashes = sorted({h for m, t in refs.values() for h in [*m, *(t or [])]})
+    bodies: dict[str, Any] = {}
+    for i in range(0, len(hashes), _QUERY_SLICE):
+        part = hashes[i : i + _QUERY_SLICE]
+        marks = ",".join("?" * len(part))
+        sql = f"SELECT hash, body FROM prompt_chunks WHERE hash IN ({marks})"
+        bodies.update((h, json.loads(b)) for h, b in conn.execute(sql, part))
+    return {cid: _join(cid, m, t, bodies) for cid, (m, t) in refs.items()}
