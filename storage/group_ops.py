@@ -140,7 +140,7 @@ async def _candidates(conn: AsyncConnection, trajectory_ids: list[str]) -> list[
     rows = (await conn.execute(select(T).where(T.c.id.in_(trajectory_ids)))).all()
     first: dict[str, Any] = {}
     calls = await conn.execute(
-        select(C.c.id, C.c.trajectory_id, C.c.message_refs, C.c.tools)
+        select(C.c.id, C.c.trajectory_id, C.c.message_refs, C.c.tool_refs)
         .where(C.c.trajectory_id.in_(trajectory_ids), C.c.turn_index == 0)
         .order_by(C.c.recorded_at)
     )
@@ -157,7 +157,7 @@ async def _candidates(conn: AsyncConnection, trajectory_ids: list[str]) -> list[
                 group_key=r.group_key,
                 task_signature=r.task_signature,
                 first_messages=prompts[call.id].messages if call is not None else [],
-                tools=call.tools if call is not None else None,
+                tools=prompts[call.id].tools if call is not None else None,
                 owner_key_id=r.owner_key_id,
             )
         )

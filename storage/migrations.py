@@ -389,8 +389,9 @@ _M010_PAGE = 200
 
 def _m010_prompt_chunks(conn: Connection) -> None:
     """Prompts stored once by content (`storage.prompt_chunks`): a `prompt_chunks` table, each
-    call's `message_refs` and `token_refs` (hashes of its messages and token-id blocks), every
-    stored call rewritten into them, then `request_messages` and `prompt_token_ids` dropped.
+    call's `message_refs`, `tool_refs` and `token_refs` (hashes of its messages, tools and
+    token-id blocks), every stored call rewritten into them, then `request_messages`, `tools`
+    and `prompt_token_ids` dropped.
 
     The rewrite uses today's split (`SplitPrompts`); that is safe for a frozen migration because
     readers only follow hashes, so any split this migration ever made reads back the same."""
@@ -407,12 +408,13 @@ def _m010_prompt_chunks(conn: Connection) -> None:
     )
     md.create_all(conn)
     conn.execute(text("ALTER TABLE calls ADD COLUMN message_refs TEXT NOT NULL DEFAULT '[]'"))
+    conn.execute(text("ALTER TABLE calls ADD COLUMN tool_refs TEXT"))
     conn.execute(text("ALTER TABLE calls ADD COLUMN token_refs TEXT"))
     after = ""
     while True:
         rows = conn.execute(
             text(
-                "SELECT c.id, c.request_messages, c.prompt_token_ids, t.owner_key_id "
+                "SELECT c.id, c.request_messages, c.tools, c.prompt_token_ids, t.owner_key_id "
                 "FROM calls c JOIN trajectories t ON t.id = c.trajectory_id "
                 "WHERE c.id > :after ORDER BY c.id LIMIT :n"
             ),
@@ -423,26 +425,33 @@ def _m010_prompt_chunks(conn: Connection) -> None:
         split = SplitPrompts()
         updates = []
         for r in rows:
+            tools = None if r.tools is None else json.loads(r.tools)
             ids = None if r.prompt_token_ids is None else json.loads(r.prompt_token_ids)
             updates.append(
                 {
                     "i": r.id,
                     "m": _json(split.messages(r.owner_key_id, json.loads(r.request_messages))),
+                    "f": None if tools is None else _json(split.tools(r.owner_key_id, tools)),
                     "t": None if ids is None else _json(split.token_ids(r.owner_key_id, ids)),
                 }
             )
+        if split.bodies:
+            conn.execute(
+                text(
+                    "INSERT INTO prompt_chunks (hash, owner_key_id, body) VALUES (:h, :o, :b) "
+                    "ON CONFLICT (hash) DO NOTHING"
+                ),
+                [{"h": h, "o": split.owners[h], "b": b} for h, b in split.bodies.items()],
+            )
         conn.execute(
             text(
-                "INSERT INTO prompt_chunks (hash, owner_key_id, body) VALUES (:h, :o, :b) "
-                "ON CONFLICT (hash) DO NOTHING"
+                "UPDATE calls SET message_refs = :m, tool_refs = :f, token_refs = :t WHERE id = :i"
             ),
-            [{"h": h, "o": split.owners[h], "b": b} for h, b in split.bodies.items()],
-        )
-        conn.execute(
-            text("UPDATE calls SET message_refs = :m, token_refs = :t WHERE id = :i"), updates
+            updates,
         )
         after = rows[-1].id
     conn.execute(text("ALTER TABLE calls DROP COLUMN request_messages"))
+    conn.execute(text("ALTER TABLE calls DROP COLUMN tools"))
     conn.execute(text("ALTER TABLE calls DROP COLUMN prompt_token_ids"))
 
 

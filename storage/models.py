@@ -102,7 +102,6 @@ class Call(Base):
     model_requested: Mapped[str] = mapped_column(String)
     adapter_version: Mapped[int | None] = mapped_column(Integer)
     engine: Mapped[str] = mapped_column(String)
-    tools: Mapped[Any] = mapped_column(JSONText, nullable=True)
     params: Mapped[Any] = mapped_column(JSONText, nullable=False)
     response: Mapped[Any] = mapped_column(JSONText, nullable=True)
     usage: Mapped[Any] = mapped_column(JSONText, nullable=True)
@@ -125,9 +124,11 @@ class Call(Base):
     completion_id: Mapped[str | None] = mapped_column(String)
     protocol: Mapped[str | None] = mapped_column(String)
     retrievable: Mapped[bool | None] = mapped_column(Boolean)
-    # The prompt, by content (storage.prompt_chunks): the hashes of the request messages, one a
-    # message, and of the prompt token ids, one per block (None: no token ids).
+    # The prompt, by content (storage.prompt_chunks): the hashes of the request messages (one a
+    # message), of the tools (one a tool; None: no tools) and of the prompt token ids (one per
+    # block; None: no token ids).
     message_refs: Mapped[Any] = mapped_column(JSONText, nullable=False)
+    tool_refs: Mapped[Any] = mapped_column(JSONText, nullable=True)
     token_refs: Mapped[Any] = mapped_column(JSONText, nullable=True)
 
     __table_args__ = (
@@ -139,8 +140,9 @@ class Call(Base):
 
 
 class PromptChunk(Base):
-    """A piece of some calls' prompts, stored once: one request message (JSON), or one block of
-    prompt token ids (a JSON list). `hash` is seeded with the owner, so keys never share one."""
+    """A piece of some calls' prompts, stored once: one request message or tool declaration
+    (JSON), or one block of prompt token ids (a JSON list). `hash` is seeded with the owner, so
+    keys never share one."""
 
     __tablename__ = "prompt_chunks"
 

@@ -1,4 +1,4 @@
-"""A call's prompt (its request messages and prompt token ids), stored once by content.
+"""A call's prompt (request messages, tools, prompt token ids), stored once by content.
 
 Agents resend the whole history on every call, so call N+1's prompt is mostly call N's. Storing
 each prompt whole made a session's rows grow with the square of its length (a 13-turn session of
@@ -8,6 +8,7 @@ only the list of its chunks' hashes:
 
 - messages: one chunk per message (its JSON text, key order kept), so a message resent on every
   turn is stored once and a call adds only the messages that are new;
+- tools: one chunk per tool declaration (a coding agent resends tens of KB of them every call);
 - prompt token ids: blocks of `TOKEN_BLOCK` ids at fixed positions (ids 0-127, 128-255, ...), so
   the blocks a prompt shares with the previous call's are stored once; the block where the two
   first differ and every later one are new chunks.
@@ -89,6 +90,10 @@ class SplitPrompts:
         """The hashes of these messages, in order (the `calls.message_refs` value)."""
         return [self._add(owner, "m", m) for m in messages]
 
+    def tools(self, owner: str | None, tools: Sequence[Any] | None) -> list[str] | None:
+        """The hashes of these tool declarations, in order (the `calls.tool_refs` value)."""
+        return None if tools is None else [self._add(owner, "f", t) for t in tools]
+
     def token_ids(self, owner: str | None, ids: Sequence[int] | None) -> list[str] | None:
         """The hashes of these ids' blocks, in order (the `calls.token_refs` value)."""
         if ids is None:
@@ -128,10 +133,21 @@ async def insert_missing(conn: AsyncConnection, split: SplitPrompts) -> int:
 
 @dataclass(frozen=True)
 class Prompt:
-    """A call's prompt as stored before chunking: request messages and prompt token ids."""
+    """A call's prompt as `CallRecord` holds it: request messages, tools, prompt token ids."""
 
     messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
     token_ids: list[int] | None
+
+
+@dataclass(frozen=True)
+class _Refs:
+    messages: list[str]
+    tools: list[str] | None
+    token_ids: list[str] | None
+
+    def all(self) -> list[str]:
+        return [*self.messages, *(self.tools or ()), *(self.token_ids or ())]
 
 
 async def _bodies(conn: AsyncConnection, hashes: set[str]) -> dict[str, Any]:
@@ -142,42 +158,51 @@ async def _bodies(conn: AsyncConnection, hashes: set[str]) -> dict[str, Any]:
     return out
 
 
-def _join(
-    call_id: str, message_refs: list[str], token_refs: list[str] | None, bodies: dict[str, Any]
-) -> Prompt:
-    missing = [h for h in [*message_refs, *(token_refs or [])] if h not in bodies]
+def _join(call_id: str, refs: _Refs, bodies: dict[str, Any]) -> Prompt:
+    missing = [h for h in refs.all() if h not in bodies]
     if missing:
         raise RuntimeError(f"call {call_id}: prompt chunks missing from prompt_chunks: {missing}")
-    ids = None if token_refs is None else [i for h in token_refs for i in bodies[h]]
-    return Prompt(messages=[bodies[h] for h in message_refs], token_ids=ids)
+    return Prompt(
+        messages=[bodies[h] for h in refs.messages],
+        tools=None if refs.tools is None else [bodies[h] for h in refs.tools],
+        token_ids=None
+        if refs.token_ids is None
+        else [i for h in refs.token_ids for i in bodies[h]],
+    )
 
 
 async def load_prompts(
     conn: AsyncConnection, rows: Sequence[Row[Any]], token_ids: bool = True
 ) -> dict[str, Prompt]:
-    """The prompt of each `calls` row (with `id`, `message_refs` and, unless `token_ids` is
-    False, `token_refs`), by call id, read with one query per `_QUERY_SLICE` distinct chunks
-    whatever the number of calls. With `token_ids` False, `Prompt.token_ids` is None."""
-    refs = {r.id: (r.message_refs, r.token_refs if token_ids else None) for r in rows}
-    hashes = {h for m, t in refs.values() for h in [*m, *(t or ())]}
-    bodies = await _bodies(conn, hashes)
-    return {cid: _join(cid, m, t, bodies) for cid, (m, t) in refs.items()}
+    """The prompt of each `calls` row (with `id`, `message_refs`, `tool_refs` and, unless
+    `token_ids` is False, `token_refs`), by call id, read with one query per `_QUERY_SLICE`
+    distinct chunks whatever the number of calls. With `token_ids` False, `Prompt.token_ids`
+    is None (grouping and judging need no token ids)."""
+    refs = {
+        r.id: _Refs(r.message_refs, r.tool_refs, r.token_refs if token_ids else None) for r in rows
+    }
+    bodies = await _bodies(conn, {h for r in refs.values() for h in r.all()})
+    return {cid: _join(cid, r, bodies) for cid, r in refs.items()}
+
+
+def _loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
 
 
 def sqlite_prompts(conn: sqlite3.Connection, call_ids: Sequence[str]) -> dict[str, Prompt]:
     """The same for scripts and tests that read a SQLite file with the `sqlite3` module."""
-    refs: dict[str, tuple[list[str], list[str] | None]] = {}
+    refs: dict[str, _Refs] = {}
     for i in range(0, len(call_ids), _QUERY_SLICE):
         part = list(call_ids[i : i + _QUERY_SLICE])
         marks = ",".join("?" * len(part))
-        sql = f"SELECT id, message_refs, token_refs FROM calls WHERE id IN ({marks})"
-        for cid, m, t in conn.execute(sql, part):
-            refs[cid] = (json.loads(m), None if t is None else json.loads(t))
-    hashes = sorted({h for m, t in refs.values() for h in [*m, *(t or [])]})
+        sql = f"SELECT id, message_refs, tool_refs, token_refs FROM calls WHERE id IN ({marks})"
+        for cid, m, f, t in conn.execute(sql, part):
+            refs[cid] = _Refs(json.loads(m), _loads(f), _loads(t))
+    hashes = sorted({h for r in refs.values() for h in r.all()})
     bodies: dict[str, Any] = {}
     for i in range(0, len(hashes), _QUERY_SLICE):
         part = hashes[i : i + _QUERY_SLICE]
         marks = ",".join("?" * len(part))
         sql = f"SELECT hash, body FROM prompt_chunks WHERE hash IN ({marks})"
         bodies.update((h, json.loads(b)) for h, b in conn.execute(sql, part))
-    return {cid: _join(cid, m, t, bodies) for cid, (m, t) in refs.items()}
+    return {cid: _join(cid, r, bodies) for cid, r in refs.items()}

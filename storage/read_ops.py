@@ -142,7 +142,7 @@ def _call(row: Row[Any], prompt: Prompt, choices: list[ChoiceRecord]) -> StoredC
         adapter_version=row.adapter_version,
         engine=row.engine,
         request_messages=prompt.messages,
-        tools=row.tools,
+        tools=prompt.tools,
         params=row.params,
         response=row.response,
         choices=choices,

@@ -426,7 +426,7 @@ def trajectory_bytes(conn: Connection, trajectory_id: str) -> int:
     ):
         for row in conn.execute(text(sql), where).mappings():
             total += sum(_value_bytes(v) for v in row.values())
-            for column in ("message_refs", "token_refs"):
+            for column in ("message_refs", "tool_refs", "token_refs"):
                 if row.get(column):
                     refs.update(json.loads(row[column]))
     hashes = sorted(refs)

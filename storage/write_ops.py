@@ -50,6 +50,7 @@ _SKIP = frozenset(
         "shadow_samples",
         "time_to_first_token_s",
         "request_messages",
+        "tools",
         "prompt_token_ids",
         "owner_key_id",
     }
@@ -72,6 +73,7 @@ def _call_row(
     row = {f.name: getattr(record, f.name) for f in fields(CallRecord) if f.name not in _SKIP}
     row.update(
         message_refs=prompts.messages(record.owner_key_id, record.request_messages),
+        tool_refs=prompts.tools(record.owner_key_id, record.tools),
         token_refs=prompts.token_ids(record.owner_key_id, record.prompt_token_ids),
         recorded_at=now,
         prompt_tokens=prompt_tokens,

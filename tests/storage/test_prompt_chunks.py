@@ -28,6 +28,17 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 SYSTEM_TOKENS = 2_733
 TURN_TOKENS = 114
 TEMPLATE = [1, 9690, 198]  # "<|im_start|>user\n"-like ids between turns
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": f"tool_{i}",
+            "description": "Reads a file of the repository and returns its text. " * 4,
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    }
+    for i in range(8)
+]
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
@@ -40,7 +51,8 @@ def _words(rng: random.Random, n: int) -> str:
 
 def session(turns: int, seed: int = 0, **overrides: Any) -> list[CallRecord]:
     """An agent's session: a 2,733-token system prompt, then `turns` calls that each resend the
-    whole history plus ~114 new tokens (the answer and a new user message)."""
+    whole history plus ~114 new tokens (the answer and a new user message), and the same tool
+    declarations every call."""
     rng = random.Random(seed)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": _words(rng, SYSTEM_TOKENS)},
@@ -55,6 +67,7 @@ def session(turns: int, seed: int = 0, **overrides: Any) -> list[CallRecord]:
             list(messages),
             answer,
             prompt_token_ids=list(ids),
+            tools=TOOLS,
             usage={"prompt_tokens": len(ids), "completion_tokens": len(completion)},
             **overrides,
         )
@@ -76,7 +89,9 @@ def as_read(record: CallRecord) -> CallRecord:
 
 
 def _content_bytes(record: CallRecord) -> int:
-    return len(json.dumps(record.request_messages)) + len(json.dumps(record.prompt_token_ids))
+    """The prompt's JSON: what the rows before chunks held of it, every call."""
+    prompt = (record.request_messages, record.tools, record.prompt_token_ids)
+    return sum(len(json.dumps(part)) for part in prompt)
 
 
 async def test_a_long_sessions_bytes_grow_with_new_tokens_not_history(store: Store) -> None:
@@ -90,22 +105,24 @@ async def test_a_long_sessions_bytes_grow_with_new_tokens_not_history(store: Sto
     last = calls[-1]
     # The first call stores its whole prompt; every later one what is new (its new messages
     # and token ids, its answer), the token block it shares with the previous call's tail again
-    # (at most TOKEN_BLOCK ids), one reference per message and block, and its row's other
-    # columns (under 1 KB): nothing that grows with the history but the references.
+    # (at most TOKEN_BLOCK ids), one reference (22 characters and JSON quoting) per message,
+    # tool and block, and its row's other columns (under 1 KB): nothing that grows with the
+    # history but the references.
     assert _content_bytes(calls[0]) < added[0] < _content_bytes(calls[0]) + 3_000
     for turn in range(1, len(calls)):
         now_, prev = calls[turn], calls[turn - 1]
         new = now_.request_messages[len(prev.request_messages) :]
         new_ids = (now_.prompt_token_ids or [])[len(prev.prompt_token_ids or []) :]
         answer = now_.choices[0]
+        blocks = len(now_.prompt_token_ids or []) // TOKEN_BLOCK + 1
+        references = len(now_.request_messages) + len(TOOLS) + blocks
         bound = (
             len(json.dumps(new))
             + len(json.dumps(new_ids))
             + len(json.dumps([answer.message, answer.completion_token_ids]))
             + len(json.dumps(answer.completion_logprobs))
             + len(json.dumps(_ids(random.Random(turn), TOKEN_BLOCK)))
-            + 25
-            * (len(now_.request_messages) + len(now_.prompt_token_ids or []) // TOKEN_BLOCK + 1)
+            + 25 * references
             + 1_000
         )
         assert added[turn] < bound, (turn, added[turn], bound)
@@ -113,7 +130,7 @@ async def test_a_long_sessions_bytes_grow_with_new_tokens_not_history(store: Sto
     # What the old rows held for the same session, the whole prompt every call: 13x the first.
     whole_prompts = sum(_content_bytes(c) for c in calls)
     assert before < whole_prompts / 4, (before, whole_prompts)
-    assert before < 4 * len(json.dumps({"messages": last.request_messages}))
+    assert before < 4 * len(json.dumps({"messages": last.request_messages, "tools": TOOLS}))
 
 
 async def test_every_reader_gets_the_same_whole_calls_back(store: Store) -> None:

@@ -164,7 +164,7 @@ def test_calls_under_a_grammar_start_their_step_at_a_ratio_of_one(
                 json={"reward": reward, "source": "env"},
             )
             assert r.status_code == 200, r.text
-    rows = db_rows(server.data_dir, "SELECT params FROM calls WHERE tools IS NOT NULL")
+    rows = db_rows(server.data_dir, "SELECT params FROM calls WHERE tool_refs IS NOT NULL")
     assert len(rows) == 4
     assert all(json.loads(r["params"]).get("logprobs_after_grammar") is True for r in rows)
 
