@@ -97,8 +97,7 @@ def worker(args: argparse.Namespace) -> int:
         raise SystemExit("worker mode runs under torchrun")
     device = str(collective.device)
     config = TrainerConfig()
-    trainer = PeftTrainer(args.model_dir, config, device=device)
-    trainer.collective = collective
+    trainer = PeftTrainer(args.model_dir, config, device=device, collective=collective)
     examples = batch(args, trainer.model.get_base_model().config.vocab_size)
     examples = with_policy_logprobs(trainer, examples)
     if not collective.leader:

@@ -57,10 +57,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from proxy.engines.base import GenerationRequest, SamplingParams  # noqa: E402
+from trainer.backends import open_trainer  # noqa: E402
 from trainer.checkpoints import read_adapter_config, validate_adapter  # noqa: E402
 from trainer.config import TrainerConfig  # noqa: E402
 from trainer.grpo import TrainingExample  # noqa: E402
-from trainer.peft_backend import PeftTrainer, open_trainer  # noqa: E402
+from trainer.peft_backend import PeftTrainer  # noqa: E402
 
 
 @dataclass

@@ -172,6 +172,8 @@ async def vllm_engine(settings: Settings) -> AsyncIterator[Any]:
         path_map=path_map,
         timeout_s=settings.vllm_timeout_s,
         health_interval_s=settings.vllm_health_interval_s,
+        affinity=settings.vllm_affinity,
+        affinity_slack=settings.vllm_affinity_slack,
         stop_ids=stops,
         # vLLM must serve this model: RLPROXY_BASE_MODEL as given, the folder rlproxy reads.
         base_models=tuple(n for n in (settings.base_model, tokenizer.name_or_path) if n),

@@ -490,8 +490,8 @@ class Settings(BaseSettings):
     vllm_urls: list[str] = Field(
         default_factory=list,
         description="Base URLs of the vLLM OpenAI servers (replicas of one model), e.g. "
-        '["http://gpu-a:8000", "http://gpu-b:8000"]; requests go to the one with the least '
-        "outstanding work.",
+        '["http://gpu-a:8000", "http://gpu-b:8000"]; each conversation goes to one of them '
+        "(RLPROXY_VLLM_AFFINITY), else to the one with the least outstanding work.",
     )
     vllm_model: str | None = Field(
         None,
@@ -512,6 +512,20 @@ class Settings(BaseSettings):
     )
     vllm_timeout_s: float = Field(
         600.0, gt=0, description="Longest wait for the next bytes of a vLLM answer, in seconds."
+    )
+    vllm_affinity: bool = Field(
+        True,
+        description="Send every turn of a conversation to the same vLLM server, whose prefix "
+        "cache holds its history (keyed by the trajectory id, a coding agent's session header, or "
+        "the conversation's opening messages; docs/vllm-engine.md). Off: every request goes to "
+        "the server with the least outstanding work.",
+    )
+    vllm_affinity_slack: int = Field(
+        4,
+        ge=0,
+        description="How many more requests in flight a conversation's vLLM server may have than "
+        "the least busy one before the conversation's next request goes to the least busy one "
+        "instead (its prefix is then prefilled there).",
     )
 
     # --- rollout --------------------------------------------------------------------------

@@ -165,8 +165,29 @@ class TrainerConfig:
     micro_batch_size: int = field(
         default=4,
         metadata={
-            "help": "Rows (assistant turns) per forward/backward pass; gradients accumulate over "
-            "micro-batches, so this trades memory for speed without changing the result."
+            "help": "Most rows (assistant turns) per forward/backward pass; gradients accumulate "
+            "over micro-batches, so this trades memory for speed without changing the result. "
+            "micro_batch_tokens bounds the same passes by tokens."
+        },
+    )
+    micro_batch_tokens: int | None = field(
+        default=4096,
+        metadata={
+            "help": "Most padded tokens (rows x the longest row) per forward/backward pass: "
+            "activation memory grows with the tokens of a pass, not its rows, so long agent "
+            "turns go a few (or one) at a time and short ones many at a time (verl's "
+            "ppo_max_token_len_per_gpu, AReaL's max_tokens_per_mb). A row longer than this "
+            "runs alone. Null (None): rows are counted by micro_batch_size only. Like "
+            "micro_batch_size, it never changes the step's result."
+        },
+    )
+    logprob_chunk: int = field(
+        default=1024,
+        metadata={
+            "help": "Completion positions projected through the LM head at a time, each chunk "
+            "recomputed in the backward (trainer/logprobs.py): bounds the logits to chunk x "
+            "vocabulary floats (1,024 x 49,152 x 4 bytes = 200 MB for SmolLM2) however long "
+            "the completions are. Does not change the result."
         },
     )
     share_prompt_prefix: bool = field(
@@ -199,11 +220,26 @@ class TrainerConfig:
             "activation memory. TRL turns it on by default; for long rows on a GPU."
         },
     )
-    max_seq_len: int = field(
-        default=1024,
+    max_seq_len: int | None = field(
+        default=None,
         metadata={
-            "help": "Longest prompt + completion trained on; longer turns lose tokens from the "
-            "left of the prompt. Bounds memory: activations grow with micro_batch_size x this."
+            "help": "Longest row (prompt + completion, or a packed trajectory) trained on. Null "
+            "(None): the base model's context (config.json's max_position_embeddings; 8,192 for "
+            "SmolLM2-135M). A longer turn is never cut (a prompt cut from the left is a context "
+            "the policy never saw, so the stored logprobs would not fit it): it is left out of "
+            "the step and counted (too_long in the step's metrics, "
+            "rlproxy_trainer_turns_too_long_total). Memory is bounded by micro_batch_tokens, "
+            "not by this."
+        },
+    )
+    trim_memory: bool = field(
+        default=True,
+        metadata={
+            "help": "After each step ask glibc to return freed heap memory to the system "
+            "(malloc_trim(0)). On CPU a step's activations are freed into glibc's arenas, "
+            "which keep them; measured on 8 rows of 3,500 tokens (bench/"
+            "bench_trainer_memory.py) it lowers the resident memory between steps. No effect "
+            "without glibc."
         },
     )
     max_grad_norm: float = field(
@@ -307,8 +343,17 @@ class TrainerConfig:
             f"micro_batch_size must be >= 1, got {self.micro_batch_size}; lower it to save memory",
         )
         _check(
-            self.max_seq_len >= 2,
-            f"max_seq_len must be >= 2 (a prompt and a completion token), got {self.max_seq_len}",
+            self.micro_batch_tokens is None or self.micro_batch_tokens >= 2,
+            f"micro_batch_tokens must be >= 2 or None (rows only), got {self.micro_batch_tokens}",
+        )
+        _check(
+            self.logprob_chunk >= 1,
+            f"logprob_chunk must be >= 1, got {self.logprob_chunk}; 1024 is the default",
+        )
+        _check(
+            self.max_seq_len is None or self.max_seq_len >= 2,
+            f"max_seq_len must be >= 2 (a prompt and a completion token) or None (the model's "
+            f"context), got {self.max_seq_len}",
         )
         _check(
             math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0,

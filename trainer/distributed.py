@@ -57,13 +57,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from trainer.peft_backend import PeftTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +240,20 @@ def lora_checksum(weights: dict[str, torch.Tensor]) -> float:
     return float(sum(float(w.double().abs().sum()) for w in weights.values()))
 
 
-def follow(trainer: PeftTrainer, collective: Collective) -> int:
+class Follower(Protocol):
+    """What `follow` needs of a trainer (`trainer.peft_backend.PeftTrainer` is one): this module
+    stands below the backends and imports none of them."""
+
+    step: int
+
+    def step_shard(self, examples: Any) -> Any: ...
+
+    def apply_state(
+        self, lora: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor], step: int
+    ) -> None: ...
+
+
+def follow(trainer: Follower, collective: Collective) -> int:
     """A follower's whole life: carry out rank 0's commands until it says stop; return the
     number of steps made."""
     steps = 0

@@ -88,7 +88,12 @@ class Collected:
     """Versions behind of each chosen group."""
 
 
-RUN_TOTALS = ("groups_trained_total", "stale_dropped_total", "stale_downweighted_total")
+RUN_TOTALS = (
+    "groups_trained_total",
+    "stale_dropped_total",
+    "stale_downweighted_total",
+    "too_long_total",
+)
 """Step metrics counted over the whole run (restored from the newest checkpoint on resume)."""
 
 
@@ -188,6 +193,7 @@ class TrainingLoop:
             return None
         self.totals["groups_trained_total"] += len(group_ids)
         self.totals["stale_downweighted_total"] += found.downweighted
+        self.totals["too_long_total"] += metrics.too_long
         report = StepReport(
             version=self.trainer.step,
             path=checkpoints.version_dir(self.root, self.trainer.step),
@@ -356,7 +362,7 @@ class TrainingLoop:
                     )
                 )
             if self.config.pack_turns:
-                turns = pack_turns(turns, self.config.max_seq_len)
+                turns = pack_turns(turns, self.trainer.max_seq_len)
             out += turns
         return out
 

@@ -5,23 +5,29 @@ float32 on CPU, bfloat16 on CUDA by default, `TrainerConfig.dtype`) wrapped in a
 an AdamW optimizer over the LoRA parameters only (float32 either way). `train_step` takes
 `TrainingExample`s (exact stored token ids, stored logprobs, advantages, weights) and makes
 exactly one optimizer step; `save` writes a checkpoint the serving engine (or vLLM) can load
-(`trainer.checkpoints`); `load` resumes from one. `open_trainer` picks the backend the config
-names (`trainer.unsloth_backend` is imported only when asked for).
+(`trainer.checkpoints`); `load` resumes from one. `trainer.backends.open_trainer` picks the
+backend the config names; this module knows nothing of the Unsloth one.
 
-How a step runs: each example is one row `prompt + completion`, cut from the left of the prompt
-when longer than `max_seq_len` (a packed example, several turns of one trajectory, has the
-tool results and scaffolding between its turns in its completion, masked out of the loss:
-`trainer.packing`). Rows are ordered by prompt, then length, so that the members of
-a group (which share their prompt) sit together, and cut into micro-batches of
-`micro_batch_size` rows. In each micro-batch the prompt tokens every row shares run once, at
-batch 1, into a key/value cache that every row then attends to (`share_prompt_prefix`); the
-gradient flows back through that cache into the shared prefix, so the result is the same as
-running every row in full. The rest of each row is right-padded. Logits are computed only where
-a completion token is predicted (transformers' boolean `logits_to_keep`), so long prompts cost
-no (T, V) logits. Per-token weights are computed once over the whole batch
-(`grpo.sample_row_weights`), so the micro-batch losses add up to exactly the full-batch loss,
-including the per-sample averaging. With kl_beta > 0 a reference pass runs with the adapter
-disabled, under no_grad. `gradient_checkpointing` recomputes layer activations in the backward.
+How a step runs: each example is one row `prompt + completion` (a packed example, several
+turns of one trajectory, has the tool results and scaffolding between its turns in its
+completion, masked out of the loss: `trainer.packing`). A row longer than `max_seq_len` (by
+default the base model's context) is never cut: it is left out of the step and counted
+(`StepMetrics.too_long`), since a prompt cut from the left is a context the policy never saw and
+its stored logprobs would not match. Rows are ordered by prompt, then length, so that the
+members of a group (which share their prompt) sit together, and cut into micro-batches of at
+most `micro_batch_size` rows and `micro_batch_tokens` padded tokens (a longer row goes alone).
+In each micro-batch the prompt tokens every row shares run once, at batch 1, into a key/value
+cache that every row then attends to (`share_prompt_prefix`); the gradient flows back through
+that cache into the shared prefix, so the result is the same as running every row in full. The
+rest of each row is right-padded. The decoder's last hidden states are kept only where a
+completion token is predicted, and those go through the LM head in chunks of
+`logprob_chunk` positions, each recomputed in the backward (`trainer.logprobs`): no (T, V)
+logits ever exist, for the prompt or for the whole completion. Per-token weights are computed
+once over the whole batch (`grpo.sample_row_weights`), so the micro-batch losses add up to
+exactly the full-batch loss, including the per-sample averaging. With kl_beta > 0 a reference
+pass runs with the adapter disabled, under no_grad. `gradient_checkpointing` recomputes layer
+activations in the backward. After each step glibc is asked to return freed heap memory to the
+system (`trim_memory`): CPU steps on rows of changing lengths otherwise keep the peak's memory.
 
 Where a step's time went before prompt sharing (torch.profiler over one step of
 bench/bench_grpo_speed.py's work, 8 rows of 64 prompt + 64 completion tokens, on a loaded 2-core
@@ -31,7 +37,7 @@ all but the last two grow with the tokens run through the decoder. Sharing the p
 tokens there instead of 1,024; the log-softmax is one fused cross-entropy and AdamW one fused
 kernel.
 
-Data-parallel (`trainer.distributed`, `rlproxy train` under torchrun): with `collective` set,
+Data-parallel (`trainer.distributed`, `rlproxy train` under torchrun): given a `collective`,
 rank 0's `train_step` first broadcasts the examples to the other ranks, every rank runs its
 share of the rows (`step_shard`), the LoRA gradients and the step's sums are all-reduced, and
 every rank makes the same AdamW update; `load` and `reset_adapter` on rank 0 send the weights
@@ -45,6 +51,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
+import ctypes.util
 import json
 import logging
 import math
@@ -58,13 +66,14 @@ from typing import Any
 import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.cache_utils import DynamicLayer
 
 from trainer import checkpoints
 from trainer.config import TrainerConfig
 from trainer.distributed import Collective, all_reduce_gradients, shard
-from trainer.grpo import TrainingExample, grpo_loss, sample_row_weights, token_logprobs
+from trainer.grpo import TrainingExample, grpo_loss, sample_row_weights
+from trainer.logprobs import chunked_logprobs, lm_head_logits
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +93,7 @@ class StepMetrics:
     clip_fraction: float  # token means over completion tokens
     ratio_mean: float
     kl: float  # k3 KL to the base; 0 when kl_beta == 0 (no reference pass)
-    truncated: int  # turns that lost tokens to max_seq_len
+    too_long: int  # turns left out: longer than max_seq_len (never cut)
     is_weight_mean: float = 1.0  # truncated importance weights ('tis'; 1 with 'ppo')
     is_capped_fraction: float = 0.0  # tokens whose pi_old / mu reached tis_cap
 
@@ -94,21 +103,13 @@ class StepMetrics:
 
 @dataclass(frozen=True)
 class _Row:
-    input_ids: list[int]  # prompt + completion, after truncation
+    input_ids: list[int]  # prompt + completion
     first: int  # index in input_ids of the first completion token
     old_logprobs: list[float]  # one per completion token (placeholders where mask is False)
     mask: list[bool]  # per completion token: sampled, trained on (False between packed turns)
     advantage: float
-    truncated: bool
     recompute_old: bool = False  # the stored logprobs are not the policy's (masked_logprobs)
 
-
-try:  # transformers >= 5.2x: a boolean (B, T) `logits_to_keep` keeps exactly those positions
-    from transformers.modeling_utils import slice_logits_to_keep  # noqa: F401
-
-    BOOLEAN_LOGITS_TO_KEEP = True
-except ImportError:  # older (the GPU image's 5.17, pinned by Unsloth): positions only
-    BOOLEAN_LOGITS_TO_KEEP = False
 
 METRIC_MEANS = ("clip_fraction", "ratio_mean", "kl", "is_weight_mean", "is_capped_fraction")
 """`grpo_loss` metrics that are token means: combined over micro-batches by token count."""
@@ -117,16 +118,18 @@ MIN_SHARED_PREFIX = 8
 """Shorter common prefixes are not worth the extra forward call of sharing them."""
 
 
-def open_trainer(
-    model_dir: Path, config: TrainerConfig, *, device: str | None = None
-) -> PeftTrainer:
-    """The trainer of `config.backend`: `PeftTrainer`, or `UnslothTrainer` (imported only here,
-    as Unsloth is installed only in the GPU trainer image)."""
-    if config.backend == "unsloth":
-        from trainer.unsloth_backend import UnslothTrainer
-
-        return UnslothTrainer(model_dir, config, device=device)
-    return PeftTrainer(model_dir, config, device=device)
+def model_context(model_dir: Path) -> int:
+    """The longest sequence the model in `model_dir` was made for (`max_position_embeddings`;
+    SmolLM2-135M: 8,192)."""
+    config = AutoConfig.from_pretrained(str(model_dir))
+    config = getattr(config, "text_config", None) or config  # multimodal wrappers
+    context = getattr(config, "max_position_embeddings", None)
+    if not isinstance(context, int) or context < 2:
+        raise ValueError(
+            f"the model in {model_dir} declares no max_position_embeddings: set the trainer's "
+            "max_seq_len (RLPROXY_TRAINER) to the context it was trained for"
+        )
+    return context
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -140,18 +143,29 @@ class PeftTrainer:
     backend = "peft"
 
     def __init__(
-        self, model_dir: Path, config: TrainerConfig, *, device: str | None = None
+        self,
+        model_dir: Path,
+        config: TrainerConfig,
+        *,
+        device: str | None = None,
+        collective: Collective | None = None,
     ) -> None:
         """Load the causal LM in `model_dir` (for the embedded model, the fp32 folder of
-        proxy.engines.loader.ensure_fp32_cache) and put a fresh LoRA on it."""
+        proxy.engines.loader.ensure_fp32_cache) and put a fresh LoRA on it. `collective`: this
+        rank's place among data-parallel ranks (`trainer.distributed.from_env`); None for one
+        process. Its device is the default device."""
         if config.backend != self.backend:
             raise ValueError(
                 f"this config asks for the {config.backend!r} backend; build the trainer with "
-                "trainer.peft_backend.open_trainer(model_dir, config)"
+                "trainer.backends.open_trainer(model_dir, config)"
             )
         self.config = config
         self.model_dir = Path(model_dir)
+        if device is None and collective is not None:
+            device = str(collective.device)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.max_seq_len = config.max_seq_len or model_context(self.model_dir)
+        """Longest row trained on: `max_seq_len`, or the base model's context when unset."""
         self.dtype = resolve_dtype(config.dtype, self.device)
         with self._rng(config.seed):  # the LoRA A init is random: make it reproducible
             self.model: PeftModel = self._load_model()
@@ -160,7 +174,7 @@ class PeftTrainer:
         self.model.eval()
         self._initial_adapter = self.adapter_state()  # the fresh LoRA, for `reset_adapter`
         self._share_prefix = self._can_share_prefix()
-        self._boolean_keep = BOOLEAN_LOGITS_TO_KEEP
+        self._logits_fn = lm_head_logits(self.model.get_base_model())
         self._params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         # One fused kernel per step instead of a loop of small ops per LoRA matrix.
         self.optimizer = torch.optim.AdamW(
@@ -171,16 +185,18 @@ class PeftTrainer:
         )
         self.step = 0
         self.last_metrics: StepMetrics | None = None
-        self.collective: Collective | None = None
+        self.collective = collective
         """Set for `rlproxy train` under torchrun (`trainer.distributed`); None: one process."""
         logger.info(
-            "LoRA trainer (%s) on %s in %s: %.2f M trainable parameters (r=%d on %s)",
+            "LoRA trainer (%s) on %s in %s: %.2f M trainable parameters (r=%d on %s), rows up to "
+            "%d tokens",
             self.backend,
             self.device,
             str(self.dtype).removeprefix("torch."),
             sum(p.numel() for p in self._params.values()) / 1e6,
             config.lora_rank,
             ",".join(config.target_modules),
+            self.max_seq_len,
         )
 
     def _load_model(self) -> PeftModel:
@@ -237,7 +253,24 @@ class PeftTrainer:
         if not examples:
             raise ValueError("train_step needs at least one example")
         start = time.perf_counter()
-        rows = [self._prepare(e) for e in examples]
+        rows = [self._prepare(e) for e in examples]  # checks every example, kept or not
+        fits = [len(r.input_ids) <= self.max_seq_len for r in rows]
+        too_long = fits.count(False)
+        if too_long:
+            logger.warning(
+                "%d of %d turns are longer than max_seq_len (%d tokens): left out, not cut",
+                too_long,
+                len(rows),
+                self.max_seq_len,
+            )
+        if not any(fits):
+            raise ValueError(
+                f"all {len(rows)} turns are longer than max_seq_len ({self.max_seq_len} tokens, "
+                f"the longest {max(len(r.input_ids) for r in rows)}): nothing to train on; raise "
+                "max_seq_len up to the model's context"
+            )
+        examples = [e for e, ok in zip(examples, fits, strict=True) if ok]
+        rows = [r for r, ok in zip(rows, fits, strict=True) if ok]
         sample_index: dict[str, int] = {}
         sample_ids = torch.tensor(
             [sample_index.setdefault(e.sample_id, len(sample_index)) for e in examples]
@@ -270,7 +303,7 @@ class PeftTrainer:
         try:
             with lockstep():
                 with self._rng(self.config.seed + self.step):  # per-step dropout, as on resume
-                    for chunk in _chunks(order, self.config.micro_batch_size):
+                    for chunk in self._micro_batches(order, rows):
                         loss, metrics = self._micro_batch([rows[i] for i in chunk], weights[chunk])
                         computed += int(metrics["computed_tokens"])
                         loss.backward()  # type: ignore[no-untyped-call]
@@ -301,14 +334,13 @@ class PeftTrainer:
         finally:
             self.optimizer.zero_grad(set_to_none=True)
             self.model.eval()
+            if self.config.trim_memory:
+                _trim_heap()
         self.step += 1
 
         seconds = time.perf_counter() - start
         tokens = int(totals["tokens"])
         forward_tokens = sum(len(r.input_ids) for r in rows)
-        truncated = sum(r.truncated for r in rows)
-        if truncated:
-            logger.warning("%d of %d turns were cut to max_seq_len", truncated, len(rows))
         self.last_metrics = StepMetrics(
             step=self.step,
             loss=loss_sum,
@@ -325,7 +357,7 @@ class PeftTrainer:
             kl=totals["kl"] / max(tokens, 1),
             is_weight_mean=totals["is_weight_mean"] / max(tokens, 1),
             is_capped_fraction=totals["is_capped_fraction"] / max(tokens, 1),
-            truncated=truncated,
+            too_long=too_long,
         )
         logger.info("train step %d: %s", self.step, self.last_metrics)
         return self.last_metrics
@@ -356,12 +388,6 @@ class PeftTrainer:
             raise ValueError(
                 f"sample {example.sample_id}: weight must be >= 0, got {example.weight}"
             )
-        limit = self.config.max_seq_len
-        truncated = len(prompt) + len(completion) > limit
-        if truncated:
-            completion = completion[: limit - 1]  # keep at least one prompt token
-            old, mask = old[: len(completion)], mask[: len(completion)]
-            prompt = prompt[len(prompt) - (limit - len(completion)) :]
         recompute = example.logprobs_masked and self.config.masked_logprobs == "trainer"
         return _Row(
             prompt + completion,
@@ -369,9 +395,26 @@ class PeftTrainer:
             old,
             mask,
             float(example.advantage),
-            truncated,
             recompute,
         )
+
+    def _micro_batches(self, order: list[int], rows: list[_Row]) -> Iterator[list[int]]:
+        """`order` cut into runs of at most `micro_batch_size` rows whose padded size (rows x
+        the longest row) stays within `micro_batch_tokens`; a row longer than that goes alone."""
+        budget = self.config.micro_batch_tokens
+        batch: list[int] = []
+        longest = 0
+        for i in order:
+            n = len(rows[i].input_ids)
+            grown = max(longest, n) * (len(batch) + 1)
+            full = len(batch) >= self.config.micro_batch_size
+            if batch and (full or (budget is not None and grown > budget)):
+                yield batch
+                batch, longest = [], 0
+            batch.append(i)
+            longest = max(longest, n)
+        if batch:
+            yield batch
 
     def _micro_batch(
         self, rows: list[_Row], row_weights: torch.Tensor
@@ -455,28 +498,38 @@ class PeftTrainer:
         """(B, S) logprobs of the targets at the `keep` positions, 0 elsewhere.
 
         input_ids, keep, targets (B, S): each row after the shared prefix; attention (B, P + S);
-        prefix (1, P) or None. The prefix runs once and its key/value cache, repeated over the
-        batch, is what every row attends to (autograd sums the rows' gradients into it).
+        prefix (1, P) or None. Only the N kept positions' hidden states go on, through the LM
+        head in chunks (`trainer.logprobs`).
         """
+        hidden = self._hidden_states(input_ids, attention, prefix)[keep]  # (B, S, H) -> (N, H)
+        flat = chunked_logprobs(
+            hidden, self._logits_fn, targets[keep], chunk=self.config.logprob_chunk
+        )  # (N,)
+        return torch.zeros(keep.shape, dtype=flat.dtype, device=flat.device).masked_scatter(
+            keep, flat
+        )
+
+    def _hidden_states(
+        self, input_ids: torch.Tensor, attention: torch.Tensor, prefix: torch.Tensor | None
+    ) -> torch.Tensor:
+        """(B, S, H) last hidden states of the decoder (the model without its LM head).
+
+        The prefix (1, P) runs once and its key/value cache, repeated over the batch, is what
+        every row attends to (autograd sums the rows' gradients into it).
+        """
+        decoder: torch.nn.Module = self.model.get_base_model().get_decoder()  # type: ignore[operator]
         cache = None
         if prefix is not None:
-            cache = self.model(input_ids=prefix, use_cache=True, logits_to_keep=1).past_key_values
+            cache = decoder(input_ids=prefix, use_cache=True).past_key_values
             cache.batch_repeat_interleave(input_ids.shape[0])
-        # Logits only where a completion token is predicted: (N, V) for the N kept positions.
-        # Without boolean masks, the columns kept in any row: (B, C, V), then the kept ones.
-        columns = None if self._boolean_keep else keep.any(dim=0).nonzero().squeeze(1)  # (C,)
-        out = self.model(
+        out = decoder(
             input_ids=input_ids,
             attention_mask=attention,
             past_key_values=cache,
             use_cache=cache is not None,
-            logits_to_keep=keep if columns is None else columns,
         )
-        logits = out.logits if columns is None else out.logits[keep[:, columns]]  # (N, V)
-        flat = token_logprobs(logits, targets[keep])  # (N, V), (N,) -> (N,)
-        return torch.zeros(keep.shape, dtype=flat.dtype, device=flat.device).masked_scatter(
-            keep, flat
-        )
+        hidden: torch.Tensor = out.last_hidden_state
+        return hidden
 
     @contextlib.contextmanager
     def _rng(self, seed: int) -> Iterator[None]:
@@ -582,6 +635,14 @@ class PeftTrainer:
         return state
 
 
-def _chunks(items: list[int], size: int) -> Iterator[list[int]]:
-    for i in range(0, len(items), size):
-        yield items[i : i + size]
+def _trim_heap() -> None:
+    """Ask glibc to hand freed heap memory back to the system (`malloc_trim(0)`): after a step
+    on long rows the freed activations otherwise stay in the process's arenas, and rows of other
+    lengths next step do not reuse them well. Nothing where the C library is not glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return
+    trim(0)

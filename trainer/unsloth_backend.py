@@ -12,10 +12,9 @@ What differs from the PEFT backend, read from Unsloth's source (unsloth/models/l
 
 - The logits. Unsloth's forward ignores a boolean `logits_to_keep` and, with
   `UNSLOTH_RETURN_HIDDEN_STATES=1` (read on every call), returns the last hidden states in place
-  of the logits, as Unsloth's own GRPO does. Here the hidden states at the completion positions
-  go through `lm_head` and the model family's final logit transform (Cohere's `logit_scale`,
-  Granite's `logits_scaling`, Gemma's `final_logit_softcapping`, as transformers' own forwards
-  apply them), so only (N, V) logits for the N completion tokens ever exist.
+  of the logits, as Unsloth's own GRPO does. Those hidden states are what the PEFT backend's
+  `_logprobs` takes from the decoder: the completion positions' go through `lm_head` and the
+  model family's final logit transform in chunks (`trainer.logprobs`), as on the PEFT backend.
 - No shared prompt prefix: Unsloth's forward treats a key/value cache as inference
   (`fast_forward_inference`), so every row runs in full.
 - Gradient checkpointing is Unsloth's own (`use_gradient_checkpointing="unsloth"`, activations
@@ -25,7 +24,7 @@ What differs from the PEFT backend, read from Unsloth's source (unsloth/models/l
 
 Unsloth pins a transformers range the CPU stack cannot share and refuses to run without a GPU:
 it is installed only in the GPU trainer image (deploy/requirements-trainer-gpu.txt) and imported
-only when this class is built (`trainer.peft_backend.open_trainer` with backend "unsloth").
+only when this class is built (`trainer.backends.open_trainer` with backend "unsloth").
 Unsloth asks to be imported before transformers; the trainer process has imported transformers
 already by then, which costs Unsloth's patches of transformers' own Trainer (not used here), not
 those of the model it loads.
@@ -43,11 +42,8 @@ import torch
 from peft import PeftModel
 
 from trainer.config import TrainerConfig
-from trainer.grpo import token_logprobs
+from trainer.distributed import Collective
 from trainer.peft_backend import PeftTrainer
-
-LM_HEAD_CHUNK = 4096
-"""Completion positions projected through the LM head at a time: bounds the (chunk, V) logits."""
 
 
 class UnslothUnavailable(RuntimeError):
@@ -75,17 +71,24 @@ class UnslothTrainer(PeftTrainer):
     backend = "unsloth"
 
     def __init__(
-        self, model_dir: Path, config: TrainerConfig, *, device: str | None = None
+        self,
+        model_dir: Path,
+        config: TrainerConfig,
+        *,
+        device: str | None = None,
+        collective: Collective | None = None,
     ) -> None:
         self._fast = import_unsloth()
-        super().__init__(model_dir, config, device=device or "cuda")
+        if device is None and collective is None:
+            device = "cuda"
+        super().__init__(model_dir, config, device=device, collective=collective)
 
     def _load_model(self) -> PeftModel:
         config = self.config
         checkpointing: str | bool = "unsloth" if config.gradient_checkpointing else False
         model, _tokenizer = self._fast.from_pretrained(
             model_name=str(self.model_dir),
-            max_seq_length=config.max_seq_len,
+            max_seq_length=self.max_seq_len,
             dtype=self.dtype,
             load_in_4bit=False,
             load_in_8bit=False,
@@ -110,47 +113,16 @@ class UnslothTrainer(PeftTrainer):
     def _can_share_prefix(self) -> bool:
         return False  # Unsloth's forward takes a cache only for inference
 
-    def _logprobs(
-        self,
-        input_ids: torch.Tensor,
-        attention: torch.Tensor,
-        keep: torch.Tensor,
-        targets: torch.Tensor,
-        prefix: torch.Tensor | None,
+    def _hidden_states(
+        self, input_ids: torch.Tensor, attention: torch.Tensor, prefix: torch.Tensor | None
     ) -> torch.Tensor:
-        """(B, T) logprobs of the targets at the `keep` positions, 0 elsewhere (no prefix)."""
+        """(B, T, H) last hidden states (no prefix: every row runs in full)."""
         if prefix is not None:
             raise ValueError("the unsloth backend runs every row in full (no shared prefix)")
         with _hidden_states_as_logits():
             out = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False)
-        hidden = out.logits[keep]  # (B, T, H) -> (N, H): only where a completion token is next
-        head = self.model.get_output_embeddings()
-        base_config = self.model.get_base_model().config
-        picked = [
-            token_logprobs(
-                final_logits(head(hidden[i : i + LM_HEAD_CHUNK]).float(), base_config),
-                targets[keep][i : i + LM_HEAD_CHUNK],
-            )
-            for i in range(0, hidden.shape[0], LM_HEAD_CHUNK)
-        ]
-        flat = torch.cat(picked)  # (N,)
-        return torch.zeros(keep.shape, dtype=flat.dtype, device=flat.device).masked_scatter(
-            keep, flat
-        )
-
-
-def final_logits(logits: torch.Tensor, config: Any) -> torch.Tensor:
-    """The model family's transform after `lm_head`, as transformers' forwards apply it:
-    Cohere multiplies by `logit_scale` (models/cohere), Granite divides by `logits_scaling`
-    (models/granite), Gemma 2/3 soft-cap with `final_logit_softcapping` (models/gemma2)."""
-    if config.model_type.startswith("cohere") and getattr(config, "logit_scale", None):
-        logits = logits * config.logit_scale
-    if config.model_type.startswith("granite") and getattr(config, "logits_scaling", None):
-        logits = logits / config.logits_scaling
-    cap = getattr(config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+        hidden: torch.Tensor = out.logits
+        return hidden
 
 
 @contextlib.contextmanager

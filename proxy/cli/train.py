@@ -40,8 +40,8 @@ async def train_command(settings: Settings, steps: int | None = None) -> int:
         stop_with_parent()
     from proxy.engines.loader import resolve_model_dir
     from proxy.runtime import open_runtime
+    from trainer.backends import open_trainer
     from trainer.config import TrainerConfig
-    from trainer.peft_backend import open_trainer
 
     if settings.train_threads is not None:
         import torch
@@ -64,8 +64,9 @@ async def train_command(settings: Settings, steps: int | None = None) -> int:
     if collective is not None and not collective.leader:
         try:
             model_dir = await asyncio.to_thread(model_dir_)
-            follower = await asyncio.to_thread(open_trainer, model_dir, config, device=device)
-            follower.collective = collective
+            follower = await asyncio.to_thread(
+                open_trainer, model_dir, config, device=device, collective=collective
+            )
             await asyncio.to_thread(distributed.follow, follower, collective)
         finally:
             collective.close()
@@ -76,9 +77,10 @@ async def train_command(settings: Settings, steps: int | None = None) -> int:
             stack.callback(collective.close)
             stack.callback(_stop_followers, collective)
         # The backend RLPROXY_TRAINER names (peft, or unsloth in the GPU trainer image).
-        trainer = await asyncio.to_thread(open_trainer, model_dir, config, device=device)
+        trainer = await asyncio.to_thread(
+            open_trainer, model_dir, config, device=device, collective=collective
+        )
         if collective is not None:
-            trainer.collective = collective
             await asyncio.to_thread(trainer.sync_followers)  # the same starting weights
         wandb = WandbLog.from_env(dataclasses.asdict(config), settings.model_name)
         if wandb is not None:

@@ -207,7 +207,7 @@ def test_kl_to_the_base_is_zero_first_then_grows(
     assert trainer.train_step(examples).kl > 1e-6
 
 
-def test_bad_examples_are_refused_and_long_ones_cut(
+def test_bad_examples_are_refused_and_too_long_ones_skipped(
     make_trainer: MakeTrainer, tok: PreTrainedTokenizerBase
 ) -> None:
     trainer = make_trainer(max_seq_len=16)
@@ -241,17 +241,25 @@ def test_bad_examples_are_refused_and_long_ones_cut(
     assert trainer.step == 1
     trainer.config = dataclasses.replace(trainer.config, off_policy_correction="ppo")
 
+    # A turn longer than max_seq_len is left out whole (never cut from the left) and counted;
+    # the rest of the step trains.
     prompt = _prompt(tok, "Tell me a long story about a cat and a dog.")  # more than 16 tokens
-    short, long = list(range(100, 108)), list(range(100, 130))
-    metrics = trainer.train_step(
-        [
-            TrainingExample("a", prompt, short, [-3.0] * len(short), 1.0),
-            TrainingExample("b", prompt, long, [-3.0] * len(long), -1.0),
-        ]
-    )
-    assert metrics.truncated == 2
-    assert metrics.tokens == 8 + 15  # the long completion keeps one prompt token before it
-    assert metrics.forward_tokens == 2 * 16
+    short = list(range(100, 108))
+    fits = TrainingExample("a", prompt[-8:], short, [-3.0] * 8, 1.0)  # 16 tokens
+    too_long = TrainingExample("b", prompt, short, [-3.0] * 8, -1.0)
+    before = _lora(trainer)
+    metrics = trainer.train_step([fits, too_long])
+    assert metrics.too_long == 1 and metrics.turns == 1 and metrics.samples == 1
+    assert metrics.tokens == 8 and metrics.forward_tokens == 16
+    assert any(not torch.equal(v, _lora(trainer)[k]) for k, v in before.items())
+    with pytest.raises(ValueError, match="longer than max_seq_len"):
+        trainer.train_step([too_long])
+    assert trainer.step == 2
+
+
+def test_max_seq_len_follows_the_model_context(make_trainer: MakeTrainer) -> None:
+    assert make_trainer().max_seq_len == 8192  # SmolLM2-135M's max_position_embeddings
+    assert make_trainer(max_seq_len=3000).max_seq_len == 3000
 
 
 def test_checkpoint_is_served_by_peft_and_differs_from_the_base(

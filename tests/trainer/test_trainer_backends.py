@@ -16,11 +16,13 @@ import torch
 from peft.utils import set_peft_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from trainer.backends import open_trainer
 from trainer.checkpoints import read_adapter_config, validate_adapter
 from trainer.config import TrainerConfig
 from trainer.grpo import TrainingExample
-from trainer.peft_backend import PeftTrainer, open_trainer, resolve_dtype
-from trainer.unsloth_backend import UnslothUnavailable, final_logits
+from trainer.logprobs import final_logits
+from trainer.peft_backend import PeftTrainer, resolve_dtype
+from trainer.unsloth_backend import UnslothUnavailable
 
 VOCAB = 97
 
@@ -132,14 +134,61 @@ def test_sharing_the_prompt_prefix_changes_neither_loss_nor_gradients(tiny_dir: 
     assert shared[0].computed_tokens < full[0].computed_tokens == full[0].forward_tokens
 
 
-def test_logits_by_columns_equal_logits_by_mask(tiny_dir: Path) -> None:
-    """transformers 5.17 (the GPU image's) takes positions, not a boolean mask: same step."""
-    trainer = PeftTrainer(tiny_dir, TrainerConfig(micro_batch_size=4), device="cpu")
-    trainer._share_prefix = False  # rows of one micro-batch predict at different columns
+def test_chunked_logprobs_equal_the_full_logits(tiny_dir: Path) -> None:
+    """A long row's logprobs, loss and LoRA gradients with the LM head run a few positions at a
+    time (recomputed in the backward) equal those from the model's own full (T, V) logits."""
+    trainer = PeftTrainer(
+        tiny_dir, TrainerConfig(learning_rate=1e-2, logprob_chunk=7), device="cpu"
+    )
+    g = torch.Generator().manual_seed(3)
+    prompt, completion = torch.randint(1, VOCAB, (2, 120), generator=g).tolist()
+    long_row = TrainingExample("long", prompt, completion, [-4.0] * 120, 1.0)
+    trainer.train_step([long_row])  # LoRA B off zero: every LoRA matrix gets a gradient
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        full = trainer.model(input_ids=ids).logits[0, 119:-1].float().log_softmax(-1)
+        chunked = trainer._logprobs(
+            ids[:, :-1],
+            torch.ones_like(ids[:, :-1]),
+            torch.arange(239)[None] >= 119,
+            ids[:, 1:],
+            None,
+        )[0, 119:]
+    torch.testing.assert_close(chunked, full[torch.arange(120), completion], rtol=1e-5, atol=1e-5)
+
+    chunked_step = _step_gradients(trainer, [long_row])
+    unchunked = PeftTrainer(
+        tiny_dir, TrainerConfig(learning_rate=1e-2, logprob_chunk=10**6), device="cpu"
+    )
+    set_peft_model_state_dict(unchunked.model, trainer.adapter_state())
+
+    def full_logits(input_ids, attention, keep, targets, prefix):  # type: ignore[no-untyped-def]
+        logits = unchunked.model(input_ids=input_ids, attention_mask=attention).logits
+        picked = logits.float().log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+        return torch.where(keep, picked, 0.0)
+
+    unchunked._logprobs = full_logits  # type: ignore[method-assign]
+    full_step = _step_gradients(unchunked, [long_row])
+    assert all(g.abs().sum() > 0 for g in chunked_step[1].values())
+    _assert_same(chunked_step, full_step)
+
+
+def test_token_budget_micro_batches_give_the_same_step(tiny_dir: Path) -> None:
+    one_batch = PeftTrainer(
+        tiny_dir, TrainerConfig(micro_batch_size=16, micro_batch_tokens=None), device="cpu"
+    )
+    budget = PeftTrainer(
+        tiny_dir, TrainerConfig(micro_batch_size=16, micro_batch_tokens=60), device="cpu"
+    )
     examples = _examples()
-    by_mask = _step_gradients(trainer, examples)
-    trainer._boolean_keep = False
-    _assert_same(by_mask, _step_gradients(trainer, examples))
+    rows = [budget._prepare(e) for e in examples]
+    batches = [
+        [len(rows[i].input_ids) for i in b]
+        for b in budget._micro_batches(list(range(len(rows))), rows)
+    ]
+    assert len(batches) > 2 and all(max(b) * len(b) <= 60 for b in batches)
+    assert sum(map(len, batches)) == len(rows)
+    _assert_same(_step_gradients(one_batch, examples), _step_gradients(budget, examples))
 
 
 def test_shared_prefix_with_kl_to_the_base(tiny_dir: Path) -> None:
