@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from proxy.adapters.registry import ServedModels, conversation_key
+from proxy.chat.affinity import affinity_key
 from proxy.chat.budget import DEFAULT_RULE, BudgetRule
 from proxy.chat.prompt import ChatTemplate
 from proxy.chat.record import CallInfo, call_record
@@ -256,6 +257,7 @@ class ChatService:
             adapter=prep.resolved.adapter,
             grammar=prep.grammar,
             request_id=prep.request_id,
+            affinity=affinity_key(prep.call, prep.messages),
         )
 
     def _shadow_outcomes(

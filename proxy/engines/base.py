@@ -39,6 +39,10 @@ class GenerationRequest:
     # A compiled grammar (proxy.chat.grammar.Grammar) every choice must follow; None = free text.
     grammar: Any | None = None
     request_id: str = ""
+    affinity: str | None = None
+    """What stays the same on every turn of one conversation (`proxy.chat.affinity`): an engine
+    with several servers sends the turns to the same one, whose prefix cache holds the history
+    (the vllm engine). None: the engine may derive one from the prompt."""
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,13 @@ a replica that joins later gets every adapter before it takes requests. `unload_
 new requests on the version at once and unloads it from the replicas once the requests in
 flight on it have finished: a request finishes on the version it started with.
 
+**Affinity.** Each request goes to the replica its conversation's key ranks first
+(`GenerationRequest.affinity`, set by the chat service; a request without one is keyed by its
+first `AFFINITY_BLOCK` prompt tokens), so vLLM's prefix cache on that replica holds the
+history; a replica far busier than the others is passed over (`vllm_replicas.py`). `/health`
+shows each replica's prefix cache counters and their sum (`prefix_cache`), and how requests
+were routed (`routing`); `/metrics` has the sums as `rlproxy_engine_prefix_cache_*`.
+
 **Failures.** A replica that refuses the connection or fails before the first token is taken
 out of rotation and the request goes to another one (nothing was generated yet). One that dies
 mid-answer fails that request with `EngineUnavailableError(mid_answer=True)` (a 502 for the
@@ -74,6 +81,7 @@ client, the call stored as an error); none left is a 503. vLLM's admin routes (`
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 from collections import Counter
@@ -112,6 +120,8 @@ from proxy.engines.vllm_replicas import (
 logger = logging.getLogger(__name__)
 
 TOKEN_ID_PREFIX = "token_id:"  # how `return_tokens_as_token_ids` spells a token
+AFFINITY_BLOCK = 256
+"""Prompt tokens that key a request sent without an affinity key (`prompt_affinity`)."""
 _SSE_REQUEST = {"content-type": "application/json", "accept": "text/event-stream"}
 
 
@@ -145,6 +155,13 @@ def stop_token_ids(tokenizer: Any) -> list[int]:
     return sorted(i for i in ids if isinstance(i, int))
 
 
+def prompt_affinity(prompt_ids: list[int]) -> str:
+    """The affinity key of a request that has none: its first `AFFINITY_BLOCK` prompt tokens
+    (a system prompt, usually), the part a later turn of the same conversation repeats."""
+    head = ",".join(map(str, prompt_ids[:AFFINITY_BLOCK])).encode()
+    return "prompt:" + hashlib.blake2b(head, digest_size=12).hexdigest()
+
+
 @dataclass
 class _Choice:
     """One choice's stream as it arrives."""
@@ -176,6 +193,8 @@ class VLLMEngine:
         stop_ids: list[int] | None = None,
         base_models: tuple[str, ...] = (),
         needed_elsewhere: Callable[[], Awaitable[set[str] | None]] | None = None,
+        affinity: bool = True,
+        affinity_slack: int = 4,
     ) -> None:
         self.tokenizer = tokenizer
         self.policy = policy
@@ -196,7 +215,13 @@ class VLLMEngine:
         # bound on a whole answer. The same session carries the replicas' admin calls.
         timeout = aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=timeout_s)
         self._http = PooledSession(timeout, limit=1024)
-        self.pool = ReplicaPool(urls, self._http, on_rejoin=self._rejoin)
+        self.pool = ReplicaPool(
+            urls,
+            self._http,
+            on_rejoin=self._rejoin,
+            affinity=affinity,
+            affinity_slack=affinity_slack,
+        )
         self._adapters: dict[str, str] = {}  # rlproxy name -> path, loaded on every healthy one
         self._retiring: set[str] = set()  # unload asked: no new request may start on it
         self._retired: set[str] = set()  # vLLM names this engine unloaded (cleaned on rejoin)
@@ -254,19 +279,24 @@ class VLLMEngine:
         )
 
     def health(self) -> EngineHealth:
-        return EngineHealth(
-            ok=bool(self.pool.healthy()),
-            detail={
-                "engine": "vllm",
-                "served_model": self.served_model,
-                "served_root": self.served_root,
-                "replicas": [r.describe() for r in self.pool.replicas],
-                "adapters": sorted(self._adapters),
-                "tokens": self.tokens,
-                "requests": self.requests,
-                "queued_rows": self._queued,
-            },
-        )
+        cache = self.pool.prefix_cache()
+        detail: dict[str, Any] = {
+            "engine": "vllm",
+            "served_model": self.served_model,
+            "served_root": self.served_root,
+            "replicas": [r.describe() for r in self.pool.replicas],
+            "adapters": sorted(self._adapters),
+            "tokens": self.tokens,
+            "requests": self.requests,
+            "queued_rows": self._queued,
+            "routing": dict(self.pool.routed),
+            # Summed over the replicas, as last read from their /metrics (None: not read yet).
+            "prefix_cache": None if cache is None else cache.describe(),
+        }
+        if cache is not None:  # the figures /metrics exports (proxy.telemetry.metrics)
+            detail["prefix_cache_query_tokens"] = cache.queries
+            detail["prefix_cache_hit_tokens"] = cache.hits
+        return EngineHealth(ok=bool(self.pool.healthy()), detail=detail)
 
     def queued_rows(self) -> int:
         """Rows handed to `generate` that have no token yet, across replicas: waiting in vLLM's
@@ -466,11 +496,12 @@ class VLLMEngine:
         self._in_use[key] += 1
         self._queued += request.n
         waiting = set(range(request.n))  # rows still without their first token
+        affinity = request.affinity or prompt_affinity(request.prompt_ids)
         try:
             body = self._body(request)
             tried: set[str] = set()
             while True:
-                replica = self.pool.pick(exclude=tried)
+                replica = self.pool.pick(exclude=tried, affinity=affinity)
                 if replica is None:
                     raise EngineUnavailableError(
                         "no vLLM replica can take the request now"

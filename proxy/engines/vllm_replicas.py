@@ -3,7 +3,8 @@ each one's LoRA admin calls.
 
     pool = ReplicaPool(urls, client, on_rejoin=reload_adapters)   # URLs: server roots (a
                                                                    # trailing /v1 is dropped)
-    replica = pool.pick()                      # least outstanding work among the healthy ones
+    replica = pool.pick(affinity="session:9f2c")  # the conversation's replica (rendezvous
+                                               # hashing), or the least busy one (see below)
     await pool.load_lora(replica, "rlproxy@3", "/data/checkpoints/rlproxy/0003")
     asyncio.create_task(pool.watch(2.0))       # GET /health on each; out when failing, back in
                                                # (after `on_rejoin` reloaded its adapters) once
@@ -13,6 +14,22 @@ Outstanding work is counted in tokens: a request adds `n * max_tokens` when it s
 replica, each token that arrives takes one off, and whatever is left goes when it ends. A replica
 that fails its probe, refuses a connection or dies mid-answer leaves the rotation at once; it comes
 back only after its probe answers 200 and every adapter rlproxy serves was loaded on it again.
+
+**Affinity.** Each vLLM keeps its own prefix cache, so the turns of one conversation should reach
+the same replica: a request with an affinity key (`proxy.chat.affinity`: the trajectory id, a
+coding agent's session header, or the conversation's opening) goes to the replica that key
+ranks first among the healthy ones (rendezvous hashing: a replica that leaves or joins moves
+only the conversations it ranks first). It goes to the least busy replica instead when that
+replica has more than `affinity_slack` requests in flight beyond the least busy one's, and
+without a key. Requests in flight, not outstanding tokens, measure "busy" here: coding agents
+ask for budgets of tens of thousands of tokens and end after a few hundred, so owed tokens say
+little about how long a replica will stay busy.
+
+**Prefix cache figures.** Every `metrics_interval_s` the health round also reads each healthy
+replica's `GET /metrics` (Prometheus text) for vLLM's counters `vllm:prefix_cache_queries` and
+`vllm:prefix_cache_hits` (prompt tokens looked up in the cache, and found there; rendered with
+`_total`, one series per engine core, summed here; `vllm/v1/metrics/loggers.py`, vLLM 0.32 and
+0.33). A replica that restarted starts them from 0 again.
 
 The vLLM side, read from its source (vllm-project/vllm):
 - `GET /health`: 200 with an empty body, 503 once the engine is dead
@@ -43,8 +60,10 @@ keeps replica state; it knows nothing of prompts or tokens.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +100,7 @@ class Replica:
     loras: set[str] = field(default_factory=set)  # vLLM names this engine loaded here
     last_error: str | None = None
     misconfigured: str | None = None  # why it may not join, with the fix (ReplicaMisconfigured)
+    cache: PrefixCacheCounts | None = None  # vLLM's prefix cache counters (None: not read yet)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -92,7 +112,52 @@ class Replica:
             "served": self.served,
             "adapters": sorted(self.loras),
             "last_error": self.last_error,
+            "prefix_cache": None if self.cache is None else self.cache.describe(),
         }
+
+
+@dataclass(frozen=True)
+class PrefixCacheCounts:
+    """vLLM's prefix cache counters, in prompt tokens: looked up (`queries`) and found (`hits`)."""
+
+    queries: int
+    hits: int
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.queries if self.queries else None
+
+    def describe(self) -> dict[str, Any]:
+        return {"query_tokens": self.queries, "hit_tokens": self.hits, "hit_rate": self.hit_rate}
+
+    @classmethod
+    def parse(cls, text: str) -> PrefixCacheCounts | None:
+        """From Prometheus' text format: every series of `vllm:prefix_cache_queries(_total)` and
+        `vllm:prefix_cache_hits(_total)`, summed. None when the page has neither."""
+        found: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line.startswith("vllm:prefix_cache_"):
+                continue
+            name = line.split("{", 1)[0].split(" ", 1)[0].removesuffix("_total")
+            if name not in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
+                continue
+            try:
+                value = float(line.rsplit("}", 1)[-1].split()[0])
+            except (IndexError, ValueError):
+                continue
+            found[name] = found.get(name, 0.0) + value
+        if not found:
+            return None
+        return cls(
+            int(found.get("vllm:prefix_cache_queries", 0)),
+            int(found.get("vllm:prefix_cache_hits", 0)),
+        )
+
+
+def rendezvous_score(key: str, url: str) -> int:
+    """Where `url` ranks for `key`: the replica with the highest score takes the key."""
+    digest = hashlib.blake2b(f"{key}|{url}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
 
 
 class ReplicaRefused(Exception):
@@ -155,6 +220,9 @@ class ReplicaPool:
         *,
         on_rejoin: Callable[[Replica], Awaitable[None]] | None = None,
         probe_timeout_s: float = 2.0,
+        affinity: bool = True,
+        affinity_slack: int = 4,
+        metrics_interval_s: float = 10.0,
     ) -> None:
         if not urls:
             raise ValueError("the vllm engine needs at least one server URL (RLPROXY_VLLM_URLS)")
@@ -162,22 +230,51 @@ class ReplicaPool:
         self.http = http  # the engine's pooled session (made on first use, in the running loop)
         self.on_rejoin = on_rejoin
         self.probe_timeout_s = probe_timeout_s
+        self.affinity = affinity
+        self.affinity_slack = affinity_slack
+        self.metrics_interval_s = metrics_interval_s
+        self.routed = {"affinity": 0, "spilled": 0, "least_busy": 0}
+        """How `pick` chose: the key's replica, the least busy one because the key's replica
+        was too busy, the least busy one because there was no key (or affinity is off)."""
         self._turn = 0  # breaks ties between equally loaded replicas, in turn
+        self._metrics_read = 0.0  # when the counters were last read (monotonic)
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy]
 
-    def pick(self, exclude: set[str] = frozenset()) -> Replica | None:  # type: ignore[assignment]
-        """The healthy replica with the least outstanding work (None: none is left)."""
+    def pick(
+        self,
+        exclude: set[str] = frozenset(),  # type: ignore[assignment]
+        affinity: str | None = None,
+    ) -> Replica | None:
+        """The healthy replica `affinity` ranks first, unless it has more than `affinity_slack`
+        requests in flight beyond the least busy one's; else (or without a key) the one with the
+        least outstanding work. None: none is left."""
         ready = [r for r in self.replicas if r.healthy and r.url not in exclude]
         if not ready:
             return None
         self._turn += 1
         n = len(self.replicas)
-        return min(
+        least = min(
             ready,
             key=lambda r: (r.outstanding, r.in_flight, (self.replicas.index(r) - self._turn) % n),
         )
+        if affinity is None or not self.affinity:
+            self.routed["least_busy"] += 1
+            return least
+        chosen = max(ready, key=lambda r: rendezvous_score(affinity, r.url))
+        if chosen.in_flight > min(r.in_flight for r in ready) + self.affinity_slack:
+            self.routed["spilled"] += 1
+            return least
+        self.routed["affinity"] += 1
+        return chosen
+
+    def prefix_cache(self) -> PrefixCacheCounts | None:
+        """The counters of every replica read so far, summed (None: none read yet)."""
+        read = [r.cache for r in self.replicas if r.cache is not None]
+        if not read:
+            return None
+        return PrefixCacheCounts(sum(c.queries for c in read), sum(c.hits for c in read))
 
     def mark_down(self, replica: Replica, why: str) -> None:
         if replica.healthy:
@@ -224,6 +321,21 @@ class ReplicaPool:
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(r) for r in self.replicas))
+        now = time.monotonic()
+        if now - self._metrics_read >= self.metrics_interval_s:
+            self._metrics_read = now
+            await asyncio.gather(*(self.read_metrics(r) for r in self.healthy()))
+
+    async def read_metrics(self, replica: Replica) -> None:
+        """Read `replica`'s prefix cache counters from its `/metrics`; a failure keeps the last
+        ones (the health probe, not this, decides whether a replica serves)."""
+        try:
+            status, content = await self._call("GET", replica, "/metrics", self.probe_timeout_s)
+        except TRANSPORT_ERRORS as exc:
+            logger.warning("vLLM replica %s: /metrics not read: %r", replica.url, exc)
+            return
+        if status == 200:
+            replica.cache = PrefixCacheCounts.parse(content.decode("utf-8", "replace"))
 
     async def watch(self, interval_s: float) -> None:
         """Probe every replica every `interval_s` seconds, forever (cancel to stop)."""

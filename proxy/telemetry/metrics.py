@@ -383,6 +383,24 @@ class _StateCollector:
                 "prefill had the same prompt and adapter (n choices, a group's runs).",
                 value=detail["prefill_rows_shared"],
             )
+        for key, name, help_ in (
+            (
+                "prefix_cache_query_tokens",
+                "query_tokens",
+                "Prompt tokens looked up in the engine's prefix cache (vllm: vLLM's "
+                "vllm:prefix_cache_queries summed over the replicas, as last read).",
+            ),
+            (
+                "prefix_cache_hit_tokens",
+                "hit_tokens",
+                "Prompt tokens found in the engine's prefix cache, not prefilled again (vllm: "
+                "vLLM's vllm:prefix_cache_hits summed over the replicas, as last read).",
+            ),
+        ):
+            if detail.get(key) is not None:
+                yield CounterMetricFamily(
+                    f"rlproxy_engine_prefix_cache_{name}", help_, value=detail[key]
+                )
         tokens = detail.get("tokens")
         if tokens is not None:
             yield CounterMetricFamily(
