@@ -9,13 +9,19 @@ The tests are the ones the local engine and the stand-in (tests/e2e/test_vllm_cl
 imported from their modules; only the fixtures that name the server are replaced, so the three
 are held to the same assertions.
 
+Beside them, one test of rlproxy's own: a conversation's second turn hits vLLM's prefix cache
+(affinity kept it on the replica that saw the first), and rlproxy's `/health` shows the hits.
+
 Marker `vllm` (`make test-vllm`); the servers are the session's (conftest.py).
 """
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -119,3 +125,45 @@ async def aclient(server: Server):  # -> openai.AsyncOpenAI
         base_url=server.base_url, api_key="sk-test", max_retries=0, timeout=280
     ) as c:
         yield c
+
+
+def vllm_hits(replicas: list[RealReplica]) -> int:
+    """vLLM's own prefix cache hit counter, summed over the replicas (tokens)."""
+    from proxy.engines.vllm_replicas import PrefixCacheCounts
+
+    total = 0
+    for replica in replicas:
+        counts = PrefixCacheCounts.parse(httpx.get(f"{replica.url}/metrics", timeout=30).text)
+        total += counts.hits if counts is not None else 0
+    return total
+
+
+def test_a_second_turn_hits_vllms_prefix_cache_and_health_shows_it(
+    client: Any, server: Server, real_replicas: list[RealReplica]
+) -> None:
+    system = f"Session {uuid.uuid4().hex}. " + "Answer in one short sentence. " * 60
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Name a colour."},
+    ]
+    before = vllm_hits(real_replicas)
+    first = client.chat.completions.create(
+        model="rlproxy", messages=messages, max_tokens=4, temperature=0
+    )
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Another one."},
+    ]
+    client.chat.completions.create(model="rlproxy", messages=messages, max_tokens=4, temperature=0)
+    # vLLM caches full 16-token blocks: the second turn finds at least the first turn's prompt
+    # but its last, partial block (and vLLM recomputes the last token).
+    expected = before + first.usage.prompt_tokens - 32
+    assert vllm_hits(real_replicas) >= expected
+    deadline, shown = time.monotonic() + 30, None
+    while time.monotonic() < deadline:  # rlproxy reads the counters every 10 s
+        shown = httpx.get(f"{server.url}/health", timeout=30).json()["engine"]["prefix_cache"]
+        if shown is not None and shown["hit_tokens"] >= expected:
+            break
+        time.sleep(1)
+    assert shown is not None and shown["hit_tokens"] >= expected, shown
+    assert 0 < shown["hit_rate"] <= 1
