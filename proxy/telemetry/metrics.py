@@ -73,6 +73,11 @@ TRAINER_FIGURES = {
         "Mean truncated importance weight min(pi_old / mu, cap) of the newest step's tokens "
         "(1 unless off_policy_correction is 'tis').",
     ),
+    "turns_too_long": (
+        "too_long",
+        "Turns the newest step left out for being longer than the trainer's max_seq_len (never "
+        "cut).",
+    ),
 }
 
 
@@ -481,6 +486,14 @@ def _trainer(record: AdapterRecord) -> Iterator[Metric]:
         value = figures.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool):
             yield GaugeMetricFamily(f"rlproxy_trainer_{suffix}", help_, value=value)
+    too_long = figures.get("too_long_total")
+    if isinstance(too_long, int) and not isinstance(too_long, bool):
+        yield CounterMetricFamily(
+            "rlproxy_trainer_turns_too_long",
+            "Turns the trainer left out over its run (as of its newest version) for being longer "
+            "than its max_seq_len: trained whole or not at all, never cut from the left.",
+            value=too_long,
+        )
     stale = StaleGroups.from_step(figures)
     if stale is None:
         return

@@ -317,6 +317,8 @@ async def test_state_figures_read_the_store_and_the_trainers_newest_step(tmp_pat
                         "groups_trained_total": 4 * version,
                         "stale_dropped_total": 2 * version,
                         "stale_downweighted_total": 0,
+                        "too_long": 1,
+                        "too_long_total": 3 * version,
                     },
                 )
             )
@@ -344,6 +346,8 @@ async def test_state_figures_read_the_store_and_the_trainers_newest_step(tmp_pat
         assert _value(metrics, "rlproxy_trainer_stale_groups_total", action="dropped") == 4
         assert _value(metrics, "rlproxy_trainer_stale_groups_total", action="downweighted") == 0
         assert _value(metrics, "rlproxy_trainer_stale_dropped_share") == pytest.approx(4 / 12)
+        assert _value(metrics, "rlproxy_trainer_turns_too_long") == 1
+        assert _value(metrics, "rlproxy_trainer_turns_too_long_total") == 6
         assert _value(metrics, "rlproxy_adapter_active_version") == 2
         assert _value(metrics, "rlproxy_adapter_swaps_total") == 2
         assert _value(metrics, "rlproxy_engine_running_rows") == 3

@@ -758,7 +758,7 @@
       ];
     }
     const active = health.active_version || 0;
-    const metricCols = ["loss", "mean_reward", "groups", "stale_dropped", "staleness_max", "tokens_per_s", "step_seconds"];
+    const metricCols = ["loss", "mean_reward", "groups", "stale_dropped", "staleness_max", "too_long", "tokens_per_s", "step_seconds"];
     const row = (v, label, a) => {
       const m = a ? a.metrics || {} : {};
       const isActive = v === active;
