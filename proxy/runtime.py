@@ -213,7 +213,12 @@ async def local_engine(settings: Settings) -> AsyncIterator[Any]:
     loaded = await asyncio.to_thread(
         load_model, settings.model_dir or settings.data_dir, base_model=settings.base_model
     )
-    engine = LocalEngine(loaded, max_batch_size=settings.max_batch_size)
+    engine = LocalEngine(
+        loaded,
+        max_batch_size=settings.max_batch_size,
+        prefix_cache_bytes=settings.prefix_cache_bytes,
+        prefix_cache_ttl_s=settings.prefix_cache_ttl_s,
+    )
     await engine.start()
     try:
         yield engine

@@ -88,6 +88,20 @@ class Settings(BaseSettings):
         description="Largest request body accepted, in bytes (larger: 413 before parsing).",
     )
     max_batch_size: int = Field(16, ge=1, description="Rows decoded together by the local engine.")
+    prefix_cache_bytes: int = Field(
+        2**30,
+        ge=0,
+        description="The local engine's prefix cache, in bytes: finished requests' key/value "
+        "tensors (prompt and answer) kept so that a prompt starting with the same tokens on the "
+        "same adapter version prefills only what follows (an agent's next turn). Least "
+        "recently used entries go first; 0 turns it off. The embedded SmolLM2-135M takes about "
+        "46 KB a token, so 1 GiB holds about 23,000 tokens.",
+    )
+    prefix_cache_ttl_s: float = Field(
+        1800.0,
+        gt=0,
+        description="A prefix cache entry not used for this long is dropped.",
+    )
     max_n: int = Field(8, ge=1, description="Largest `n` (choices per request) accepted.")
     default_max_tokens: int | None = Field(
         None,

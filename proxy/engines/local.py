@@ -8,6 +8,12 @@ one task) are prefilled once. Rows that finish leave the batch (`batch_select_in
 row carries its own sampling parameters, random generator, constraint (grammar) and LoRA
 adapter; a batch that mixes adapters runs through PEFT's `adapter_names`.
 
+A finished row's key/value tensors (prompt and generated tokens) stay in the prefix cache
+(`prefix_cache.py`) under its adapter's identity, which changes on every load; a later prompt
+that starts with the same tokens on the same loaded weights prefills only what follows (an
+agent's next turn: its history, the answer it got, the new message). Newcomers are prefilled in
+groups of similar length still to run, each row on top of its cached prefix.
+
 Adapter loads and unloads run on the worker thread between two steps. A request keeps the
 adapter it started with: an unload waits until no request in flight (queued, decoding, or not yet
 read to the end) uses it, then frees its weights.
@@ -25,7 +31,7 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,13 +47,15 @@ from proxy.engines.base import (
     RequestInputError,
     TokenEvent,
 )
-from proxy.engines.kv_batch import KVBatch
+from proxy.engines.kv_batch import KVBatch, left_pad
 from proxy.engines.loader import LoadedModel
+from proxy.engines.prefix_cache import Hit, KVSpan, PrefixCache, head_of, layer_tensors
 from proxy.engines.sampling import RowSampler
 
 logger = logging.getLogger(__name__)
 
 BASE_NAME = "__base__"  # PEFT's name for "no adapter" inside `adapter_names`
+BASE_KEY: Hashable = ("base",)  # the prefix cache's key for the base model's KV
 
 
 @dataclass
@@ -71,6 +79,8 @@ class _Row:
     sampler: RowSampler
     constraint: Any | None
     stop_token_ids: frozenset[int]
+    cache_key: Hashable = BASE_KEY  # the identity of the weights that serve it (prefix cache)
+    prefix: tuple[KVSpan, ...] = ()  # its prompt's KV, when the prefix cache is on
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     text: str = ""  # visible text decoded so far (stop strings removed at the end)
@@ -99,7 +109,14 @@ class LocalEngine:
     kind = "local"
     logprobs_after_grammar = False  # the sampler masks a copy; logprobs are the model's own
 
-    def __init__(self, loaded: LoadedModel, *, max_batch_size: int = 16) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        max_batch_size: int = 16,
+        prefix_cache_bytes: int = 0,
+        prefix_cache_ttl_s: float = 1800.0,
+    ) -> None:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
@@ -111,6 +128,14 @@ class LocalEngine:
         # The loader's stop ids (EOS, the generation config's, <|im_start|> for ChatML).
         self.stop_token_ids = loaded.stop_token_ids or frozenset({self.tokenizer.eos_token_id})
         self._adapters: dict[str, str] = {}  # name -> path
+        # Each load's serial number: the prefix cache keys KV by it, never by the name alone,
+        # so weights loaded again under a name never meet the KV of the ones they replaced.
+        self._adapter_loads: dict[str, int] = {}
+        self._loads = 0
+        self.prefix_cache = PrefixCache(max(0, prefix_cache_bytes), prefix_cache_ttl_s)
+        if prefix_cache_bytes > 0 and not _cache_layers_grow_by_cat(loaded.model.config):
+            logger.warning("prefix cache off: the model's cache layers are not all DynamicLayer")
+            self.prefix_cache.max_bytes = 0
         self._pending_unload: set[str] = set()
         # Requests in flight per adapter (from `generate` until its stream closes), and the lock
         # that keeps that count and `_adapters` consistent between the loop and the worker.
@@ -157,6 +182,10 @@ class LocalEngine:
                 "steps": self.steps,
                 "tokens": self.tokens,
                 "prefill_rows_shared": self.prefill_rows_shared,
+                # Prompt tokens looked up and found (the names the vllm engine reports too).
+                "prefix_cache_query_tokens": self.prefix_cache.stats.prompt_tokens,
+                "prefix_cache_hit_tokens": self.prefix_cache.stats.hit_tokens,
+                "prefix_cache": self.prefix_cache.health(),
                 "adapters": sorted(self._adapters),
                 "device": str(self.device),
                 "last_error": self.last_error,
@@ -263,6 +292,8 @@ class LocalEngine:
         else:
             self.model.load_adapter(path, adapter_name=name, is_trainable=False)
         self.model.eval()
+        self._loads += 1
+        self._adapter_loads[name] = self._loads
         with self._adapter_lock:
             self._adapters[name] = path
         logger.info("adapter %s loaded from %s in %.3f s", name, path, time.perf_counter() - start)
@@ -285,6 +316,8 @@ class LocalEngine:
                 self._delete_adapter(name)
 
     def _delete_adapter(self, name: str) -> None:
+        self.prefix_cache.drop(self._cache_key(name))
+        self._adapter_loads.pop(name, None)
         with self._adapter_lock:
             self._adapters.pop(name, None)
             self._pending_unload.discard(name)
@@ -354,6 +387,7 @@ class LocalEngine:
                     sampler=RowSampler(req.params, seed=seed, device=self.device),
                     constraint=self._new_constraint(req.grammar),
                     stop_token_ids=self.stop_token_ids,
+                    cache_key=self._cache_key(req.adapter),
                 )
             )
         return rows
@@ -367,36 +401,91 @@ class LocalEngine:
             self._grammar_info = build_tokenizer_info(self.tokenizer, n_vocab=self.vocab_size)
         return compiled.new_row(self._grammar_info)
 
+    def _cache_key(self, adapter: str | None) -> Hashable:
+        """The prefix cache's key for the weights serving `adapter`: its name and load serial."""
+        if adapter is None:
+            return BASE_KEY
+        return (adapter, self._adapter_loads.get(adapter))
+
     def _adapter_names(self, rows: list[_Row]) -> dict[str, Any]:
         if self.model is self.base_model:
             return {}
         return {"adapter_names": [row.adapter or BASE_NAME for row in rows]}
 
     def _prefill(self, rows: list[_Row]) -> tuple[torch.Tensor, KVBatch]:
-        """Run the prompts of newcomers together, left-padded. Returns last-position logits.
+        """Run the prompts of newcomers, on top of their cached prefixes. Returns last-position
+        logits (B, V) and the rows' cache, in the order of `rows`.
 
-        Rows with the same prompt and adapter (a request's `n` choices; the runs of one task
+        Rows with the same prompt and weights (a request's `n` choices; the runs of one task
         that a group practises at once) run once: their cache rows and logits are copies."""
-        run: list[_Row] = []  # the rows the model runs: the first of each prompt and adapter
-        seen: dict[tuple[tuple[int, ...], str | None], int] = {}
+        run: list[_Row] = []  # the rows the model runs: the first of each prompt and weights
+        seen: dict[tuple[tuple[int, ...], Hashable], int] = {}
         inverse = []  # each row's index in `run`
         for row in rows:
-            key = (tuple(row.prompt_ids), row.adapter)
+            key = (tuple(row.prompt_ids), row.cache_key)
             if key not in seen:
                 seen[key] = len(run)
                 run.append(row)
             inverse.append(seen[key])
-        length = max(len(r.prompt_ids) for r in run)
+        hits = [self.prefix_cache.lookup(row.cache_key, row.prompt_ids) for row in run]
+        to_run = [
+            len(row.prompt_ids) - (hit.length if hit else 0)
+            for row, hit in zip(run, hits, strict=True)
+        ]
+        order: list[int] = []  # run indices in the order the groups' outputs are stacked
+        logits_parts: list[torch.Tensor] = []
+        batch: KVBatch | None = None
+        for group in _prefill_groups(to_run):
+            logits, part = self._prefill_group([run[i] for i in group], [hits[i] for i in group])
+            order.extend(group)
+            logits_parts.append(logits)
+            if batch is None:
+                batch = part
+            else:
+                batch.stack(part)
+        assert batch is not None
+        logits = torch.cat(logits_parts)
+        self.prefill_rows_shared += len(rows) - len(run)
+        at = {run_index: position for position, run_index in enumerate(order)}
+        select = [at[i] for i in inverse]
+        if select != list(range(len(order))):
+            index = torch.tensor(select, dtype=torch.long, device=self.device)
+            batch.cache.batch_select_indices(index)
+            batch.mask, logits = batch.mask[index], logits[index]
+        for row, i in zip(rows, inverse, strict=True):
+            row.prefix = run[i].prefix
+        return logits, batch
+
+    def _prefill_group(
+        self, run: list[_Row], hits: list[Hit | None]
+    ) -> tuple[torch.Tensor, KVBatch]:
+        """One forward pass over rows whose tokens still to run have similar lengths.
+
+        Every row runs its last S tokens (S: the most any row of the group has left to run);
+        what comes before them is read from its cache hit, left-padded to the longest. A row
+        with fewer than S tokens left to run recomputes a few cached ones; a row shorter than S
+        is left-padded. The real positions of every row stay contiguous on the right."""
+        lengths = [len(row.prompt_ids) for row in run]
+        cached = [hit.length if hit else 0 for hit in hits]
+        width = max(n - c for n, c in zip(lengths, cached, strict=True))  # S
+        past = [max(0, n - width) for n in lengths]  # cached positions each row reads
+        past_width = max(past)
         pad = self.tokenizer.pad_token_id or 0
-        ids = torch.full((len(run), length), pad, dtype=torch.long)
-        mask = torch.zeros((len(run), length), dtype=torch.long)
+        ids = torch.full((len(run), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(run), past_width + width), dtype=torch.long)
         for b, row in enumerate(run):
-            n = len(row.prompt_ids)
-            ids[b, length - n :] = torch.tensor(row.prompt_ids, dtype=torch.long)
-            mask[b, length - n :] = 1
+            fresh = row.prompt_ids[past[b] :]
+            ids[b, width - len(fresh) :] = torch.tensor(fresh, dtype=torch.long)
+            mask[b, past_width + width - lengths[b] :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, past_width:]
         cache = DynamicCache(config=self.base_model.config)
+        if past_width:
+            _fill_cache(
+                cache,
+                [head_of(hit.spans, p) if hit else () for hit, p in zip(hits, past, strict=True)],
+                past_width,
+            )
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -406,13 +495,22 @@ class LocalEngine:
             logits_to_keep=1,
             **self._adapter_names(run),
         )
-        logits, batch = out.logits[:, -1, :].float(), KVBatch(out.past_key_values, mask)
-        self.prefill_rows_shared += len(rows) - len(run)
-        if len(run) < len(rows):
-            index = torch.tensor(inverse, dtype=torch.long, device=self.device)
-            batch.cache.batch_select_indices(index)
-            batch.mask, logits = batch.mask[index], logits[index]
-        return logits, batch
+        stats = self.prefix_cache.stats
+        stats.prompt_tokens += sum(lengths)
+        stats.hit_tokens += sum(past)
+        batch = KVBatch(out.past_key_values, mask)
+        if self.prefix_cache.enabled:
+            total = past_width + width
+            for b, (row, hit) in enumerate(zip(run, hits, strict=True)):
+                first = total - lengths[b] + past[b]  # the first column this pass computed
+                fresh_span = KVSpan.copy_of(
+                    [layer.keys[b : b + 1, :, first:] for layer in batch.cache.layers],
+                    [layer.values[b : b + 1, :, first:] for layer in batch.cache.layers],
+                )
+                reused = head_of(hit.spans, past[b]) if hit else ()
+                row.prefix = (*(span.detached() for span in reused), fresh_span)
+                self.prefix_cache.insert(row.cache_key, row.prompt_ids, row.prefix)
+        return out.logits[:, -1, :].float(), batch
 
     def _step(self) -> None:
         """One decode step for every running row: feed its last sampled token."""
@@ -543,13 +641,16 @@ class LocalEngine:
         )
 
     def _retire(self, finished: list[int], rows: list[_Row]) -> None:
-        """Drop finished rows from the running batch (and their cache rows)."""
+        """Drop finished rows from the running batch (and their cache rows), keeping their KV
+        in the prefix cache."""
         if not finished:
             return
         done = {id(rows[b]) for b in finished}
         keep = [i for i, row in enumerate(self._rows) if id(row) not in done]
         if len(keep) == len(self._rows):
             return
+        if self.prefix_cache.enabled:
+            self._cache_rows([i for i, row in enumerate(self._rows) if id(row) in done])
         if not keep:
             self._rows, self._batch = [], None
         else:
@@ -558,6 +659,28 @@ class LocalEngine:
             self._rows = [self._rows[i] for i in keep]
         self._unload_unused()
 
+    def _cache_rows(self, positions: list[int]) -> None:
+        """Store the KV of the batch rows at `positions` (prompt and generated tokens)."""
+        assert self._batch is not None
+        mask, layers = self._batch.mask, self._batch.cache.layers
+        width = int(mask.shape[1])
+        for i in positions:
+            row = self._rows[i]
+            if row.finish_reason == "error" or not row.prefix:
+                continue
+            if row.cache_key != self._cache_key(row.adapter):
+                continue  # its weights were unloaded meanwhile (cannot happen while it runs)
+            real = int(mask[i].sum())  # prompt + generated tokens fed (not the last sampled)
+            start = width - real + len(row.prompt_ids)  # the first generated token's column
+            if start >= width:
+                continue  # nothing generated was fed: the prefill stored the prompt already
+            tail = KVSpan.copy_of(
+                [layer.keys[i : i + 1, :, start:] for layer in layers],
+                [layer.values[i : i + 1, :, start:] for layer in layers],
+            )
+            ids = (row.prompt_ids + row.completion_ids)[:real]
+            self.prefix_cache.insert(row.cache_key, ids, (*row.prefix, tail))
+
     def _fail_all(self, error: BaseException) -> None:
         jobs = {id(r.job): r.job for r in self._rows}
         jobs.update({id(j): j for j in self._waiting})
@@ -565,6 +688,42 @@ class LocalEngine:
         for job in jobs.values():
             _fail(job, error)
         self._rows, self._waiting, self._batch = [], [], None
+
+
+def _prefill_groups(to_run: list[int]) -> list[list[int]]:
+    """Indices of `to_run` (tokens each row still has to run) grouped for one forward pass each:
+    longest first, a row joining the current group while the group's longest is at most twice
+    its own plus 64 (padding or recomputing more than that costs more than another pass)."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(to_run)), key=lambda i: -to_run[i]):
+        if groups and to_run[groups[-1][0]] <= 2 * to_run[i] + 64:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _fill_cache(cache: DynamicCache, pasts: list[tuple[KVSpan, ...]], width: int) -> None:
+    """Put each row's cached KV (a chain of spans, maybe none) into an empty `cache`,
+    left-padded to `width` positions: layer tensors (B, H, width, D)."""
+    sample = next(spans for spans in pasts if spans)[0].keys[0]  # (1, H, T, D)
+    empty = sample.new_zeros((1, sample.shape[1], 0, sample.shape[3]))
+    layer: Any
+    for index, layer in enumerate(cache.layers):
+        rows = [layer_tensors(spans, index) if spans else (empty, empty) for spans in pasts]
+        keys = torch.cat([left_pad(k, width) for k, _ in rows])
+        values = torch.cat([left_pad(v, width) for _, v in rows])
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+
+
+def _cache_layers_grow_by_cat(config: Any) -> bool:
+    """Whether the model's DynamicCache layers are all full-attention `DynamicLayer`s (their
+    tensors are never written in place, so cached spans can be shared; a sliding window's
+    are cut and rolled)."""
+    from transformers.cache_utils import DynamicLayer
+
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
