@@ -200,6 +200,24 @@ def helper_bytes(db: Path, trajectory_ids: list[str]) -> int | None:
         return None
 
 
+def cache_counts(url: str, vllm_url: str | None) -> tuple[int, int] | None:
+    """The engine's prefix cache counters, (query tokens, hit tokens): vLLM's own `/metrics`
+    (exact: rlproxy reads them every 10 s), else rlproxy's `/health` (the embedded engine's
+    cache, where the code has one). None: no counters."""
+    if vllm_url is not None:
+        found = {"queries": 0.0, "hits": 0.0}
+        for line in httpx.get(f"{vllm_url}/metrics", timeout=60).text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0].removesuffix("_total")
+            kind = name.removeprefix("vllm:prefix_cache_")
+            if name.startswith("vllm:prefix_cache_") and kind in found:
+                found[kind] += float(line.rsplit(" ", 1)[-1])
+        return int(found["queries"]), int(found["hits"])
+    engine = httpx.get(f"{url}/health", timeout=60).json().get("engine") or {}
+    if engine.get("prefix_cache_query_tokens") is None:
+        return None
+    return int(engine["prefix_cache_query_tokens"]), int(engine.get("prefix_cache_hit_tokens", 0))
+
+
 def db_file_bytes(db: Path) -> int:
     return sum(p.stat().st_size for p in db.parent.glob(db.name + "*") if p.is_file())
 
@@ -231,7 +249,9 @@ async def run_session(
             "stream_options": {"include_usage": True},
         }
         raw = json.dumps(body).encode()
-        answer, usage, ttft = [], {}, None
+        answer: list[str] = []
+        usage: dict[str, Any] = {}
+        ttft: float | None = None
         sent = time.perf_counter()
         headers = {"content-type": "application/json", "x-rlproxy-group": group}
         async with client.stream(
@@ -438,11 +458,13 @@ def run_engine(
     levels = sorted(set(args.sessions))
     env = serve_env(spec, model, max(levels))
     result: dict[str, Any] = {"engine": engine, "levels": {}}
+    vllm_url = None
     with ExitStack() as stack:
         if engine == "vllm":
             vllm = start_vllm(model, work / f"{spec.name}-vllm-server", args, context)
             stack.callback(vllm.stop)
-            env |= {"RLPROXY_ENGINE": "vllm", "RLPROXY_VLLM_URLS": json.dumps([vllm.url])}
+            vllm_url = vllm.url
+            env |= {"RLPROXY_ENGINE": "vllm", "RLPROXY_VLLM_URLS": json.dumps([vllm_url])}
         proc, url = start_server(data, args.model_dir, env)
         stack.callback(stop, proc)  # stopping twice is harmless
         db = data / "rlproxy.db"
@@ -450,6 +472,7 @@ def run_engine(
         for sessions in levels:
             turns = spec.turns if sessions == 1 else min(spec.turns, args.concurrent_turns)
             group = f"bench-{spec.name}-{engine}-s{sessions}"
+            cache_before = cache_counts(url, vllm_url)
             runs, wall = asyncio.run(
                 run_level(
                     url,
@@ -476,6 +499,15 @@ def run_engine(
                 "mean_ttft_by_turn_s": ttft_by_turn,
                 "load_average": os.getloadavg(),
             }
+            cache_after = cache_counts(url, vllm_url)
+            if cache_before is not None and cache_after is not None:
+                queried = cache_after[0] - cache_before[0]
+                hit = cache_after[1] - cache_before[1]
+                level["prefix_cache"] = {
+                    "query_tokens": queried,
+                    "hit_tokens": hit,
+                    "hit_rate": hit / queried if queried else None,
+                }
             if sessions == 1:
                 detail = [asdict(t) for t in runs[0].turns]
                 stored_total = sum(t["stored_bytes"] or 0 for t in detail)
@@ -526,6 +558,12 @@ def print_level(engine: str, spec: SessionSpec, level: dict[str, Any]) -> None:
         f" {level['wall_s']:.1f} s, {level['tokens_per_s']:.2f} completion tokens/s"
         f" (load average {load})"
     )
+    cache = level.get("prefix_cache")
+    if cache is not None and cache["hit_rate"] is not None:
+        print(
+            f"  prefix cache: {cache['hit_tokens']} of {cache['query_tokens']} prompt tokens hit"
+            f" ({cache['hit_rate']:.1%})"
+        )
     if "turns_detail" not in level:
         ttfts = " ".join(f"{x:.2f}" for x in level["mean_ttft_by_turn_s"])
         print(f"  mean TTFT by turn (s): {ttfts}")

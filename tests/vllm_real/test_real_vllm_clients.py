@@ -104,9 +104,11 @@ def server(
     data_dir = tmp_path_factory.mktemp("real-vllm-clients")
     with real_stack(data_dir, model_data_dir, real_replicas) as srv:
         yield srv
-        # Both replicas served: the routing spread the module's requests.
+        # Both replicas served: the routing spread the module's conversations (each stays on
+        # one replica, docs/vllm-engine.md; a run of a test or two may meet only one).
         replicas = httpx.get(f"{srv.url}/health", timeout=30).json()["engine"]["replicas"]
-        assert all(r["served"] > 0 for r in replicas), replicas
+        if sum(r["served"] for r in replicas) >= 16:
+            assert all(r["served"] > 0 for r in replicas), replicas
 
 
 @pytest.fixture(scope="module")
