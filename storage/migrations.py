@@ -435,13 +435,13 @@ def _m010_prompt_chunks(conn: Connection) -> None:
                     "t": None if ids is None else _json(split.token_ids(r.owner_key_id, ids)),
                 }
             )
-        if split.bodies:
+        if split.values:
             conn.execute(
                 text(
                     "INSERT INTO prompt_chunks (hash, owner_key_id, body) VALUES (:h, :o, :b) "
                     "ON CONFLICT (hash) DO NOTHING"
                 ),
-                [{"h": h, "o": split.owners[h], "b": b} for h, b in split.bodies.items()],
+                [{"h": h, "o": split.owners[h], "b": split.body(h)} for h in split.values],
             )
         conn.execute(
             text(

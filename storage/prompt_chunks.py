@@ -37,6 +37,7 @@ import base64
 import hashlib
 import json
 import sqlite3
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,46 +63,77 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
-def chunk_hash(owner: str | None, kind: str, body: str) -> str:
-    """128 bits of sha256 over (owner, kind, body), base64url without padding (22 chars)."""
+def _seed(owner: str | None, kind: str) -> Any:
+    """sha256 fed with (owner, kind): copied per chunk, so each chunk hashes only its body."""
     h = hashlib.sha256()
-    for part in (owner or "", kind, body):
-        h.update(part.encode())
-        h.update(b"\x00")
-    return base64.urlsafe_b64encode(h.digest()[:16]).decode().rstrip("=")
+    h.update(f"{owner or ''}\x00{kind}\x00".encode())
+    return h
+
+
+def _name(h: Any) -> str:
+    """128 bits of the hash, base64url without padding (22 characters)."""
+    return base64.urlsafe_b64encode(h.digest()[:16])[:22].decode()
+
+
+def _token_bytes(block: list[int]) -> bytes:
+    """The ids as 8-byte integers (a fraction of JSON's cost); JSON for ids that do not fit."""
+    try:
+        return array("q", block).tobytes()
+    except OverflowError:
+        return _dumps(block).encode()
 
 
 @dataclass
 class SplitPrompts:
-    """The chunks of a batch of prompts (deduplicated), to insert where missing."""
+    """The chunks of a batch of prompts (deduplicated), to insert where missing.
 
-    bodies: dict[str, str] = field(default_factory=dict)
-    """hash -> JSON text of the chunk."""
+    Only a chunk's hash is computed for every call; the JSON text of a token block is built
+    only for the blocks `insert_missing` finds missing (a long prompt's are mostly stored)."""
+
+    values: dict[str, str | list[int]] = field(default_factory=dict)
+    """hash -> a message's or tool's JSON text, or a token block (JSON only when inserted)."""
     owners: dict[str, str | None] = field(default_factory=dict)
 
-    def _add(self, owner: str | None, kind: str, value: Any) -> str:
-        body = _dumps(value)
-        key = chunk_hash(owner, kind, body)
-        self.bodies.setdefault(key, body)
-        self.owners.setdefault(key, owner)
+    def _add(self, owner: str | None, h: Any, value: str | list[int]) -> str:
+        key = _name(h)
+        if key not in self.values:
+            self.values[key] = value
+            self.owners[key] = owner
         return key
+
+    def _json_chunks(self, owner: str | None, kind: str, items: Sequence[Any]) -> list[str]:
+        seed, out = _seed(owner, kind), []
+        for item in items:
+            body = _dumps(item)
+            h = seed.copy()
+            h.update(body.encode())
+            out.append(self._add(owner, h, body))
+        return out
 
     def messages(self, owner: str | None, messages: Sequence[Any]) -> list[str]:
         """The hashes of these messages, in order (the `calls.message_refs` value)."""
-        return [self._add(owner, "m", m) for m in messages]
+        return self._json_chunks(owner, "m", messages)
 
     def tools(self, owner: str | None, tools: Sequence[Any] | None) -> list[str] | None:
         """The hashes of these tool declarations, in order (the `calls.tool_refs` value)."""
-        return None if tools is None else [self._add(owner, "f", t) for t in tools]
+        return None if tools is None else self._json_chunks(owner, "f", tools)
 
     def token_ids(self, owner: str | None, ids: Sequence[int] | None) -> list[str] | None:
         """The hashes of these ids' blocks, in order (the `calls.token_refs` value)."""
         if ids is None:
             return None
-        ids = list(ids)
-        return [
-            self._add(owner, "t", ids[i : i + TOKEN_BLOCK]) for i in range(0, len(ids), TOKEN_BLOCK)
-        ]
+        seed, ids, out = _seed(owner, "t"), list(ids), []
+        for i in range(0, len(ids), TOKEN_BLOCK):
+            block = ids[i : i + TOKEN_BLOCK]
+            h = seed.copy()
+            h.update(_token_bytes(block))
+            out.append(self._add(owner, h, block))
+        return out
+
+    def body(self, key: str) -> str:
+        """The JSON text stored for the chunk `key`."""
+        value = self.values[key]
+        return value if isinstance(value, str) else _dumps(value)
 
 
 def _slices(items: Sequence[str]) -> Iterable[Sequence[str]]:
@@ -114,14 +146,14 @@ async def insert_missing(conn: AsyncConnection, split: SplitPrompts) -> int:
 
     One query finds the hashes that exist (most of a long session's), so their text is never
     sent again; the insert ignores a chunk another replica inserted meanwhile."""
-    if not split.bodies:
+    if not split.values:
         return 0
-    wanted = list(split.bodies)
+    wanted = list(split.values)
     present: set[str] = set()
     for part in _slices(wanted):
         present.update(r[0] for r in await conn.execute(select(P.c.hash).where(P.c.hash.in_(part))))
     rows = [
-        {"hash": h, "owner_key_id": split.owners[h], "body": split.bodies[h]}
+        {"hash": h, "owner_key_id": split.owners[h], "body": split.body(h)}
         for h in wanted
         if h not in present
     ]
