@@ -227,7 +227,7 @@ class PrefixCache:
             "bytes": self.bytes,
             "entries": len(self._entries),
             "ttl_s": self.ttl_s,
-            "prompt_tokens": s.prompt_tokens,
+            "query_tokens": s.prompt_tokens,
             "hit_tokens": s.hit_tokens,
             "hit_rate": round(s.hit_tokens / s.prompt_tokens, 4) if s.prompt_tokens else None,
             "evicted": s.evicted,

@@ -406,6 +406,28 @@ class _StateCollector:
                 yield CounterMetricFamily(
                     f"rlproxy_engine_prefix_cache_{name}", help_, value=detail[key]
                 )
+        cache = detail.get("prefix_cache")
+        if isinstance(cache, dict) and cache.get("max_bytes") is not None:  # the local engine's
+            yield GaugeMetricFamily(
+                "rlproxy_engine_prefix_cache_bytes",
+                "Bytes of key/value tensors the local engine's prefix cache holds "
+                "(RLPROXY_PREFIX_CACHE_BYTES bounds it).",
+                value=cache["bytes"],
+            )
+            yield GaugeMetricFamily(
+                "rlproxy_engine_prefix_cache_entries",
+                "Entries (token sequences with their KV) in the local engine's prefix cache.",
+                value=cache["entries"],
+            )
+            dropped = CounterMetricFamily(
+                "rlproxy_engine_prefix_cache_dropped",
+                "Prefix cache entries dropped: for room (least recently used first) or for age "
+                "(unused for RLPROXY_PREFIX_CACHE_TTL_S).",
+                labels=["reason"],
+            )
+            dropped.add_metric(["room"], cache["evicted"])
+            dropped.add_metric(["age"], cache["expired"])
+            yield dropped
         tokens = detail.get("tokens")
         if tokens is not None:
             yield CounterMetricFamily(

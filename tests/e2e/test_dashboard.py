@@ -357,6 +357,11 @@ def test_overview_plots_reward_per_version_with_error_bars(
     stale = httpx.get(f"{dserver.url}/rl/stats", timeout=30).json()["trainer"]["stale_groups"]
     assert stale == {"trained": 8, "dropped": 2, "downweighted": 0, "dropped_share": 0.2}
     assert "openai/judge" in page.inner_text("#judge")
+    # The engine's prefix cache: the share of prompt tokens its later turns did not prefill.
+    cache = _health(dserver)["engine"]["prefix_cache"]
+    assert cache["enabled"] and cache["hit_tokens"] > 0
+    assert page.inner_text("#prefix-cache .figure").endswith("%")
+    assert "prompt tokens came from the cache" in page.inner_text("#prefix-cache")
     assert page.inner_text("#health").startswith("rlproxy")
     browser.shoot(page, "overview")
     no_console_errors(browser, page)

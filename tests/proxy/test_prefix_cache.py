@@ -23,6 +23,7 @@ from proxy.chat.grammar import constraint_for_json_object
 from proxy.engines.base import ChoiceFinished, GenerationRequest, SamplingParams
 from proxy.engines.local import LocalEngine
 from proxy.engines.prefix_cache import KVSpan, PrefixCache
+from proxy.telemetry.metrics import _StateCollector
 from tests.e2e.test_adapters import write_random_lora
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, top_logprobs=2)
@@ -188,6 +189,12 @@ async def test_a_session_reuses_its_prompts_and_answers_and_matches_no_cache(
     assert off.health().detail["prefix_cache_hit_tokens"] == 0
     detail = on.health().detail["prefix_cache"]
     assert 0 < detail["bytes"] <= detail["max_bytes"] and detail["entries"] >= 1
+    assert detail["hit_tokens"] == hits and detail["query_tokens"] == queried
+    # /metrics reads the same figures from the engine's health.
+    families = {f.name: f for f in _StateCollector()._engine(on.health().detail)}
+    assert families["rlproxy_engine_prefix_cache_hit_tokens"].samples[0].value == hits
+    assert families["rlproxy_engine_prefix_cache_query_tokens"].samples[0].value == queried
+    assert families["rlproxy_engine_prefix_cache_bytes"].samples[0].value == detail["bytes"]
 
 
 async def test_n_choices_on_a_cached_prefix_match_no_cache(

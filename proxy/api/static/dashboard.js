@@ -250,10 +250,16 @@
   // --------------------------------------------------------------------------- overview
 
   async function overview() {
-    const [stats, models, judgeReport] = await Promise.all([api("rl/stats"), api("v1/models"), api("rl/judge")]);
+    const [stats, models, judgeReport, health] = await Promise.all([
+      api("rl/stats"),
+      api("v1/models"),
+      api("rl/judge"),
+      api("health", { accept: [503] }).catch(() => null),
+    ]);
+    const cache = (health && health.engine && health.engine.prefix_cache) || null;
     return {
-      data: { stats, models: models.data.map((m) => m.id), judge: judgeReport },
-      draw: () => [drawOverview(stats, models), judgePanel(judgeReport)],
+      data: { stats, models: models.data.map((m) => m.id), judge: judgeReport, cache },
+      draw: () => [drawOverview(stats, models, cache), judgePanel(judgeReport)],
     };
   }
 
@@ -304,7 +310,20 @@
     });
   }
 
-  function drawOverview(stats, models) {
+  // The engine's prefix cache (GET /health's engine.prefix_cache, shown to an admin key or
+  // when no keys exist): the share of prompt tokens not prefilled again.
+  function cacheCard(cache) {
+    const rate = cache.hit_rate === null || cache.hit_rate === undefined ? "–" : `${num(100 * cache.hit_rate, 1)} %`;
+    const mb = (b) => `${Math.round(b / 2 ** 20)} MB`;
+    return card("Prefix cache hits", cache.enabled === false ? "off" : rate, [
+      h("div", { class: "small muted", text: `${cache.hit_tokens || 0} of ${cache.query_tokens || 0} prompt tokens came from the cache` }),
+      cache.max_bytes !== undefined
+        ? h("div", { class: "small muted", text: `${mb(cache.bytes)} of ${mb(cache.max_bytes)}, ${cache.entries} entries` })
+        : null,
+    ], { id: "prefix-cache" });
+  }
+
+  function drawOverview(stats, models, cache) {
     const calls = stats.calls;
     const trainer = stats.trainer;
     const judge = stats.judge;
@@ -350,6 +369,7 @@
             ? h("div", { class: "small", text: `last failure ${ago(groups.last_failed.at)}: ${groups.last_failed.failure || "?"}` })
             : null,
         ], { id: "judge", small: true }),
+        cache ? cacheCard(cache) : null,
       ),
       groups.why_not_training && groups.why_not_training.length
         ? h(
