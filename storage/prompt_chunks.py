@@ -142,7 +142,7 @@ def _slices(items: Sequence[str]) -> Iterable[Sequence[str]]:
 
 
 async def insert_missing(conn: AsyncConnection, split: SplitPrompts) -> int:
-    """Insert the chunks not stored yet; return how many were new.
+    """Insert the chunks not stored yet; return how many the lookup did not find.
 
     One query finds the hashes that exist (most of a long session's), so their text is never
     sent again; the insert ignores a chunk another replica inserted meanwhile."""

@@ -7,9 +7,12 @@ the schema before chunks reads call for call as it did; deleting a key's data de
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import random
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,9 +22,9 @@ from storage import Store, migrations
 from storage.engines import create_engines
 from storage.export import to_finetune_line
 from storage.grouping import SignatureGrouper
-from storage.prompt_chunks import TOKEN_BLOCK
+from storage.prompt_chunks import TOKEN_BLOCK, SplitPrompts, insert_missing, load_prompts
 from storage.records import CallRecord, ChoiceRecord
-from tests.storage.conftest import Database, make_call
+from tests.storage.conftest import Database, _drop_schema, _postgres_database, make_call
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -307,3 +310,42 @@ async def test_a_database_migrated_from_whole_prompts_reads_as_before(
     await store.delete_key_data("k1")
     stored = await store.get_trajectory_calls("t-open")
     assert [s.record for s in stored] == [as_read(c) for c in trajectories["t-open"][1]]
+
+
+@pytest.fixture
+async def pg_db() -> AsyncIterator[Database]:
+    database = await _postgres_database()
+    try:
+        yield database
+    finally:
+        await database.close_all()
+        await _drop_schema(database.schema or "")
+
+
+@pytest.mark.postgres
+async def test_replicas_inserting_the_same_new_chunk_at_once_both_commit(pg_db: Database) -> None:
+    """Postgres, two replicas: the second transaction's lookup cannot see the first's chunks
+    (not committed yet), so its insert meets them on the primary key; it must wait and skip
+    them, not fail. (SQLite runs one write transaction at a time: no such race there.)"""
+    await (await pg_db.open()).close()  # migrated
+    pg_db.stores.clear()
+    engines = create_engines(pg_db.url, postgres_schema=pg_db.schema)
+    split = SplitPrompts()
+    refs = split.messages(None, session(1, seed=5)[0].request_messages)
+    try:
+        async with engines.write.connect() as one, engines.write.connect() as two:
+            await one.begin()
+            await two.begin()
+            assert await insert_missing(one, split) == len(set(refs))
+            late = asyncio.create_task(insert_missing(two, split))
+            await asyncio.sleep(0.5)
+            assert not late.done()  # waiting on the first transaction's rows
+            await one.commit()
+            assert await late == len(set(refs))  # it looked before they were committed
+            await two.commit()
+        async with engines.read.connect() as conn:
+            rows = [{"id": "c", "message_refs": refs, "tool_refs": None}]
+            prompt = (await load_prompts(conn, [SimpleNamespace(**r) for r in rows], False))["c"]
+            assert prompt.messages == session(1, seed=5)[0].request_messages
+    finally:
+        await engines.dispose()
