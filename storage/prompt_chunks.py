@@ -18,9 +18,12 @@ is assumed about what the previous call held. A client that edits earlier histor
 or a re-tokenised boundary simply produce new chunks, and whatever is identical is shared, also
 across trajectories (one agent's system prompt is stored once per API key, not once per
 session). A write needs no earlier call (no chain to rebuild, one query for the hashes that exist
-already); a read needs no chain either: one query for a call's chunks, whatever turn it is. The
-cost is the list of hashes each call keeps (22 characters a chunk), which still grows with the
-history, at about 1/300 of the prompt's size for messages of 100 tokens.
+already); a read needs no chain either: one query for a call's chunks, whatever turn it is. Writing
+costs no more CPU than encoding the whole prompt did: only hashes are computed for chunks that
+exist, and a token block is hashed as 8-byte integers, turned into JSON only when missing. The
+cost is the list of hashes each call keeps (22 characters and JSON quoting a chunk), which still
+grows with the history: about 1/30 of what the whole prompt took (a 100-token message is ~500
+characters of JSON, a 128-id block ~700).
 
 Hashes are seeded with the owning API key (`CallRecord.owner_key_id`), so keys never share a
 chunk and deleting a key's data deletes its chunks (`storage.api_keys.delete_owner_data`).
@@ -28,7 +31,9 @@ chunk and deleting a key's data deletes its chunks (`storage.api_keys.delete_own
 Any split reads back the same: readers only follow hashes, so a later change of the block size
 or of the split (or the migration that moved older rows here, `m010_prompt_chunks`) needs no
 rewrite. This module holds the split, the join and their SQL; callers are `storage.write_ops`,
-`storage.read_ops`, `storage.group_ops`, `storage.group_reads` and `storage.stats`.
+`storage.read_ops` (whose `read_calls` every reader of whole calls goes through),
+`storage.group_ops`, `storage.migrations` (m010), and scripts that read a SQLite file
+(`sqlite_prompts`).
 """
 
 from __future__ import annotations
