@@ -61,7 +61,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
@@ -99,6 +99,16 @@ class StepMetrics:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class _Pass(NamedTuple):
+    """One forward's inputs: `_padded` rows or one `_packed` sequence (see there)."""
+
+    input_ids: torch.Tensor
+    attention: torch.Tensor
+    positions: torch.Tensor | None
+    keep: torch.Tensor  # which positions predict a trained completion token
+    targets: torch.Tensor  # the token each position predicts
 
 
 @dataclass(frozen=True)
@@ -223,15 +233,24 @@ class PeftTrainer:
         return model
 
     def _can_share_prefix(self) -> bool:
-        """Sharing needs a plain growing key/value cache in every layer (not a sliding-window,
-        quantised or recurrent one, whose contents differ from a full forward)."""
-        if not self.config.share_prompt_prefix or self.config.gradient_checkpointing:
+        """Sharing packs rows after their common prefix into one sequence under a mask of its
+        own (`_packed`): that needs attention that takes such a mask (sdpa or eager) and full
+        causal attention in every layer, which a plain growing key/value cache in every layer
+        shows (not a sliding-window, chunked or recurrent one, where the mask would differ)."""
+        if not self.config.share_prompt_prefix:
+            return False
+        if self._attention() not in ("sdpa", "eager"):
             return False
         probe = torch.tensor([[self.pad_id]], device=self.device)
         with torch.no_grad():
             cache = self.model(input_ids=probe, use_cache=True, logits_to_keep=1).past_key_values
         layers = list(getattr(cache, "layers", None) or [])
         return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+    def _attention(self) -> str:
+        """The attention implementation transformers runs ('sdpa', 'eager', ...)."""
+        config = getattr(self.model.get_base_model(), "config", None)
+        return str(getattr(config, "_attn_implementation", ""))
 
     # ----------------------------------------------------------------- training
 
@@ -399,22 +418,32 @@ class PeftTrainer:
         )
 
     def _micro_batches(self, order: list[int], rows: list[_Row]) -> Iterator[list[int]]:
-        """`order` cut into runs of at most `micro_batch_size` rows whose padded size (rows x
-        the longest row) stays within `micro_batch_tokens`; a row longer than that goes alone."""
+        """`order` cut into runs of at most `micro_batch_size` rows whose forward runs at most
+        `micro_batch_tokens` tokens (`_pass_tokens`); a row longer than that goes alone."""
         budget = self.config.micro_batch_tokens
         batch: list[int] = []
-        longest = 0
         for i in order:
-            n = len(rows[i].input_ids)
-            grown = max(longest, n) * (len(batch) + 1)
             full = len(batch) >= self.config.micro_batch_size
-            if batch and (full or (budget is not None and grown > budget)):
+            if batch and (
+                full
+                or (
+                    budget is not None
+                    and self._pass_tokens([rows[j] for j in [*batch, i]]) > budget
+                )
+            ):
                 yield batch
-                batch, longest = [], 0
+                batch = []
             batch.append(i)
-            longest = max(longest, n)
         if batch:
             yield batch
+
+    def _pass_tokens(self, rows: list[_Row]) -> int:
+        """Tokens one forward over `rows` runs: their common prefix once and each row's rest
+        (`_packed`), or every row padded to the longest (`_padded`)."""
+        shared = self._shared_prefix(rows)
+        if shared:
+            return shared + sum(len(r.input_ids) - shared for r in rows)
+        return len(rows) * max(len(r.input_ids) for r in rows)
 
     def _micro_batch(
         self, rows: list[_Row], row_weights: torch.Tensor
@@ -422,33 +451,35 @@ class PeftTrainer:
         shared = self._shared_prefix(rows)  # P: the leading tokens every row has, run once
         batch = len(rows)
         length = max(len(r.input_ids) for r in rows) - shared  # S: the longest row's rest
-        input_ids = torch.full((batch, length), self.pad_id, dtype=torch.long)  # (B, S)
-        attention = torch.zeros((batch, shared + length), dtype=torch.long)  # (B, P + S)
-        # keep[b, p]: suffix position p predicts a completion token (p + 1), so p runs from
-        # first - 1 (in suffix coordinates, first - 1 - P; P <= first - 1 by construction).
-        keep = torch.zeros((batch, length), dtype=torch.bool)
+        rests = [r.input_ids[shared:] for r in rows]
+        # keep[b, p]: rest position p predicts a completion token (p + 1), so p runs from
+        # first - 1 (in rest coordinates, first - 1 - P; P <= first - 1 by construction).
+        keep = torch.zeros((batch, length), dtype=torch.bool)  # (B, S)
         old = torch.zeros((batch, length), dtype=torch.float32)
-        for b, row in enumerate(rows):
-            rest = row.input_ids[shared:]
-            input_ids[b, : len(rest)] = torch.tensor(rest)
-            attention[b, : shared + len(rest)] = 1
+        targets = torch.zeros((batch, length), dtype=torch.long)  # target of p is token p + 1
+        for b, (row, rest) in enumerate(zip(rows, rests, strict=True)):
             span = slice(row.first - 1 - shared, row.first - 1 - shared + len(row.old_logprobs))
             keep[b, span] = torch.tensor(row.mask)
             old[b, span] = torch.tensor(row.old_logprobs)
-        input_ids, attention, keep, old = (
-            t.to(self.device) for t in (input_ids, attention, keep, old)
-        )
-        prefix = (
-            torch.tensor([rows[0].input_ids[:shared]], device=self.device) if shared else None
-        )  # (1, P)
-        targets = input_ids.roll(-1, dims=1)  # target of position p is token p + 1
+            targets[b, : len(rest) - 1] = torch.tensor(rest[1:])
+        if shared:
+            forward = self._packed(rows[0].input_ids[:shared], rests, keep, targets)
+        else:
+            forward = self._padded(rests, keep, targets)
+        keep, old = keep.to(self.device), old.to(self.device)
         advantages = torch.tensor([r.advantage for r in rows], device=self.device)
+
+        def logprobs() -> torch.Tensor:  # (B, S): the kept positions' logprobs, 0 elsewhere
+            flat = self._logprobs(*forward)  # (N,), in the row-major order of `keep`
+            return torch.zeros(keep.shape, dtype=flat.dtype, device=flat.device).masked_scatter(
+                keep, flat
+            )
 
         ref = None
         if self.config.kl_beta > 0:
             with torch.no_grad(), self.model.disable_adapter():
-                ref = self._logprobs(input_ids, attention, keep, targets, prefix)
-        new = self._logprobs(input_ids, attention, keep, targets, prefix)
+                ref = logprobs()
+        new = logprobs()
         if any(r.recompute_old for r in rows):
             # Logprobs stored after a grammar's mask: this forward's (the weights at the step's
             # start, one optimizer step per batch) are the ratio's reference for those rows.
@@ -466,13 +497,71 @@ class PeftTrainer:
             keep,
             epsilon=self.config.epsilon,
             kl_beta=self.config.kl_beta,
-            ref_logprobs=ref,
             row_weights=row_weights.to(self.device),
+            ref_logprobs=ref,
             behaviour_logprobs=old if tis else None,
             tis_cap=self.config.tis_cap,
         )
-        metrics["computed_tokens"] = float(shared + int(attention[:, shared:].sum()))
+        metrics["computed_tokens"] = float(shared + sum(len(r) for r in rests))
         return loss, metrics
+
+    def _padded(self, rests: list[list[int]], keep: torch.Tensor, targets: torch.Tensor) -> _Pass:
+        """Rows side by side, right-padded: input_ids (B, S), attention (B, S)."""
+        input_ids = torch.full(keep.shape, self.pad_id, dtype=torch.long)
+        attention = torch.zeros(keep.shape, dtype=torch.long)
+        for b, rest in enumerate(rests):
+            input_ids[b, : len(rest)] = torch.tensor(rest)
+            attention[b, : len(rest)] = 1
+        return _Pass(
+            input_ids.to(self.device),
+            attention.to(self.device),
+            None,
+            keep.to(self.device),
+            targets.to(self.device),
+        )
+
+    def _packed(
+        self, prefix: list[int], rests: list[list[int]], keep: torch.Tensor, targets: torch.Tensor
+    ) -> _Pass:
+        """One sequence `prefix + rest_0 + rest_1 + ...` (1, L): every rest attends to the
+        prefix and, causally, to itself, never to another row's rest, and its positions go on
+        from the prefix's, so each row sees exactly its own tokens as in a forward of its own.
+        The prefix runs once and its gradient is the sum of the rows', with no padding and no
+        key/value cache, so gradient checkpointing can recompute it. Mask (1, 1, L, L): True
+        where a query may attend (sdpa), or 0 / the dtype's minimum added to the scores
+        (eager)."""
+        p = len(prefix)
+        lengths = [len(r) for r in rests]
+        total = p + sum(lengths)
+        segment = torch.zeros(total, dtype=torch.long)  # 0: the prefix, b + 1: row b's rest
+        positions = torch.arange(total)
+        start = p
+        for b, n in enumerate(lengths):
+            segment[start : start + n] = b + 1
+            positions[start : start + n] = torch.arange(p, p + n)
+            start += n
+        index = torch.arange(total)
+        causal = index[None, :] <= index[:, None]  # (L, L): key <= query
+        visible = causal & ((segment[None, :] == 0) | (segment[None, :] == segment[:, None]))
+        mask: torch.Tensor = visible
+        if self._attention() == "eager":
+            mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill(
+                ~visible, torch.finfo(self.dtype).min
+            )
+        flat_keep = torch.cat(
+            [torch.zeros(p, dtype=torch.bool)] + [keep[b, :n] for b, n in enumerate(lengths)]
+        )
+        flat_targets = torch.cat(
+            [torch.zeros(p, dtype=torch.long)] + [targets[b, :n] for b, n in enumerate(lengths)]
+        )
+        ids = torch.tensor(prefix + [t for r in rests for t in r])
+        return _Pass(
+            ids[None].to(self.device),
+            mask[None, None].to(self.device),
+            positions[None].to(self.device),
+            flat_keep[None].to(self.device),
+            flat_targets[None].to(self.device),
+        )
 
     def _shared_prefix(self, rows: list[_Row]) -> int:
         """How many leading tokens all `rows` share and may run once: at most up to the first
@@ -491,42 +580,28 @@ class PeftTrainer:
         self,
         input_ids: torch.Tensor,
         attention: torch.Tensor,
+        positions: torch.Tensor | None,
         keep: torch.Tensor,
         targets: torch.Tensor,
-        prefix: torch.Tensor | None,
     ) -> torch.Tensor:
-        """(B, S) logprobs of the targets at the `keep` positions, 0 elsewhere.
+        """(N,) logprobs of the targets at the N `keep` positions, in row-major order.
 
-        input_ids, keep, targets (B, S): each row after the shared prefix; attention (B, P + S);
-        prefix (1, P) or None. Only the N kept positions' hidden states go on, through the LM
-        head in chunks (`trainer.logprobs`).
+        input_ids, keep, targets (B, T); attention (B, T), or (B, 1, T, T) for a packed
+        sequence with its `positions` (B, T). Only the kept positions' hidden states go on,
+        through the LM head in chunks (`trainer.logprobs`).
         """
-        hidden = self._hidden_states(input_ids, attention, prefix)[keep]  # (B, S, H) -> (N, H)
-        flat = chunked_logprobs(
+        hidden = self._hidden_states(input_ids, attention, positions)[keep]  # (N, H)
+        return chunked_logprobs(
             hidden, self._logits_fn, targets[keep], chunk=self.config.logprob_chunk
-        )  # (N,)
-        return torch.zeros(keep.shape, dtype=flat.dtype, device=flat.device).masked_scatter(
-            keep, flat
         )
 
     def _hidden_states(
-        self, input_ids: torch.Tensor, attention: torch.Tensor, prefix: torch.Tensor | None
+        self, input_ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor | None
     ) -> torch.Tensor:
-        """(B, S, H) last hidden states of the decoder (the model without its LM head).
-
-        The prefix (1, P) runs once and its key/value cache, repeated over the batch, is what
-        every row attends to (autograd sums the rows' gradients into it).
-        """
+        """(B, T, H) last hidden states of the decoder (the model without its LM head)."""
         decoder: torch.nn.Module = self.model.get_base_model().get_decoder()  # type: ignore[operator]
-        cache = None
-        if prefix is not None:
-            cache = decoder(input_ids=prefix, use_cache=True).past_key_values
-            cache.batch_repeat_interleave(input_ids.shape[0])
         out = decoder(
-            input_ids=input_ids,
-            attention_mask=attention,
-            past_key_values=cache,
-            use_cache=cache is not None,
+            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False
         )
         hidden: torch.Tensor = out.last_hidden_state
         return hidden

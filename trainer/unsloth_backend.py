@@ -15,8 +15,9 @@ What differs from the PEFT backend, read from Unsloth's source (unsloth/models/l
   of the logits, as Unsloth's own GRPO does. Those hidden states are what the PEFT backend's
   `_logprobs` takes from the decoder: the completion positions' go through `lm_head` and the
   model family's final logit transform in chunks (`trainer.logprobs`), as on the PEFT backend.
-- No shared prompt prefix: Unsloth's forward treats a key/value cache as inference
-  (`fast_forward_inference`), so every row runs in full.
+- No shared prompt prefix: Unsloth's forward builds its own attention masks (a packed sequence
+  under a mask of rlproxy's, `PeftTrainer._packed`, is not one it takes), so every row runs in
+  full, padded.
 - Gradient checkpointing is Unsloth's own (`use_gradient_checkpointing="unsloth"`, activations
   offloaded to the host) when `gradient_checkpointing` is on.
 - `from_pretrained` defaults to a 4-bit base; this backend always loads 16-bit weights
@@ -111,13 +112,13 @@ class UnslothTrainer(PeftTrainer):
         return peft_model
 
     def _can_share_prefix(self) -> bool:
-        return False  # Unsloth's forward takes a cache only for inference
+        return False  # Unsloth's forward builds its own masks
 
     def _hidden_states(
-        self, input_ids: torch.Tensor, attention: torch.Tensor, prefix: torch.Tensor | None
+        self, input_ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor | None
     ) -> torch.Tensor:
-        """(B, T, H) last hidden states (no prefix: every row runs in full)."""
-        if prefix is not None:
+        """(B, T, H) last hidden states of padded rows (no packed prefix: every row in full)."""
+        if positions is not None:
             raise ValueError("the unsloth backend runs every row in full (no shared prefix)")
         with _hidden_states_as_logits():
             out = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False)

@@ -145,15 +145,10 @@ def test_chunked_logprobs_equal_the_full_logits(tiny_dir: Path) -> None:
     long_row = TrainingExample("long", prompt, completion, [-4.0] * 120, 1.0)
     trainer.train_step([long_row])  # LoRA B off zero: every LoRA matrix gets a gradient
     ids = torch.tensor([prompt + completion])
+    keep = torch.arange(239)[None] >= 119  # the positions that predict a completion token
     with torch.no_grad():
         full = trainer.model(input_ids=ids).logits[0, 119:-1].float().log_softmax(-1)
-        chunked = trainer._logprobs(
-            ids[:, :-1],
-            torch.ones_like(ids[:, :-1]),
-            torch.arange(239)[None] >= 119,
-            ids[:, 1:],
-            None,
-        )[0, 119:]
+        chunked = trainer._logprobs(ids[:, :-1], torch.ones_like(keep), None, keep, ids[:, 1:])
     torch.testing.assert_close(chunked, full[torch.arange(120), completion], rtol=1e-5, atol=1e-5)
 
     chunked_step = _step_gradients(trainer, [long_row])
@@ -162,10 +157,11 @@ def test_chunked_logprobs_equal_the_full_logits(tiny_dir: Path) -> None:
     )
     set_peft_model_state_dict(unchunked.model, trainer.adapter_state())
 
-    def full_logits(input_ids, attention, keep, targets, prefix):  # type: ignore[no-untyped-def]
-        logits = unchunked.model(input_ids=input_ids, attention_mask=attention).logits
-        picked = logits.float().log_softmax(-1).gather(-1, targets[..., None])[..., 0]
-        return torch.where(keep, picked, 0.0)
+    def full_logits(input_ids, attention, positions, keep, targets):  # type: ignore[no-untyped-def]
+        logits = unchunked.model(
+            input_ids=input_ids, attention_mask=attention, position_ids=positions
+        ).logits
+        return logits.float().log_softmax(-1).gather(-1, targets[..., None])[..., 0][keep]
 
     unchunked._logprobs = full_logits  # type: ignore[method-assign]
     full_step = _step_gradients(unchunked, [long_row])
@@ -182,12 +178,12 @@ def test_token_budget_micro_batches_give_the_same_step(tiny_dir: Path) -> None:
     )
     examples = _examples()
     rows = [budget._prepare(e) for e in examples]
-    batches = [
-        [len(rows[i].input_ids) for i in b]
-        for b in budget._micro_batches(list(range(len(rows))), rows)
-    ]
-    assert len(batches) > 2 and all(max(b) * len(b) <= 60 for b in batches)
-    assert sum(map(len, batches)) == len(rows)
+    order = sorted(range(len(rows)), key=lambda i: (rows[i].input_ids[: rows[i].first], i))
+    batches = [[rows[i] for i in b] for b in budget._micro_batches(order, rows)]
+    # Several passes, each within the budget (a group's shared prompt counted once).
+    assert len(batches) > 2 and sum(map(len, batches)) == len(rows)
+    assert all(budget._pass_tokens(b) <= 60 for b in batches)
+    assert any(len(b) > 1 for b in batches)
     _assert_same(_step_gradients(one_batch, examples), _step_gradients(budget, examples))
 
 
@@ -209,7 +205,7 @@ def test_gradient_checkpointing_and_micro_batches_give_the_same_step(tiny_dir: P
         tiny_dir, TrainerConfig(micro_batch_size=3, gradient_checkpointing=True), device="cpu"
     )
     assert checkpointed.model.get_base_model().is_activation_checkpointing
-    assert not checkpointed._share_prefix  # recomputation would grow the shared cache twice
+    assert checkpointed._share_prefix  # a packed sequence, no cache: recomputation is exact
     examples = _examples()
     _assert_same(_step_gradients(plain, examples), _step_gradients(checkpointed, examples))
 
