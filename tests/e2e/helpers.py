@@ -94,6 +94,14 @@ def db_rows(data_dir: Path, sql: str, params: tuple[Any, ...] = ()) -> list[sqli
         return conn.execute(sql, params).fetchall()
 
 
+MESSAGE_LIKE = (
+    "EXISTS (SELECT 1 FROM prompt_chunks p WHERE p.body LIKE ? "
+    "AND instr(calls.message_refs, '\"' || p.hash || '\"'))"
+)
+"""SQL condition on `calls`: one of its request messages' JSON is LIKE the parameter (messages
+are stored by chunk: `storage.prompt_chunks`)."""
+
+
 def stored_prompts(data_dir: Path, call_ids: list[str]) -> dict[str, Prompt]:
     """Each call's request messages and prompt token ids, joined from their stored chunks
     (`storage.prompt_chunks`), read-only beside the running server."""

@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import Server
-from tests.e2e.helpers import db_rows, own_server
+from tests.e2e.helpers import MESSAGE_LIKE, db_rows, own_server
 
 ROUNDS = 2
 LONG = "Write a very long story about the sea, with many chapters."
@@ -179,8 +179,7 @@ def _check_after(server: Server, finished: list[str]) -> None:
         assert [r["status"] for r in rows] == ["completed"], completion_id
     left = db_rows(
         server.data_dir,
-        "SELECT COUNT(*) AS n FROM calls"
-        " WHERE status = 'client_disconnected' AND request_messages LIKE ?",
+        f"SELECT COUNT(*) AS n FROM calls WHERE status = 'client_disconnected' AND {MESSAGE_LIKE}",
         (f"%{LONG}%",),
     )
     assert left[0]["n"] >= ROUNDS * len(PROTOCOLS)

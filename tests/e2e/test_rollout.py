@@ -41,7 +41,7 @@ from fastapi import FastAPI, Request
 from openai import OpenAI
 
 from tests.e2e.conftest import Server
-from tests.e2e.helpers import db_rows, own_server
+from tests.e2e.helpers import MESSAGE_LIKE, db_rows, own_server
 from tests.e2e.test_adapters import write_random_lora
 
 # Several servers and dozens of scored groups on the 2-core machine: about 4 to 12 minutes.
@@ -91,8 +91,7 @@ class VersionJudge:
         uri = f"file:{self.data_dir / 'rlproxy.db'}?mode=ro"
         with closing(sqlite3.connect(uri, uri=True, timeout=30)) as conn:
             row = conn.execute(
-                "SELECT adapter_version FROM calls WHERE EXISTS (SELECT 1 FROM prompt_chunks p "
-                "WHERE p.body LIKE ? AND instr(calls.message_refs, '\"' || p.hash || '\"'))",
+                f"SELECT adapter_version FROM calls WHERE {MESSAGE_LIKE}",
                 (f"%[run-{tag}]%",),
             ).fetchone()
         return int(row[0] or 0) if row else -1

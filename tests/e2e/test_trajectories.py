@@ -24,7 +24,14 @@ from langchain_openai import ChatOpenAI
 from openai import OpenAI
 
 from tests.e2e.conftest import Server
-from tests.e2e.helpers import calls_of, db_rows, get_trajectory, list_trajectories, own_server
+from tests.e2e.helpers import (
+    MESSAGE_LIKE,
+    calls_of,
+    db_rows,
+    get_trajectory,
+    list_trajectories,
+    own_server,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -231,9 +238,7 @@ def test_a_negative_retry_header_is_no_retry_and_the_call_is_stored(
         assert '"error"' not in response.text
     rows = db_rows(
         traj_server.data_dir,
-        # A request message holds the marker (prompts are stored by chunk: storage.prompt_chunks).
-        "SELECT status, retry_count FROM calls WHERE EXISTS (SELECT 1 FROM prompt_chunks p "
-        "WHERE p.body LIKE ? AND instr(calls.message_refs, '\"' || p.hash || '\"'))",
+        f"SELECT status, retry_count FROM calls WHERE {MESSAGE_LIKE}",
         (f"%{marker}%",),
     )
     assert [(r["status"], r["retry_count"]) for r in rows] == [("completed", 0)]

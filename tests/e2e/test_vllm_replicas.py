@@ -27,7 +27,7 @@ import pytest
 from openai import OpenAI
 
 from tests.e2e.conftest import Server
-from tests.e2e.helpers import db_rows
+from tests.e2e.helpers import db_rows, stored_prompts
 from tests.e2e.test_adapters import write_random_lora
 from tests.e2e.test_hotswap import _adapters, _publish, _wait_status
 from tests.fakes.stack import FakeReplica, vllm_stack, wait_in_rotation
@@ -118,16 +118,19 @@ class Load:
 def _stored(server: Server) -> dict[str, Any]:
     rows = db_rows(
         server.data_dir,
-        "SELECT c.request_id, c.status, c.error, c.adapter_version, c.created_at, "
-        "c.prompt_token_ids, ch.completion_token_ids FROM calls c "
+        "SELECT c.id, c.request_id, c.status, c.error, c.adapter_version, c.created_at, "
+        "ch.completion_token_ids FROM calls c "
         "LEFT JOIN call_choices ch ON ch.call_id = c.id AND ch.choice_index = 0",
     )
-    return {r["request_id"]: dict(r) for r in rows}
+    prompts = stored_prompts(server.data_dir, [r["id"] for r in rows])
+    return {
+        r["request_id"]: {**dict(r), "prompt_token_ids": prompts[r["id"]].token_ids} for r in rows
+    }
 
 
 def _replica_model(replicas: list[FakeReplica], call: dict[str, Any]) -> str | None:
     """The model name the replica that generated `call` was asked for."""
-    prompt = json.loads(call["prompt_token_ids"])
+    prompt = call["prompt_token_ids"]
     ids = json.loads(call["completion_token_ids"] or "null")
     for replica in replicas:
         for c in replica.completions():
