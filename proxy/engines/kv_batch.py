@@ -3,6 +3,12 @@
 Rows join (a newcomer's prefilled cache is left-padded to the batch's length and stacked under
 it), grow by one position per decode step, and leave (`batch_select_indices`); columns that are
 padding for every remaining row are trimmed. Pure tensor bookkeeping: no model, no sampling.
+
+`GrowingLayer` is transformers' `DynamicLayer` with room to grow: a decode step writes its one
+new position into spare room of a buffer instead of concatenating the whole cache into a new
+tensor (`torch.cat` copies every layer's keys and values every step). Keys and values handed
+out are views of the buffer; a tensor put in from outside (`stack`, `keep`, a prefix cache's
+past) is copied into a new buffer at the next update, so it is never written to.
 """
 
 from __future__ import annotations
@@ -11,6 +17,67 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+ROOM = 64
+"""Positions a buffer gets beyond what it holds, plus an eighth of its length (amortised)."""
+
+
+class GrowingLayer(DynamicLayer):
+    """A `DynamicLayer` that appends into a buffer with spare room (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[-2]
+        length = self.get_seq_length()
+        if not self._appendable(length + new, key_states.shape[0]):
+            self._reallocate(length, length + new + ROOM + (length + new) // 8, key_states)
+        assert self._key_buffer is not None and self._value_buffer is not None
+        self._key_buffer[:, :, length : length + new] = key_states
+        self._value_buffer[:, :, length : length + new] = value_states
+        self.keys = self._key_buffer[:, :, : length + new]
+        self.values = self._value_buffer[:, :, : length + new]
+        return self.keys, self.values
+
+    def _appendable(self, needed: int, batch: int) -> bool:
+        """Whether `keys`/`values` are still the start of the buffers, with room for `needed`."""
+        k, v, keys, values = self._key_buffer, self._value_buffer, self.keys, self.values
+        if k is None or v is None or keys is None or values is None or keys.numel() == 0:
+            return False
+        return (
+            needed <= k.shape[2]
+            and k.shape[0] == batch == keys.shape[0]
+            and keys.data_ptr() == k.data_ptr()
+            and values.data_ptr() == v.data_ptr()
+            and keys.stride() == k.stride()
+        )
+
+    def _reallocate(self, length: int, capacity: int, like: torch.Tensor) -> None:
+        b, h, _, d = like.shape
+        keys = like.new_empty((b, h, capacity, d))
+        values = like.new_empty((b, h, capacity, d))
+        if length:
+            assert self.keys is not None and self.values is not None
+            keys[:, :, :length] = self.keys
+            values[:, :, :length] = self.values
+        self._key_buffer, self._value_buffer = keys, values
+
+
+def growing_cache(config: Any) -> DynamicCache:
+    """An empty `DynamicCache` of `GrowingLayer`s (the model's layers must all be full
+    attention: `LocalEngine` checks)."""
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer() for _ in cache.layers]
+    return cache
 
 
 @dataclass

@@ -47,7 +47,7 @@ from proxy.engines.base import (
     RequestInputError,
     TokenEvent,
 )
-from proxy.engines.kv_batch import KVBatch, left_pad
+from proxy.engines.kv_batch import KVBatch, growing_cache, left_pad
 from proxy.engines.loader import LoadedModel
 from proxy.engines.prefix_cache import Hit, KVSpan, PrefixCache, head_of, layer_tensors
 from proxy.engines.sampling import RowSampler
@@ -133,7 +133,10 @@ class LocalEngine:
         self._adapter_loads: dict[str, int] = {}
         self._loads = 0
         self.prefix_cache = PrefixCache(max(0, prefix_cache_bytes), prefix_cache_ttl_s)
-        if prefix_cache_bytes > 0 and not _cache_layers_grow_by_cat(loaded.model.config):
+        # Full-attention layers only (a sliding window's cache is cut and rolled): their KV can
+        # be cached and shared, and decode steps append into spare room (`GrowingLayer`).
+        self.plain_layers = _plain_cache_layers(loaded.model.config)
+        if prefix_cache_bytes > 0 and not self.plain_layers:
             logger.warning("prefix cache off: the model's cache layers are not all DynamicLayer")
             self.prefix_cache.max_bytes = 0
         self._pending_unload: set[str] = set()
@@ -479,7 +482,7 @@ class LocalEngine:
             mask[b, past_width + width - lengths[b] :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, past_width:]
-        cache = DynamicCache(config=self.base_model.config)
+        cache = self._empty_cache()
         if past_width:
             _fill_cache(
                 cache,
@@ -511,6 +514,10 @@ class LocalEngine:
                 row.prefix = (*(span.detached() for span in reused), fresh_span)
                 self.prefix_cache.insert(row.cache_key, row.prompt_ids, row.prefix)
         return out.logits[:, -1, :].float(), batch
+
+    def _empty_cache(self) -> DynamicCache:
+        config = self.base_model.config
+        return growing_cache(config) if self.plain_layers else DynamicCache(config=config)
 
     def _step(self) -> None:
         """One decode step for every running row: feed its last sampled token."""
@@ -717,10 +724,9 @@ def _fill_cache(cache: DynamicCache, pasts: list[tuple[KVSpan, ...]], width: int
         layer.keys, layer.values = keys, values
 
 
-def _cache_layers_grow_by_cat(config: Any) -> bool:
+def _plain_cache_layers(config: Any) -> bool:
     """Whether the model's DynamicCache layers are all full-attention `DynamicLayer`s (their
-    tensors are never written in place, so cached spans can be shared; a sliding window's
-    are cut and rolled)."""
+    tensors only grow, so cached spans can be shared; a sliding window's are cut and rolled)."""
     from transformers.cache_utils import DynamicLayer
 
     return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)

@@ -363,3 +363,32 @@ async def test_the_cache_stays_within_its_bytes_and_evicts_the_least_recently_us
         assert engine.health().detail["prefix_cache"]["bytes"] <= budget
     finally:
         await engine.stop()
+
+
+# ----------------------------------------------------------------- decode steps without torch.cat
+
+
+def test_a_growing_layer_holds_what_concatenation_holds_and_never_writes_tensors_put_in() -> None:
+    from transformers.cache_utils import DynamicLayer
+
+    from proxy.engines.kv_batch import GrowingLayer
+
+    torch.manual_seed(0)
+    growing, plain = GrowingLayer(), DynamicLayer()
+    given = torch.randn(2, 3, 5, 4)
+    kept = given.clone()
+    batch, held, held_before = 2, given, kept
+    for step in range(200):
+        new = 7 if step == 0 else 1
+        k, v = torch.randn(batch, 3, new, 4), torch.randn(batch, 3, new, 4)
+        got, want = growing.update(k, v), plain.update(k, v)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        if step == 50:  # rows join from outside (KVBatch.stack): new tensors are put in
+            growing.keys = torch.cat([given, growing.keys[:1, :, -5:]])
+            growing.values = torch.cat([given, growing.values[:1, :, -5:]])
+            plain.keys, plain.values = growing.keys.clone(), growing.values.clone()
+            held, batch = growing.keys, 3
+            held_before = held.clone()
+    assert torch.equal(given, kept)
+    assert torch.equal(held, held_before)  # the tensor put in was copied, never written
+    assert growing.get_seq_length() == plain.get_seq_length() == 5 + 149
