@@ -15,10 +15,11 @@ Configurations:
 
 - `before` (with --old-repo): the same work on the trainer of another checkout (make one with
   `git worktree add /tmp/old <commit>`), its defaults;
-- `after`: this checkout's defaults, under each allocator of --allocators: `glibc` (nothing
-  set), `trim` (glibc's `malloc_trim(0)` after each step, which the trainer does itself when
-  `TrainerConfig.trim_memory` is on), `arena2` (MALLOC_ARENA_MAX=2), `jemalloc` (LD_PRELOAD of
-  a libjemalloc found on the machine; skipped when there is none);
+- `after`: this checkout's defaults, with each heap setting of --allocators: `mmap` (the
+  default `TrainerConfig.release_memory`: large allocations on pages of their own, and
+  `malloc_trim(0)` after each step), `trim` (only the trim), `glibc` (release_memory 'off':
+  glibc's defaults), `arena2` ('off' and MALLOC_ARENA_MAX=2), `jemalloc` ('off' and LD_PRELOAD
+  of a libjemalloc found on the machine; skipped when there is none);
 - any --extra JSON trainer configs, e.g. '{"gradient_checkpointing": false}'.
 
 A benchmark, not a test: figures depend on the machine and on what else runs beside it.
@@ -131,7 +132,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--old-repo", help="a checkout of the trainer to measure as 'before'")
-    parser.add_argument("--allocators", default="glibc,trim,arena2,jemalloc")
+    parser.add_argument("--allocators", default="mmap,trim,glibc,arena2,jemalloc")
     parser.add_argument("--extra", action="append", default=[], help="JSON trainer config")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--repo", default=str(REPO), help=argparse.SUPPRESS)
@@ -148,14 +149,16 @@ def main() -> None:
     )
     if args.old_repo:
         run(args, "before (old defaults)", args.old_repo, "{}", {})
-    no_trim = json.dumps({"trim_memory": False})
+    off = json.dumps({"release_memory": "off"})
     for allocator in args.allocators.split(","):
-        if allocator == "glibc":
-            run(args, "after, glibc", str(REPO), no_trim, {})
+        if allocator == "mmap":
+            run(args, "after, release mmap (default)", str(REPO), "{}", {})
         elif allocator == "trim":
-            run(args, "after, malloc_trim (default)", str(REPO), "{}", {})
+            run(args, "after, release trim", str(REPO), json.dumps({"release_memory": "trim"}), {})
+        elif allocator == "glibc":
+            run(args, "after, glibc defaults", str(REPO), off, {})
         elif allocator == "arena2":
-            run(args, "after, MALLOC_ARENA_MAX=2", str(REPO), no_trim, {"MALLOC_ARENA_MAX": "2"})
+            run(args, "after, MALLOC_ARENA_MAX=2", str(REPO), off, {"MALLOC_ARENA_MAX": "2"})
         elif allocator == "jemalloc":
             found = [p for p in JEMALLOC if Path(p).exists()] or glob.glob(
                 str(REPO / ".venv/lib/python*/site-packages/**/libjemalloc*.so*"), recursive=True
@@ -163,7 +166,7 @@ def main() -> None:
             if not found:
                 print("after, jemalloc             skipped: no libjemalloc on this machine")
                 continue
-            run(args, "after, jemalloc", str(REPO), no_trim, {"LD_PRELOAD": found[0]})
+            run(args, "after, jemalloc", str(REPO), off, {"LD_PRELOAD": found[0]})
     for extra in args.extra:
         run(args, f"after, {extra}", str(REPO), extra, {})
 

@@ -26,8 +26,9 @@ logits ever exist, for the prompt or for the whole completion. Per-token weights
 once over the whole batch (`grpo.sample_row_weights`), so the micro-batch losses add up to
 exactly the full-batch loss, including the per-sample averaging. With kl_beta > 0 a reference
 pass runs with the adapter disabled, under no_grad. `gradient_checkpointing` recomputes layer
-activations in the backward. After each step glibc is asked to return freed heap memory to the
-system (`trim_memory`): CPU steps on rows of changing lengths otherwise keep the peak's memory.
+activations in the backward. With glibc, large allocations get pages of their own and freed
+heap memory goes back to the system after each step (`release_memory`): by default glibc keeps
+the freed activations of a long row in the heap, which is most of a CPU step's resident memory.
 
 Where a step's time went before prompt sharing (torch.profiler over one step of
 bench/bench_grpo_speed.py's work, 8 rows of 64 prompt + 64 completion tokens, on a loaded 2-core
@@ -177,6 +178,11 @@ class PeftTrainer:
         self.max_seq_len = config.max_seq_len or model_context(self.model_dir)
         """Longest row trained on: `max_seq_len`, or the base model's context when unset."""
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.release_memory == "mmap":
+            # Process-wide, and for good: the trainer runs in a process of its own. glibc's
+            # default threshold grows up to 32 MB as large blocks are freed, after which a long
+            # row's activations come from the heap and stay there once freed.
+            _glibc("mallopt", M_MMAP_THRESHOLD, MMAP_THRESHOLD)
         with self._rng(config.seed):  # the LoRA A init is random: make it reproducible
             self.model: PeftModel = self._load_model()
         # Padding is masked out of attention and loss, so any id does; the model's own is tidiest.
@@ -353,8 +359,8 @@ class PeftTrainer:
         finally:
             self.optimizer.zero_grad(set_to_none=True)
             self.model.eval()
-            if self.config.trim_memory:
-                _trim_heap()
+            if self.config.release_memory != "off":
+                _glibc("malloc_trim", 0)
         self.step += 1
 
         seconds = time.perf_counter() - start
@@ -710,14 +716,17 @@ class PeftTrainer:
         return state
 
 
-def _trim_heap() -> None:
-    """Ask glibc to hand freed heap memory back to the system (`malloc_trim(0)`): after a step
-    on long rows the freed activations otherwise stay in the process's arenas, and rows of other
-    lengths next step do not reuse them well. Nothing where the C library is not glibc."""
-    name = ctypes.util.find_library("c")
+MMAP_THRESHOLD = 64 * 1024
+"""Allocations from this size up get pages of their own with release_memory 'mmap'."""
+
+M_MMAP_THRESHOLD = -3
+"""mallopt's parameter number for the mmap threshold (glibc's malloc.h)."""
+
+
+def _glibc(function: str, *args: int) -> None:
+    """Call glibc's `function` (malloc_trim, mallopt); nothing where the C library is another."""
     try:
-        libc = ctypes.CDLL(name)
-        trim = libc.malloc_trim
+        call = getattr(ctypes.CDLL(ctypes.util.find_library("c")), function)
     except (OSError, AttributeError, TypeError):
         return
-    trim(0)
+    call(*args)

@@ -96,6 +96,7 @@ class RecordingTrainer:
 
     def __init__(self, config: TrainerConfig) -> None:
         self.config = config
+        self.max_seq_len = config.max_seq_len or 8192  # the embedded model's context
         self.step = 0
         self.seen: list[list[TrainingExample]] = []
 

@@ -17,7 +17,10 @@ def test_defaults_are_valid_and_documented() -> None:
     assert config.epsilon == 0.2 and config.kl_beta == 0.0
     assert config.scale_advantages_by_std is True
     assert config.backend == "peft" and config.dtype == "auto"
-    assert config.share_prompt_prefix is True and config.gradient_checkpointing is False
+    assert config.share_prompt_prefix is True and config.gradient_checkpointing is True
+    # Whole prompts in bounded memory: the model's context, a token budget per pass.
+    assert config.max_seq_len is None and config.micro_batch_tokens == 4096
+    assert config.logprob_chunk == 1024 and config.release_memory == "mmap"
     assert config.off_policy_correction == "ppo" and config.tis_cap == 2.0
     assert config.max_staleness == 4 and config.stale_policy == "drop"
     for f in fields(TrainerConfig):
@@ -31,6 +34,18 @@ def test_round_trip_through_a_dict() -> None:
     assert TrainerConfig.from_dict(data) == config
     unbounded = TrainerConfig.from_dict({"max_staleness": None, "off_policy_correction": "tis"})
     assert unbounded.max_staleness is None and unbounded.off_policy_correction == "tis"
+
+
+def test_memory_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="release_memory"):
+        TrainerConfig(release_memory="jemalloc")
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        TrainerConfig(micro_batch_tokens=0)
+    with pytest.raises(ValueError, match="logprob_chunk"):
+        TrainerConfig(logprob_chunk=0)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        TrainerConfig(max_seq_len=1)
+    assert TrainerConfig(micro_batch_tokens=None).micro_batch_tokens is None
 
 
 def test_unknown_field_in_a_dict_is_refused() -> None:
