@@ -174,7 +174,8 @@ class TrainerConfig:
     micro_batch_tokens: int | None = field(
         default=4096,
         metadata={
-            "help": "Most padded tokens (rows x the longest row) per forward/backward pass: "
+            "help": "Most tokens one forward/backward pass runs (rows sharing a prompt: the "
+            "prompt once plus each row's rest; other rows: rows x the longest, padded): "
             "activation memory grows with the tokens of a pass, not its rows, so long agent "
             "turns go a few (or one) at a time and short ones many at a time (verl's "
             "ppo_max_token_len_per_gpu, AReaL's max_tokens_per_mb). A row longer than this "
