@@ -235,10 +235,12 @@ class TrainingLoop:
         if skipped:
             await self.store.mark_trained(skipped, SKIPPED)
         logger.info(
-            "step %d: %d groups (%d skipped), mean reward %.3f, loss %.4f, %.0f tokens/s -> %s",
+            "step %d: %d groups (%d skipped, %d turns too long), mean reward %.3f, loss %.4f, "
+            "%.0f tokens/s -> %s",
             report.version,
             len(group_ids),
             len(skipped),
+            metrics.too_long,
             report.mean_reward,
             metrics.loss,
             metrics.tokens_per_s,
