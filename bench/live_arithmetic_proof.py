@@ -307,8 +307,8 @@ def main() -> None:
         "--stalled-s",
         type=float,
         default=240.0,
-        help="end the run when a version the counted groups should make has not come for this "
-        "long (the trainer dropped stale groups after they were counted, and no more come)",
+        help="give up on a version the counted groups should make when it has not come for this "
+        "long (the gate held them, or the trainer dropped stale ones) and practise on",
     )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     parser.add_argument(
@@ -423,7 +423,7 @@ def report(
         "gain": gain,
         "gain_in_standard_errors": gain / se if se else None,
         "minutes_to_3_standard_errors": result.to_3se,
-        "stalled_at_version": result.stalled,
+        "stalled_versions": result.stalls,
         "evaluation_seconds": result.eval_s,
         **final,
         "settings": {k: str(v) for k, v in vars(args).items()} | {"server_env": server_env},

@@ -151,8 +151,8 @@ class Run:
     wall_s: float = 0.0
     eval_s: float = 0.0
     to_3se: dict[str, Any] | None = None
-    stalled: int | None = None
-    """The version that did not appear within `run`'s `stalled_s` (the run ended there)."""
+    stalls: list[int] = field(default_factory=list)
+    """Versions that did not appear within `run`'s `stalled_s` (practice went on without them)."""
 
 
 def run(
@@ -180,9 +180,9 @@ def run(
     counted in; `stop` ends the run early after an evaluation; `finish` reads what it needs from
     the training server (its URL) before the servers stop, whether the run ended or failed. A
     version the counted groups should make that has not appeared after 900 s is an error; with
-    `stalled_s`, one missing for that long ends the run there instead (`Run.stalled`): for a
-    judge whose gate may hold groups, or a trainer that drops stale groups after they were
-    counted, when no more traffic would come to make up for them."""
+    `stalled_s`, one missing for that long is given up (`Run.stalls`) and practice goes on, as
+    live traffic would: for a judge whose gate may hold groups, or a trainer that drops stale
+    groups after they were counted."""
     out = Run()
     started = 0.0
     # a proof stopped with SIGTERM (kill, nohup'd runs) still stops its servers and trainer
@@ -244,8 +244,15 @@ def run(
                     servers.train_url, out.version + 1, timeout_s=stalled_s or 900
                 )
                 if published is None and stalled_s is not None:
-                    out.stalled = out.version + 1
-                    print(f"version {out.stalled} did not appear in {stalled_s:g} s: ending")
+                    # Live traffic does not wait for training: forget the groups counted for
+                    # this version (held by the gate, or dropped as stale) and practise on.
+                    out.stalls.append(out.version + 1)
+                    usable = dropped + (out.version + max(0, int(ahead) - 1)) * groups_per_step
+                    print(
+                        f"version {out.version + 1} did not appear in {stalled_s:g} s: "
+                        "practising on",
+                        flush=True,
+                    )
                     break
                 if published is None:
                     raise RuntimeError(
@@ -277,7 +284,7 @@ def run(
                 )
                 if out.version % eval_every == 0:
                     held_out(out.version)
-            if out.stalled is not None or (len(out.evals) > 1 and stop(out.evals[-1])):
+            if len(out.evals) > 1 and stop(out.evals[-1]):
                 break
         if pending is not None:
             pending.result()
