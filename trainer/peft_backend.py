@@ -8,27 +8,29 @@ exactly one optimizer step; `save` writes a checkpoint the serving engine (or vL
 (`trainer.checkpoints`); `load` resumes from one. `trainer.backends.open_trainer` picks the
 backend the config names; this module knows nothing of the Unsloth one.
 
-How a step runs: each example is one row `prompt + completion` (a packed example, several
-turns of one trajectory, has the tool results and scaffolding between its turns in its
-completion, masked out of the loss: `trainer.packing`). A row longer than `max_seq_len` (by
-default the base model's context) is never cut: it is left out of the step and counted
-(`StepMetrics.too_long`), since a prompt cut from the left is a context the policy never saw and
-its stored logprobs would not match. Rows are ordered by prompt, then length, so that the
-members of a group (which share their prompt) sit together, and cut into micro-batches of at
-most `micro_batch_size` rows and `micro_batch_tokens` padded tokens (a longer row goes alone).
-In each micro-batch the prompt tokens every row shares run once, at batch 1, into a key/value
-cache that every row then attends to (`share_prompt_prefix`); the gradient flows back through
-that cache into the shared prefix, so the result is the same as running every row in full. The
-rest of each row is right-padded. The decoder's last hidden states are kept only where a
-completion token is predicted, and those go through the LM head in chunks of
-`logprob_chunk` positions, each recomputed in the backward (`trainer.logprobs`): no (T, V)
-logits ever exist, for the prompt or for the whole completion. Per-token weights are computed
-once over the whole batch (`grpo.sample_row_weights`), so the micro-batch losses add up to
-exactly the full-batch loss, including the per-sample averaging. With kl_beta > 0 a reference
-pass runs with the adapter disabled, under no_grad. `gradient_checkpointing` recomputes layer
-activations in the backward. With glibc, large allocations get pages of their own and freed
-heap memory goes back to the system after each step (`release_memory`): by default glibc keeps
-the freed activations of a long row in the heap, which is most of a CPU step's resident memory.
+How a step runs: each example is one row `prompt + completion` (a packed example, several turns
+of one trajectory, has the tool results and scaffolding between its turns in its completion,
+masked out of the loss: `trainer.packing`). A row longer than `max_seq_len` (by default the base
+model's context) is never cut: it is left out of the step and counted (`StepMetrics.too_long`),
+since a prompt cut from the left is a context the policy never saw and its stored logprobs would
+not match. Rows are ordered by prompt, then length, so that the members of a group (which share
+their prompt) sit together, and cut into micro-batches of at most `micro_batch_size` rows and
+`micro_batch_tokens` tokens run (a longer row goes alone). In each micro-batch the prompt tokens
+every row shares run once (`share_prompt_prefix`): the micro-batch is one sequence, the shared
+prefix and then each row's rest, under an attention mask where each rest sees the prefix and
+itself, with positions that go on from the prefix's (`_packed`); the gradient flows back into
+the prefix from every row, so the result is the same as running every row in full, and with no
+key/value cache gradient checkpointing can recompute it. Rows without a shared prefix run side
+by side, right-padded (`_padded`). The decoder's last hidden states are kept only where a
+completion token is predicted, and those go through the LM head in chunks of `logprob_chunk`
+positions, each recomputed in the backward (`trainer.logprobs`): no (T, V) logits ever exist,
+for the prompt or for the whole completion. Per-token weights are computed once over the whole
+batch (`grpo.sample_row_weights`), so the micro-batch losses add up to exactly the full-batch
+loss, including the per-sample averaging. With kl_beta > 0 a reference pass runs with the
+adapter disabled, under no_grad. `gradient_checkpointing` recomputes layer activations in the
+backward. With glibc, large allocations get pages of their own and freed heap memory goes back
+to the system after each step (`release_memory`): by default glibc keeps the freed activations
+of a long row in the heap, which is most of a CPU step's resident memory.
 
 Where a step's time went before prompt sharing (torch.profiler over one step of
 bench/bench_grpo_speed.py's work, 8 rows of 64 prompt + 64 completion tokens, on a loaded 2-core
