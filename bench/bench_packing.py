@@ -41,7 +41,7 @@ from storage.prompt_chunks import sqlite_prompts  # noqa: E402
 from trainer.config import TrainerConfig  # noqa: E402
 from trainer.grpo import TrainingExample  # noqa: E402
 from trainer.packing import pack_turns  # noqa: E402
-from trainer.peft_backend import PeftTrainer  # noqa: E402
+from trainer.peft_backend import PeftTrainer, model_context  # noqa: E402
 
 
 def practise(model_dir: Path, tasks: int) -> Path:
@@ -111,13 +111,13 @@ def main() -> None:
 
     db = args.db or practise(args.model_dir, args.tasks)
     turns = turns_from(db, args.episodes)
-    packed = pack_turns(turns, TrainerConfig().max_seq_len)
+    model = ensure_fp32_cache(args.model_dir)
+    packed = pack_turns(turns, TrainerConfig().max_seq_len or model_context(model))
     print(
         f"{len({t.sample_id for t in turns})} episodes, {len(turns)} turns; packed into "
         f"{len(packed)} rows; load average {os.getloadavg()[0]:.1f}",
         flush=True,
     )
-    model = ensure_fp32_cache(args.model_dir)
     trainer = PeftTrainer(model, TrainerConfig(micro_batch_size=args.micro_batch), device="cpu")
     start = trainer.adapter_state()
     optimizer = trainer.optimizer.state_dict()
