@@ -61,6 +61,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import sqlite3
 import statistics
 import subprocess
@@ -353,6 +354,13 @@ def long_context_copy(model: Path) -> Path:
     return target
 
 
+def stop_with_parent() -> None:  # runs in the child between fork and exec
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
+
+
 def start_vllm(model: Path, data: Path, args: argparse.Namespace, context: int) -> Any:
     from proxy.cli.vllm_cpu import VLLMServer, ensure_venv, server_args, server_env
 
@@ -370,6 +378,7 @@ def start_vllm(model: Path, data: Path, args: argparse.Namespace, context: int) 
                     stderr=subprocess.STDOUT,
                     env=env,
                     start_new_session=True,
+                    preexec_fn=stop_with_parent,  # never left running if this script dies
                 )
 
     python = ensure_venv(data / "vllm-venv-build.log")
@@ -631,8 +640,13 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM as Ctrl-C: the servers are stopped on the way out
+
+
 def main() -> int:
     args = parse_args()
+    signal.signal(signal.SIGTERM, interrupted)
     from proxy.engines.loader import ensure_fp32_cache
 
     engines = ["local", "vllm"]
