@@ -306,7 +306,10 @@ async def run_level(
     db: Path,
     timeout_s: float,
 ) -> tuple[list[SessionRun], float]:
-    texts = [session_text(filler, spec, f"{group}-{k}", turns) for k in range(sessions)]
+    # The same texts for every engine: keyed by the session and level, not by the engine.
+    texts = [
+        session_text(filler, spec, f"{spec.name}-s{sessions}-{k}", turns) for k in range(sessions)
+    ]
     limits = httpx.Limits(max_connections=sessions * 2)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         start = time.perf_counter()
