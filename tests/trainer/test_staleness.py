@@ -103,7 +103,13 @@ class RecordingTrainer:
     def train_step(self, examples: Sequence[TrainingExample]) -> StepMetrics:
         self.seen.append(list(examples))
         self.step += 1
-        return StepMetrics(self.step, 0.1, 2, len(examples), 2, 10, 10, 0.1, 100.0, 1.0, 0, 1, 0, 0)
+        # counted as PeftTrainer counts them (tests/trainer/test_peft_backend.py checks that)
+        too_long = sum(
+            len(e.prompt_ids) + len(e.completion_ids) > self.max_seq_len for e in examples
+        )
+        return StepMetrics(
+            self.step, 0.1, 2, len(examples), 2, 10, 10, 0.1, 100.0, 1.0, 0, 1, 0, too_long
+        )
 
     def save(self, root: Path, state: dict[str, Any]) -> Path:
         path = checkpoints.version_dir(root, self.step)
@@ -244,3 +250,16 @@ async def test_without_a_bound_every_group_trains(store: Store, tmp_path: Path) 
     report = await loop.step_once()
     assert report is not None and report.group_ids == [group]
     assert report.metrics["staleness_max"] == 40 and report.metrics["stale_dropped"] == 0
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_turns_too_long_are_counted_over_the_run(store: Store, tmp_path: Path) -> None:
+    loop, _ = await _loop_at_version(store, tmp_path / "ckpt", 0, max_seq_len=4)
+    for version, key in ((1, "a"), (2, "b")):
+        await _scored_group(store, key, version - 1)  # two turns of 3 + 2 tokens each
+        report = await loop.step_once()
+        assert report is not None
+        assert (report.metrics["too_long"], report.metrics["too_long_total"]) == (2, 2 * version)
+        loop.weights_version = report.version
+    newest = await store.latest_adapter("rlproxy")  # what /metrics and the dashboard read
+    assert newest is not None and (newest.metrics or {})["too_long_total"] == 4
