@@ -10,9 +10,9 @@ Both sides train the same thing:
 - one group of 8 samples of one chat prompt of exactly --prompt-tokens tokens (ChatML template
   with generation prompt; the prompt ids are checked to be identical on both sides), each with
   exactly --completion-tokens completion tokens (EOS suppressed by `min_new_tokens`);
-- fp32 on CPU, no KL (beta 0: no reference pass), no gradient checkpointing (rlproxy never
-  uses it), all 8 rows in one forward/backward pass, one optimizer step per GRPO step, the same
-  torch thread count (`torch.set_num_threads`).
+- fp32 on CPU, no KL (beta 0: no reference pass), no gradient checkpointing (off on both
+  sides; rlproxy's default is on since 2026-12-05), all 8 rows in one forward/backward pass,
+  one optimizer step per GRPO step, the same torch thread count (`torch.set_num_threads`).
 
 TRL (per_device_train_batch_size = num_generations = 8, gradient_accumulation_steps = 1, so
 steps_per_generation = 1 and generation_batch_size = 8: one optimizer step covers exactly the 8
@@ -222,6 +222,8 @@ def main() -> None:
             micro_batch_size=GROUP,  # all 8 rows in one pass, as TRL does
             max_seq_len=args.prompt_tokens + args.completion_tokens,
             share_prompt_prefix=share,
+            gradient_checkpointing=False,  # as TRL is run here
+            micro_batch_tokens=None,  # rows by count only, as before
         )
         return PeftTrainer(model_dir, config, device="cpu")
 
