@@ -48,6 +48,13 @@ class GrowingLayer(DynamicLayer):
         self.values = self._value_buffer[:, :, : length + new]
         return self.keys, self.values
 
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Hold `keys`/`values` (B, H, capacity, D) as the buffers, their first `length`
+        positions filled: the caller built them with room for the next update."""
+        self.lazy_initialization(keys, values)
+        self._key_buffer, self._value_buffer = keys, values
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+
     def _appendable(self, needed: int, batch: int) -> bool:
         """Whether `keys`/`values` are still the start of the buffers, with room for `needed`."""
         k, v, keys, values = self._key_buffer, self._value_buffer, self.keys, self.values

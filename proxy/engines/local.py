@@ -47,9 +47,9 @@ from proxy.engines.base import (
     RequestInputError,
     TokenEvent,
 )
-from proxy.engines.kv_batch import KVBatch, growing_cache, left_pad
+from proxy.engines.kv_batch import ROOM, KVBatch, growing_cache
 from proxy.engines.loader import LoadedModel
-from proxy.engines.prefix_cache import Hit, KVSpan, PrefixCache, head_of, layer_tensors
+from proxy.engines.prefix_cache import Hit, KVSpan, PrefixCache, head_of
 from proxy.engines.sampling import RowSampler
 
 logger = logging.getLogger(__name__)
@@ -488,6 +488,7 @@ class LocalEngine:
                 cache,
                 [head_of(hit.spans, p) if hit else () for hit, p in zip(hits, past, strict=True)],
                 past_width,
+                room=width + ROOM,
             )
         out = self.model(
             input_ids=ids,
@@ -710,18 +711,27 @@ def _prefill_groups(to_run: list[int]) -> list[list[int]]:
     return groups
 
 
-def _fill_cache(cache: DynamicCache, pasts: list[tuple[KVSpan, ...]], width: int) -> None:
-    """Put each row's cached KV (a chain of spans, maybe none) into an empty `cache`,
-    left-padded to `width` positions: layer tensors (B, H, width, D)."""
+def _fill_cache(
+    cache: DynamicCache, pasts: list[tuple[KVSpan, ...]], width: int, room: int
+) -> None:
+    """Put each row's cached KV (a chain of spans, maybe none) into an empty cache of
+    `GrowingLayer`s, right-aligned in `width` positions (zeros on the left), with `room` spare
+    positions after them for the pass that follows: one copy of the cached tensors."""
     sample = next(spans for spans in pasts if spans)[0].keys[0]  # (1, H, T, D)
-    empty = sample.new_zeros((1, sample.shape[1], 0, sample.shape[3]))
+    shape = (len(pasts), sample.shape[1], width + room, sample.shape[3])
+    lengths = [sum(span.length for span in spans) for spans in pasts]
+    padded = any(n < width for n in lengths)
     layer: Any
     for index, layer in enumerate(cache.layers):
-        rows = [layer_tensors(spans, index) if spans else (empty, empty) for spans in pasts]
-        keys = torch.cat([left_pad(k, width) for k, _ in rows])
-        values = torch.cat([left_pad(v, width) for _, v in rows])
-        layer.lazy_initialization(keys, values)
-        layer.keys, layer.values = keys, values
+        keys = sample.new_zeros(shape) if padded else sample.new_empty(shape)
+        values = sample.new_zeros(shape) if padded else sample.new_empty(shape)
+        for b, spans in enumerate(pasts):
+            at = width - lengths[b]
+            for span in spans:
+                keys[b, :, at : at + span.length] = span.keys[index][0]
+                values[b, :, at : at + span.length] = span.values[index][0]
+                at += span.length
+        layer.adopt(keys, values, width)
 
 
 def _plain_cache_layers(config: Any) -> bool:

@@ -94,15 +94,6 @@ def head_of(spans: Sequence[KVSpan], n: int) -> tuple[KVSpan, ...]:
     return tuple(out)
 
 
-def layer_tensors(spans: Sequence[KVSpan], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer `layer`'s keys and values over a chain of spans, (1, H, T, D) each."""
-    if len(spans) == 1:
-        return spans[0].keys[layer], spans[0].values[layer]
-    keys = torch.cat([s.keys[layer] for s in spans], dim=2)
-    values = torch.cat([s.values[layer] for s in spans], dim=2)
-    return keys, values
-
-
 @dataclass(eq=False)  # entries are compared by identity
 class _Entry:
     key: Hashable
