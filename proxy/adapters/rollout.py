@@ -134,7 +134,6 @@ class Rollout:
                 version,
             )
             return False
-        self.registry.start_canary(version, self.config.share)
         state = {
             "state": "canary",
             "baseline": baseline or 0,
@@ -153,6 +152,9 @@ class Rollout:
         self._trial = _Trial(version, baseline, started_at, state)
         self._last = None
         await self._write(version, status="loaded", loaded_at=now, rollout=state)
+        # the split starts once the version's record says so: a listing that shows the canary
+        # always finds its rollout state
+        self.registry.start_canary(version, self.config.share)
         logger.info(
             "adapter %d on canary: %.0f%% of %s's traffic, compared with %s",
             version,
