@@ -12,8 +12,11 @@ release_memory 'off'), on the short rows most training sees:
 - `agent`: the agent proof's lookup agent, 4 groups x 8 rows, prompts of 380-420 tokens,
   completions of 40-80 tokens.
 
-Configurations (`TrainerConfig` on top of its defaults): `old`, `defaults`, `no-ckpt`
-(checkpointing off only), `no-release` (release_memory 'off' only), and any --extra. The work
+Configurations (`TrainerConfig` on top of its defaults): `old`, `defaults`, `ckpt-every`
+(every pass checkpointed, `checkpoint_min_tokens` 0: the defaults before that field), and any
+--extra NAME=JSON, e.g. `no-release={"release_memory": "off"}`. Both shapes' passes run fewer
+than `checkpoint_min_tokens` tokens, so there `defaults` is checkpointing off with 'mmap' (what
+'mmap' costs: `defaults` / `old`) and `ckpt-every` adds checkpointing to it. The work
 is random token ids (the step's cost does not depend on which), the embedded SmolLM2-135M in
 fp32, LoRA r=8 on q,k,v,o. `release_memory` 'mmap' sets a process-wide glibc switch that cannot
 be undone, so each configuration lives in a process of its own and this script drives them in
@@ -40,8 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIGS = {
     "old": {"gradient_checkpointing": False, "release_memory": "off"},
     "defaults": {},
-    "no-ckpt": {"gradient_checkpointing": False},
-    "no-release": {"release_memory": "off"},
+    "ckpt-every": {"checkpoint_min_tokens": 0},
 }
 SHAPES = {  # groups, rows a group, prompt tokens (low, high), completion tokens (low, high)
     "learning": (4, 8, (30, 50), (12, 12)),
@@ -85,7 +87,17 @@ def child(args: argparse.Namespace) -> None:
                     )
                 )
         work[shape] = examples
-    print(json.dumps({"ready": True}), flush=True)
+    config = trainer.config
+    print(
+        json.dumps(
+            {
+                "checkpointing": config.gradient_checkpointing,
+                "checkpoint_min_tokens": config.checkpoint_min_tokens,
+                "release_memory": config.release_memory,
+            }
+        ),
+        flush=True,
+    )
     for line in sys.stdin:
         shape = line.strip()
         wall, cpu = time.perf_counter(), time.process_time()
@@ -106,7 +118,7 @@ class Trainer:
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
         )
-        self._read()  # loaded
+        self.settings = self._read()  # loaded: the trainer's effective settings
 
     def _read(self) -> dict[str, float]:
         assert self.proc.stdout is not None
@@ -140,9 +152,7 @@ def main() -> None:
     parser.add_argument(
         "--extra", action="append", default=[], help='NAME=JSON, e.g. ckpt-all={"x": 1}'
     )
-    parser.add_argument(
-        "--only", help="comma-separated configurations to run (old is always run)"
-    )
+    parser.add_argument("--only", help="comma-separated configurations to run (old is always run)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -161,6 +171,8 @@ def main() -> None:
     for name, config in configs.items():
         print(f"  {name:<12} {json.dumps(config)}")
     trainers = {name: Trainer(args, config) for name, config in configs.items()}
+    for name, trainer in trainers.items():
+        print(f"  {name:<12} runs {json.dumps(trainer.settings)}", flush=True)
     try:
         for shape in args.shapes.split(","):
             groups, members, prompt, completion = SHAPES[shape]

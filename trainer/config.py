@@ -227,6 +227,18 @@ class TrainerConfig:
             "too; turn it off for short rows where memory is plentiful."
         },
     )
+    checkpoint_min_tokens: int = field(
+        default=1024,
+        metadata={
+            "help": "With gradient_checkpointing on, only a forward/backward pass that runs at "
+            "least this many tokens (a micro-batch's shared prompt once plus each row's rest, "
+            "or rows x the longest when padded) is checkpointed; shorter passes keep their "
+            "activations (about 1.25 MB a token for SmolLM2-135M in float32, so at most about "
+            "1.3 GB below 1,024) and skip the recomputation, which made the learning proof's "
+            "short steps slower (bench/bench_trainer_defaults.py). Does not change the result. "
+            "0 checkpoints every pass."
+        },
+    )
     max_seq_len: int | None = field(
         default=None,
         metadata={
@@ -355,6 +367,11 @@ class TrainerConfig:
         _check(
             self.micro_batch_tokens is None or self.micro_batch_tokens >= 2,
             f"micro_batch_tokens must be >= 2 or None (rows only), got {self.micro_batch_tokens}",
+        )
+        _check(
+            self.checkpoint_min_tokens >= 0,
+            f"checkpoint_min_tokens must be >= 0 (0 checkpoints every pass), got "
+            f"{self.checkpoint_min_tokens}",
         )
         _check(
             self.release_memory in RELEASE_MEMORY,

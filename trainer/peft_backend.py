@@ -28,7 +28,8 @@ for the prompt or for the whole completion. Per-token weights are computed once 
 batch (`grpo.sample_row_weights`), so the micro-batch losses add up to exactly the full-batch
 loss, including the per-sample averaging. With kl_beta > 0 a reference pass runs with the
 adapter disabled, under no_grad. `gradient_checkpointing` recomputes layer activations in the
-backward. With glibc, large allocations get pages of their own and freed heap memory goes back
+backward, in passes of `checkpoint_min_tokens` tokens or more (a short pass keeps its small
+activations and skips the recomputation). With glibc, large allocations get pages of their own and freed heap memory goes back
 to the system after each step (`release_memory`): by default glibc keeps the freed activations
 of a long row in the heap, which is most of a CPU step's resident memory.
 
@@ -192,6 +193,14 @@ class PeftTrainer:
         self.model.eval()
         self._initial_adapter = self.adapter_state()  # the fresh LoRA, for `reset_adapter`
         self._share_prefix = self._can_share_prefix()
+        # The modules transformers' checkpointing switch is on in (each decoder layer); a pass
+        # below checkpoint_min_tokens turns them off for itself (`_checkpoint_pass`). Unsloth's
+        # offloading checkpointing is its own: every pass there, as configured.
+        self._checkpointed = [
+            m
+            for m in self.model.modules()
+            if self.backend == "peft" and getattr(m, "gradient_checkpointing", False) is True
+        ]
         self._logits_fn = lm_head_logits(self.model.get_base_model())
         self._params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         # One fused kernel per step instead of a loop of small ops per LoRA matrix.
@@ -474,6 +483,7 @@ class PeftTrainer:
             forward = self._packed(rows[0].input_ids[:shared], rests, keep, targets)
         else:
             forward = self._padded(rests, keep, targets)
+        self._checkpoint_pass(forward[0].numel())
         keep, old = keep.to(self.device), old.to(self.device)
         advantages = torch.tensor([r.advantage for r in rows], device=self.device)
 
@@ -512,6 +522,15 @@ class PeftTrainer:
         )
         metrics["computed_tokens"] = float(shared + sum(len(r) for r in rests))
         return loss, metrics
+
+    def _checkpoint_pass(self, tokens: int) -> None:
+        """Checkpoint the coming pass's layers only if it runs `checkpoint_min_tokens` tokens or
+        more: a short pass's activations are small, and recomputing them costs about a third of
+        its compute. The switch is read when each layer's forward runs; the backward recomputes
+        what its forward checkpointed, whatever the switch says by then."""
+        on = tokens >= self.config.checkpoint_min_tokens
+        for module in self._checkpointed:
+            setattr(module, "gradient_checkpointing", on)  # noqa: B010 (nn.Module's typing)
 
     def _padded(self, rests: list[list[int]], keep: torch.Tensor, targets: torch.Tensor) -> _Pass:
         """Rows side by side, right-padded: input_ids (B, S), attention (B, S)."""

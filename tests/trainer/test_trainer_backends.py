@@ -15,6 +15,7 @@ import pytest
 import torch
 from peft.utils import set_peft_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from trainer.backends import open_trainer
 from trainer.checkpoints import read_adapter_config, validate_adapter
@@ -201,13 +202,35 @@ def test_shared_prefix_with_kl_to_the_base(tiny_dir: Path) -> None:
 
 def test_gradient_checkpointing_and_micro_batches_give_the_same_step(tiny_dir: Path) -> None:
     plain = PeftTrainer(tiny_dir, TrainerConfig(micro_batch_size=8), device="cpu")
-    checkpointed = PeftTrainer(
-        tiny_dir, TrainerConfig(micro_batch_size=3, gradient_checkpointing=True), device="cpu"
-    )
+    every_pass = TrainerConfig(micro_batch_size=3, checkpoint_min_tokens=0)
+    checkpointed = PeftTrainer(tiny_dir, every_pass, device="cpu")
     assert checkpointed.model.get_base_model().is_activation_checkpointing
     assert checkpointed._share_prefix  # a packed sequence, no cache: recomputation is exact
     examples = _examples()
     _assert_same(_step_gradients(plain, examples), _step_gradients(checkpointed, examples))
+
+
+def test_checkpoint_min_tokens_checkpoints_only_the_long_passes(tiny_dir: Path) -> None:
+    plain = PeftTrainer(
+        tiny_dir, TrainerConfig(micro_batch_size=3, gradient_checkpointing=False), device="cpu"
+    )
+    sizes: list[int] = []
+    record = plain._checkpoint_pass
+    plain._checkpoint_pass = lambda tokens: (sizes.append(tokens), record(tokens))[1]  # type: ignore[method-assign]
+    examples = _examples()
+    reference = _step_gradients(plain, examples)
+    threshold = sorted(set(sizes))[len(set(sizes)) // 2]  # some passes below it, some not
+    long_passes = sum(n >= threshold for n in sizes)
+    assert 0 < long_passes < len(sizes)
+
+    config = TrainerConfig(micro_batch_size=3, checkpoint_min_tokens=threshold)
+    split = PeftTrainer(tiny_dir, config, device="cpu")
+    layer = next(m for m in split.model.modules() if isinstance(m, GradientCheckpointingLayer))
+    checkpoint = layer._gradient_checkpointing_func
+    calls: list[int] = []
+    layer._gradient_checkpointing_func = lambda *a, **k: (calls.append(1), checkpoint(*a, **k))[1]
+    _assert_same(reference, _step_gradients(split, examples))
+    assert len(calls) == long_passes  # the first layer checkpointed each long pass, no other
 
 
 def test_backend_selection(tiny_dir: Path) -> None:
