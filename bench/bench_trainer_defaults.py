@@ -189,7 +189,7 @@ def main() -> None:
                 for name, trainer in trainers.items():
                     result = trainer.step(shape)
                     times[name].append(result)
-                    line.append(f"{name} {result['wall']:.2f}")
+                    line.append(f"{name} {result['wall']:.2f} (cpu {result['cpu']:.2f})")
                 print(f"  round {r}: " + ", ".join(line) + " s", flush=True)
             old_wall = statistics.median(t["wall"] for t in times["old"])
             old_cpu = statistics.median(t["cpu"] for t in times["old"])
