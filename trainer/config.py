@@ -235,8 +235,9 @@ class TrainerConfig:
             "or rows x the longest when padded) is checkpointed; shorter passes keep their "
             "activations (about 1.25 MB a token for SmolLM2-135M in float32, so at most about "
             "1.3 GB below 1,024) and skip the recomputation, which made the learning proof's "
-            "short steps slower (bench/bench_trainer_defaults.py). Does not change the result. "
-            "0 checkpoints every pass."
+            "short steps 1.87x slower than without checkpointing and 1.28x with this default "
+            "(the rest is release_memory 'mmap'; bench/bench_trainer_defaults.py). Does not "
+            "change the result. 0 checkpoints every pass."
         },
     )
     max_seq_len: int | None = field(
@@ -261,7 +262,9 @@ class TrainerConfig:
             "'trim': malloc_trim(0) after each step only. 'off': glibc's defaults, under which "
             "the freed activations of long rows stay in the process's heap (measured: a "
             "checkpointed forward of 2,000 tokens held 1,388 MB more resident memory with "
-            "'off', 150 MB with 'mmap'; bench/bench_trainer_memory.py has the step's peaks)."
+            "'off', 150 MB with 'mmap'; bench/bench_trainer_memory.py has the step's peaks). "
+            "'mmap' costs short steps time: the learning proof's took 1.28x the CPU time of "
+            "'off' (page faults; bench/bench_trainer_defaults.py)."
         },
     )
     max_grad_norm: float = field(

@@ -29,9 +29,10 @@ batch (`grpo.sample_row_weights`), so the micro-batch losses add up to exactly t
 loss, including the per-sample averaging. With kl_beta > 0 a reference pass runs with the
 adapter disabled, under no_grad. `gradient_checkpointing` recomputes layer activations in the
 backward, in passes of `checkpoint_min_tokens` tokens or more (a short pass keeps its small
-activations and skips the recomputation). With glibc, large allocations get pages of their own and freed heap memory goes back
-to the system after each step (`release_memory`): by default glibc keeps the freed activations
-of a long row in the heap, which is most of a CPU step's resident memory.
+activations and skips the recomputation). With glibc, large allocations get pages of their own
+and freed heap memory goes back to the system after each step (`release_memory`): by default
+glibc keeps the freed activations of a long row in the heap, which is most of a CPU step's
+resident memory.
 
 Where a step's time went before prompt sharing (torch.profiler over one step of
 bench/bench_grpo_speed.py's work, 8 rows of 64 prompt + 64 completion tokens, on a loaded 2-core
