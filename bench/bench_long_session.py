@@ -693,6 +693,8 @@ def main() -> int:
             for key, value in results["ratios"].items():
                 print(f"  {key}: {value:.3f}")
             report["sessions"][name] = results
+            if args.out.is_dir():  # a folder: the default file name in it
+                args.out = args.out / "long_session.json"
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(report, indent=2))
     print(f"\nwritten: {args.out}")
