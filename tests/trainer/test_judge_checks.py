@@ -297,7 +297,8 @@ def _scorer(store: Store, judge: RuleJudge, **checks: Any) -> Scorer:
 async def _trainers_read(store: Store) -> list[tuple[str, list[str]]]:
     """The groups and member ids the trainer's read of scored groups returns (`_collect` of the
     real loop; its model is not needed to read)."""
-    backend = SimpleNamespace(config=TrainerConfig())  # the loop reads only its config here
+    # the loop reads only its config and the longest row here (8,192: SmolLM2's context)
+    backend = SimpleNamespace(config=TrainerConfig(), max_seq_len=8192)
     loop = TrainingLoop(store, backend, Path("unused"), policy="rlproxy")  # type: ignore[arg-type]
     found = await loop._collect(100)
     return [(g.id, [e.sample_id for e in examples]) for g, examples in found.chosen]
