@@ -24,6 +24,7 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Literal
 
 from proxy.adapters.registry import ServedModels, conversation_key
@@ -257,7 +258,7 @@ class ChatService:
             adapter=prep.resolved.adapter,
             grammar=prep.grammar,
             request_id=prep.request_id,
-            affinity=affinity_key(prep.call, prep.messages),
+            affinity=partial(affinity_key, prep.call, prep.messages),
         )
 
     def _shadow_outcomes(

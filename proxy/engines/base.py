@@ -11,7 +11,7 @@ HTTP, chat messages or OpenAI wire types.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -39,10 +39,11 @@ class GenerationRequest:
     # A compiled grammar (proxy.chat.grammar.Grammar) every choice must follow; None = free text.
     grammar: Any | None = None
     request_id: str = ""
-    affinity: str | None = None
-    """What stays the same on every turn of one conversation (`proxy.chat.affinity`): an engine
-    with several servers sends the turns to the same one, whose prefix cache holds the history
-    (the vllm engine). None: the engine may derive one from the prompt."""
+    affinity: Callable[[], str] | None = None
+    """Gives what stays the same on every turn of one conversation (`proxy.chat.affinity`): an
+    engine with several servers sends the turns to the same one, whose prefix cache holds the
+    history (the vllm engine, with affinity on). Called only by an engine that routes by it, so
+    the others never pay for the hash. None: the engine may derive one from the prompt."""
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,7 @@ import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -496,7 +497,7 @@ class VLLMEngine:
         self._in_use[key] += 1
         self._queued += request.n
         waiting = set(range(request.n))  # rows still without their first token
-        affinity = request.affinity or prompt_affinity(request.prompt_ids)
+        affinity = request.affinity or partial(prompt_affinity, request.prompt_ids)
         try:
             body = self._body(request)
             tried: set[str] = set()

@@ -3,8 +3,9 @@ each one's LoRA admin calls.
 
     pool = ReplicaPool(urls, client, on_rejoin=reload_adapters)   # URLs: server roots (a
                                                                    # trailing /v1 is dropped)
-    replica = pool.pick(affinity="session:9f2c")  # the conversation's replica (rendezvous
-                                               # hashing), or the least busy one (see below)
+    replica = pool.pick(affinity=lambda: "session:9f2c")  # the conversation's replica
+                                               # (rendezvous hashing), or the least busy one
+                                               # (see below); the key computed only if needed
     await pool.load_lora(replica, "rlproxy@3", "/data/checkpoints/rlproxy/0003")
     asyncio.create_task(pool.watch(2.0))       # GET /health on each; out when failing, back in
                                                # (after `on_rejoin` reloaded its adapters) once
@@ -17,8 +18,8 @@ back only after its probe answers 200 and every adapter rlproxy serves was loade
 
 **Affinity.** Each vLLM keeps its own prefix cache, so the turns of one conversation should reach
 the same replica: a request with an affinity key (`proxy.chat.affinity`: the trajectory id, a
-coding agent's session header, or the conversation's opening) goes to the replica that key
-ranks first among the healthy ones (rendezvous hashing: a replica that leaves or joins moves
+coding agent's session header, or the conversation's task signature) goes to the replica that
+key ranks first among the healthy ones (rendezvous hashing: a replica that leaves or joins moves
 only the conversations it ranks first). It goes to the least busy replica instead when that
 replica has more than `affinity_slack` requests in flight beyond the least busy one's, and
 without a key. Requests in flight, not outstanding tokens, measure "busy" here: coding agents
@@ -245,11 +246,12 @@ class ReplicaPool:
     def pick(
         self,
         exclude: set[str] = frozenset(),  # type: ignore[assignment]
-        affinity: str | None = None,
+        affinity: Callable[[], str] | None = None,
     ) -> Replica | None:
-        """The healthy replica `affinity` ranks first, unless it has more than `affinity_slack`
-        requests in flight beyond the least busy one's; else (or without a key) the one with the
-        least outstanding work. None: none is left."""
+        """The healthy replica the key `affinity()` ranks first, unless it has more than
+        `affinity_slack` requests in flight beyond the least busy one's; else (or without a key)
+        the one with the least outstanding work. None: none is left. The key is computed only
+        when there is a choice to make: affinity on and more than one replica ready."""
         ready = [r for r in self.replicas if r.healthy and r.url not in exclude]
         if not ready:
             return None
@@ -262,7 +264,11 @@ class ReplicaPool:
         if affinity is None or not self.affinity:
             self.routed["least_busy"] += 1
             return least
-        chosen = max(ready, key=lambda r: rendezvous_score(affinity, r.url))
+        if len(ready) == 1:  # the key's replica whatever the key: no need to compute it
+            self.routed["affinity"] += 1
+            return least
+        key = affinity()
+        chosen = max(ready, key=lambda r: rendezvous_score(key, r.url))
         if chosen.in_flight > min(r.in_flight for r in ready) + self.affinity_slack:
             self.routed["spilled"] += 1
             return least

@@ -10,7 +10,7 @@ name the server are replaced here, so both engines are held to the same assertio
 
 Slow (42 tests, about 9 minutes on the shared 2-core machine, three processes sharing it): run
 with `make test-slow`. The default run checks the engine against vLLM-shaped handlers
-(tests/proxy/test_vllm_engine.py).
+(tests/proxy/test_vllm_engine.py, test_vllm_routing.py).
 """
 
 from __future__ import annotations

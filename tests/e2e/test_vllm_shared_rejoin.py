@@ -27,7 +27,7 @@ from proxy.engines.vllm import VLLMEngine
 from storage import Store
 from tests.e2e.test_adapters import write_random_lora
 from tests.fakes.stack import FakeReplica, start_replicas
-from tests.proxy.test_vllm_engine import FakeTokenizer
+from tests.fakes.vllm_wire import FakeTokenizer
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 

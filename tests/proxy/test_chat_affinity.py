@@ -9,6 +9,7 @@ from typing import Any
 from proxy.chat.affinity import SESSION_HEADERS, affinity_key
 from proxy.chat.record import CallInfo
 from proxy.protocols.chat import ChatCompletionRequest
+from storage.linking import task_signature
 
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
 
@@ -41,7 +42,17 @@ def test_every_turn_of_a_conversation_has_the_opening_key_and_others_differ() ->
     fix = [key(m) for m in conversation("Fix the failing test.", 4)]
     docs = [key(m) for m in conversation("Write the docs.", 3)]
     assert len(set(fix)) == 1 and len(set(docs)) == 1
-    assert fix[0] != docs[0] and fix[0].startswith("opening:")
+    assert fix[0] != docs[0] and fix[0].startswith("task:")
+
+
+def test_without_ids_the_key_is_the_task_signature_grouping_uses() -> None:
+    """One hash for "the same task" (`storage.linking.task_signature`): runs of one task share
+    a replica, and its tools are part of it."""
+    tool = {"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}
+    messages = conversation("Fix the failing test.", 1)[0]
+    assert key(messages) == "task:" + task_signature(messages, None)
+    assert key(messages, tools=[tool]) == "task:" + task_signature(messages, [tool])
+    assert key(messages, tools=[tool]) != key(messages)
 
 
 def test_an_explicit_trajectory_id_wins_over_headers_and_the_opening() -> None:

@@ -1,7 +1,8 @@
 """The `vllm` engine against vLLM-shaped HTTP handlers served on loopback (one real aiohttp server
-per replica, `tests/fakes/loopback_http.py`, so the engine's own HTTP client, pool and stream
-reading are what run): what it sends, how it reads streams, routing, replicas that fail (a
-handler raises `HangUp`: the connection drops), versioned adapters.
+per replica, `tests/fakes/vllm_wire.py`, so the engine's own HTTP client, pool and stream
+reading are what run): what it sends, how it reads streams, versioned adapters, replicas set up
+wrong, the chat service in front of it. Which replica takes a request (least work, failover,
+session affinity): tests/proxy/test_vllm_routing.py.
 
 The end-to-end tests with real processes are tests/e2e/test_vllm_*.py; these pin the rules that
 are hard to provoke there (a replica refusing one adapter, a death between two tokens).
@@ -11,17 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 import llguidance
 import pytest
-import pytest_asyncio
-from aiohttp import web
 
 from proxy.chat.grammar import ToolChoice, constraint_for_json_schema, constraint_for_tools
-from proxy.chat.service import _api_error
 from proxy.engines.base import (
     ChoiceFinished,
     EngineError,
@@ -30,123 +28,22 @@ from proxy.engines.base import (
     SamplingParams,
     TokenEvent,
 )
-from proxy.engines.vllm import VLLMEngine, lark_text
+from proxy.engines.vllm import lark_text
 from proxy.engines.vllm_replicas import ReplicaMisconfigured
-from proxy.errors import BadGatewayError, EngineUnreachableError
-from tests.fakes.loopback_http import Handler, HangUp, Req, serve
-
-A, B = "http://a:8000", "http://b:8000"
-PROMPT = [1, 2, 3]
-
-
-class FakeTokenizer:
-    eos_token_id = 2
-    unk_token_id = 0
-    model_max_length = 4096
-
-    def convert_tokens_to_ids(self, token: str) -> int:
-        return 1 if token == "<|im_start|>" else 0
-
-
-def sse(*chunks: dict[str, Any], done: bool = True) -> bytes:
-    lines = [f"data: {json.dumps(c)}\n\n" for c in chunks]
-    return ("".join(lines) + ("data: [DONE]\n\n" if done else "")).encode()
-
-
-def chunk(
-    index: int,
-    ids: list[int],
-    lps: list[float],
-    text: str,
-    finish: str | None = None,
-    model: str = "m",
-    **extra: Any,
-) -> dict[str, Any]:
-    tops = [{f"token_id:{t}": lp, "token_id:99": -0.1} for t, lp in zip(ids, lps, strict=True)]
-    return {
-        "id": "cmpl-1",
-        "object": "text_completion",
-        "created": 0,
-        "model": model,
-        "choices": [
-            {
-                "index": index,
-                "text": text,
-                "logprobs": {
-                    "text_offset": [0] * len(ids),
-                    "token_logprobs": lps,
-                    "tokens": [f"token_id:{t}" for t in ids],
-                    "top_logprobs": tops,
-                },
-                "finish_reason": finish,
-                "stop_reason": None,
-                "token_ids": ids,
-                **extra,
-            }
-        ],
-    }
-
-
-def answer(ids: list[int], lps: list[float], texts: list[str], finish: str = "length") -> bytes:
-    chunks = []
-    for k, (t, lp, text) in enumerate(zip(ids, lps, texts, strict=True)):
-        extra = {"prompt_token_ids": PROMPT} if k == 0 else {"prompt_token_ids": None}
-        last = k == len(ids) - 1
-        chunks.append(chunk(0, [t], [lp], text, finish if last else None, **extra))
-    return sse(*chunks)
-
-
-Replicas = Callable[..., Awaitable[VLLMEngine]]
-
-
-def health_ok(request: Req) -> httpx.Response | None:
-    if request.path == "/health":
-        return httpx.Response(200)
-    if request.path == "/v1/models":
-        card = {"id": "base", "object": "model", "parent": None, "max_model_len": 2048}
-        return httpx.Response(200, json={"object": "list", "data": [card]})
-    return None
-
-
-@pytest_asyncio.fixture(loop_scope="function")
-async def replicas() -> AsyncIterator[Replicas]:
-    """`await replicas(handler, (A, B))`: an engine over one loopback server per name, in order;
-    servers and engine are closed after the test."""
-    runners: list[web.AppRunner] = []
-    engines: list[VLLMEngine] = []
-
-    async def make(
-        handler: Handler, names: tuple[str, ...] = (A, B), suffix: str = "", **kw: Any
-    ) -> VLLMEngine:
-        urls = []
-        for name in names:
-            runner, url = await serve(name, handler)
-            runners.append(runner)
-            urls.append(url + suffix)
-        engine = VLLMEngine(urls, FakeTokenizer(), policy="rlproxy", **kw)
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        await engine.stop()
-    for runner in runners:
-        await runner.cleanup()
-
-
-def request(**params: Any) -> GenerationRequest:
-    return GenerationRequest(PROMPT, SamplingParams(max_tokens=3, **params), request_id="r1")
-
-
-async def collect(engine: VLLMEngine, req: GenerationRequest) -> list[Any]:
-    return [event async for event in engine.generate(req)]
-
-
-async def started(engine: VLLMEngine) -> VLLMEngine:
-    await engine.pool.check_all()
-    await engine._learn_model(engine.pool.replicas[0])
-    return engine
-
+from tests.fakes.loopback_http import Handler, HangUp, Req
+from tests.fakes.vllm_wire import (
+    PROMPT,
+    A,
+    B,
+    Replicas,
+    answer,
+    chunk,
+    collect,
+    health_ok,
+    request,
+    sse,
+    started,
+)
 
 # ----------------------------------------------------------------------------- the wire
 
@@ -259,56 +156,6 @@ def test_grammars_travel_as_lark_that_llguidance_reads() -> None:
         # what vLLM's guidance backend does with `structured_outputs.grammar`
         assert llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("grammar", text)) == ""
     assert lark_text(schema).startswith("start: %json {")
-
-
-# ----------------------------------------------------------------------------- replicas
-
-
-async def test_least_outstanding_work_and_a_refused_connection_goes_elsewhere(
-    replicas: Replicas,
-) -> None:
-    served: list[str] = []
-
-    def handler(req: Req) -> httpx.Response | None:
-        if req.path == "/v1/completions":
-            host = req.replica
-            if host == A:
-                raise HangUp  # before any answer: the connection dropped
-            served.append(host)
-            return httpx.Response(200, content=answer([5], [-0.3], ["x"], "stop"))
-        return health_ok(req)
-
-    engine = await started(await replicas(handler, affinity=False))
-    engine.pool.replicas[1].outstanding = 10  # B is busier: A is picked first
-    events = await collect(engine, request())
-    assert served == [B] and isinstance(events[-1], ChoiceFinished)
-    assert not engine.pool.replicas[0].healthy  # out of rotation until its probe answers
-    assert engine.pool.replicas[1].outstanding == 10  # what the request owed was given back
-
-
-async def test_a_replica_dying_mid_answer_is_a_502_and_none_left_a_503(replicas: Replicas) -> None:
-    async def dying() -> AsyncIterator[bytes]:
-        yield sse(chunk(0, [5], [-0.3], "x", prompt_token_ids=PROMPT), done=False)
-        raise HangUp
-
-    def handler(req: Req) -> httpx.Response | None:
-        if req.path == "/v1/completions":
-            return httpx.Response(200, content=dying())
-        return health_ok(req)
-
-    engine = await started(await replicas(handler, (A,)))
-    events: list[Any] = []
-    with pytest.raises(EngineUnavailableError) as died:
-        async for event in engine.generate(request()):
-            events.append(event)
-    assert len(events) == 1 and died.value.mid_answer
-    assert isinstance(_api_error(died.value), BadGatewayError)
-    assert _api_error(died.value).status_code == 502
-    with pytest.raises(EngineUnavailableError) as none_left:
-        await collect(engine, request())
-    assert not none_left.value.mid_answer
-    assert _api_error(none_left.value).status_code == 503
-    assert isinstance(_api_error(none_left.value), EngineUnreachableError)
 
 
 # ----------------------------------------------------------------------------- adapters
@@ -654,17 +501,6 @@ def test_the_stand_in_refuses_what_vllms_lora_loader_refuses(
 # ----------------------------------------------------------------------------- the chat service
 
 
-@pytest.fixture(scope="module")
-def chat_tokenizer(model_data_dir: Any) -> Any:
-    """The embedded model's tokenizer and chat template (no weights): what rlproxy renders
-    prompts with in front of vLLM."""
-    from transformers import AutoTokenizer
-
-    from proxy.engines.loader import ensure_fp32_cache
-
-    return AutoTokenizer.from_pretrained(str(ensure_fp32_cache(model_data_dir)))
-
-
 def echo_handler(gate: asyncio.Event | None = None) -> Handler:
     """Answers every completion with two tokens for the prompt it was sent; with `gate`, the
     first token waits until the gate opens (vLLM still queueing the request)."""
@@ -771,167 +607,3 @@ async def test_admission_counts_rows_vllm_has_not_started(
     assert [len(b["choices"]) for b in bodies] == [2, 1]
     assert engine.queued_rows() == 0 and engine.health().detail["queued_rows"] == 0
     await chat.complete(await chat.prepare(chat_request(n=3)))
-
-
-# ----------------------------------------------------------------------------- affinity
-
-C = "http://c:8000"
-
-
-def recording_handler(served: list[tuple[str, list[int]]]) -> Handler:
-    """Answers every completion with one token for the prompt it was sent, noting which replica
-    served which prompt."""
-
-    def handler(req: Req) -> httpx.Response | None:
-        if req.path == "/v1/completions":
-            prompt = json.loads(req.content)["prompt"]
-            served.append((req.replica, prompt))
-            return httpx.Response(
-                200, content=sse(chunk(0, [5], [-0.3], "x", "stop", prompt_token_ids=prompt))
-            )
-        return health_ok(req)
-
-    return handler
-
-
-def turn(key: str | None, prompt: list[int] = PROMPT) -> GenerationRequest:
-    return GenerationRequest(prompt, SamplingParams(max_tokens=1), request_id="r", affinity=key)
-
-
-async def test_every_turn_of_a_conversation_goes_to_one_replica_and_conversations_spread(
-    replicas: Replicas,
-) -> None:
-    served: list[tuple[str, list[int]]] = []
-    engine = await started(await replicas(recording_handler(served), (A, B, C)))
-    keys = [f"session:{k}" for k in range(24)]
-    for _ in range(3):  # three turns of every conversation, interleaved
-        for key in keys:
-            await collect(engine, turn(key))
-    by_key = [{served[t * len(keys) + k][0] for t in range(3)} for k in range(len(keys))]
-    assert all(len(replicas_of_key) == 1 for replicas_of_key in by_key)
-    used = {next(iter(s)) for s in by_key}
-    assert used == {A, B, C}  # 24 keys over 3 replicas: each gets some
-    assert engine.pool.routed == {"affinity": 72, "spilled": 0, "least_busy": 0}
-
-
-async def test_a_replica_leaving_moves_only_its_own_conversations(replicas: Replicas) -> None:
-    served: list[tuple[str, list[int]]] = []
-    engine = await started(await replicas(recording_handler(served), (A, B, C)))
-    keys = [f"trajectory:{k}" for k in range(24)]
-    for key in keys:
-        await collect(engine, turn(key))
-    before = [host for host, _ in served]
-    engine.pool.mark_down(engine.pool.replicas[2], "gone")  # C leaves
-    served.clear()
-    for key in keys:
-        await collect(engine, turn(key))
-    after = [host for host, _ in served]
-    assert C not in after
-    # Keys whose replica stayed keep it; only C's keys moved.
-    assert all(b == a for b, a in zip(before, after, strict=True) if b != C)
-    assert any(b == C for b in before)
-
-
-async def test_a_busy_replica_passes_its_conversation_to_the_least_busy_one(
-    replicas: Replicas,
-) -> None:
-    served: list[tuple[str, list[int]]] = []
-    engine = await started(await replicas(recording_handler(served), (A, B), affinity_slack=2))
-    await collect(engine, turn("session:x"))
-    names = [A, B]
-    at_home = names.index(served[0][0])
-    home, elsewhere = engine.pool.replicas[at_home], names[1 - at_home]
-    home.in_flight = 2  # within the slack: the conversation stays home
-    await collect(engine, turn("session:x"))
-    home.in_flight = 3  # past it: the least busy replica takes this turn
-    await collect(engine, turn("session:x"))
-    assert [host for host, _ in served] == [names[at_home], names[at_home], elsewhere]
-    assert engine.pool.routed == {"affinity": 2, "spilled": 1, "least_busy": 0}
-
-
-async def test_without_a_key_the_first_prompt_tokens_choose_and_affinity_off_is_least_work(
-    replicas: Replicas,
-) -> None:
-    from proxy.engines.vllm import AFFINITY_BLOCK
-
-    served: list[tuple[str, list[int]]] = []
-    engine = await started(await replicas(recording_handler(served), (A, B, C)))
-    for opening in range(8):
-        head = [opening + 10] * AFFINITY_BLOCK
-        for tail in ([7], [7, 8, 9], [7, 8, 9, 10, 11]):  # a conversation's growing prompt
-            await collect(engine, turn(None, head + tail))
-    homes = [{host for host, _ in served[3 * k : 3 * k + 3]} for k in range(8)]
-    assert all(len(h) == 1 for h in homes) and len(set().union(*homes)) > 1
-
-    served.clear()
-    off = await started(await replicas(recording_handler(served), (A, B), affinity=False))
-    off.pool.replicas[0].outstanding = 10  # A owes more: B takes every request
-    for key in ("session:1", "session:2", "session:3"):
-        await collect(off, turn(key))
-    assert [host for host, _ in served] == [B, B, B]
-    assert off.pool.routed["least_busy"] == 3
-
-
-VLLM_METRICS = """\
-# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
-# TYPE vllm:prefix_cache_queries_total counter
-vllm:prefix_cache_queries_total{engine="0",model_name="base"} 3000.0
-vllm:prefix_cache_queries_total{engine="1",model_name="base"} 1000.0
-# HELP vllm:prefix_cache_queries_created Prefix cache queries, in terms of number of queried tokens.
-# TYPE vllm:prefix_cache_queries_created gauge
-vllm:prefix_cache_queries_created{engine="0",model_name="base"} 1.7649e+09
-# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
-# TYPE vllm:prefix_cache_hits_total counter
-vllm:prefix_cache_hits_total{engine="0",model_name="base"} 2400.0
-vllm:prefix_cache_hits_total{engine="1",model_name="base"} 600.0
-# HELP vllm:external_prefix_cache_hits_total External prefix cache hits.
-# TYPE vllm:external_prefix_cache_hits_total counter
-vllm:external_prefix_cache_hits_total{engine="0",model_name="base"} 99.0
-"""
-
-
-async def test_vllms_prefix_cache_counters_show_in_health_summed_over_replicas(
-    replicas: Replicas,
-) -> None:
-    def handler(req: Req) -> httpx.Response | None:
-        if req.path == "/metrics":  # B answers none: a replica not read yet counts nothing
-            return httpx.Response(200, text=VLLM_METRICS) if req.replica == A else None
-        return health_ok(req)
-
-    engine = await started(await replicas(handler, (A, B)))
-    detail = engine.health().detail
-    assert detail["prefix_cache"] == {"query_tokens": 4000, "hit_tokens": 3000, "hit_rate": 0.75}
-    assert (detail["prefix_cache_query_tokens"], detail["prefix_cache_hit_tokens"]) == (4000, 3000)
-    by_url = {r["url"]: r["prefix_cache"] for r in detail["replicas"]}
-    assert by_url[engine.pool.replicas[0].url]["hit_rate"] == 0.75
-    assert by_url[engine.pool.replicas[1].url] is None
-
-
-async def test_the_chat_service_keeps_a_conversation_on_one_replica(
-    replicas: Replicas, chat_tokenizer: Any
-) -> None:
-    from proxy.adapters.registry import ServedModels
-    from proxy.chat.record import CallInfo
-    from proxy.chat.service import ChatService
-    from proxy.protocols.chat import ChatCompletionRequest
-
-    served: list[tuple[str, list[int]]] = []
-    engine = await started(await replicas(recording_handler(served), (A, B, C)))
-    chat = ChatService(engine, ServedModels("rlproxy"), chat_tokenizer)
-    homes = []
-    # Eight conversations of two turns, no ids, no headers (all eight on one of three replicas
-    # by chance: 3 / 3**8, 0.05 %; the replicas' URLs, so their ranks, change every run).
-    for agent in range(8):
-        messages: list[dict[str, Any]] = [{"role": "user", "content": f"Task {agent}."}]
-        for t in range(2):
-            body = {"model": "rlproxy", "messages": messages, "max_tokens": 1}
-            request = ChatCompletionRequest.model_validate(body)
-            answer_ = await chat.complete(await chat.prepare(CallInfo(request, f"r{agent}{t}")))
-            messages = [
-                *messages,
-                answer_["choices"][0]["message"],
-                {"role": "user", "content": f"Go on ({t})."},
-            ]
-        homes.append({host for host, _ in served[-2:]})
-    assert all(len(h) == 1 for h in homes)
-    assert len(set().union(*homes)) > 1
