@@ -79,7 +79,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from servers import SERVE_ONLY, free_port, start_server, stop  # noqa: E402
+from servers import SERVE_ONLY, free_port, sse_json, start_server, stop  # noqa: E402
 
 LONG_CONTEXT = 32768
 # fmt: off
@@ -260,11 +260,7 @@ async def run_session(
         ) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"turn {t}: {r.status_code} {(await r.aread())[:500]!r}")
-            async for line in r.aiter_lines():
-                data = line.removeprefix("data: ").strip()
-                if not data.startswith("{"):
-                    continue
-                chunk = json.loads(data)
+            async for chunk in sse_json(r):
                 if "error" in chunk:
                     raise RuntimeError(f"turn {t}: {chunk['error']}")
                 for choice in chunk.get("choices") or []:
@@ -357,36 +353,20 @@ def long_context_copy(model: Path) -> Path:
     return target
 
 
-def stop_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform == "linux":
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
-
-
 def start_vllm(model: Path, data: Path, args: argparse.Namespace, context: int) -> Any:
-    from proxy.cli.vllm_cpu import VLLMServer, ensure_venv, server_args, server_env
-
-    class BenchVLLM(VLLMServer):
-        def command(self, python: Path) -> list[str]:
-            return [str(python), *server_args(self.model, self.port, max_model_len=context)]
-
-        def start(self, python: Path, *, with_parent: bool = True) -> None:
-            env = {**server_env(self.threads), "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}
-            self.log.parent.mkdir(parents=True, exist_ok=True)
-            with self.log.open("ab") as out:
-                self.proc = subprocess.Popen(
-                    self.command(python),
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    start_new_session=True,
-                    preexec_fn=stop_with_parent,  # never left running if this script dies
-                )
+    """`serve --vllm-cpu`'s server (its venv, flags and parent-death signal: never left running
+    if this script dies) with the session's context, a larger KV cache and more threads."""
+    from proxy.cli.vllm_cpu import VLLMServer, ensure_venv
 
     python = ensure_venv(data / "vllm-venv-build.log")
-    server = BenchVLLM(
-        model, free_port(), data / "vllm.log", threads=args.vllm_threads, lora_rank=8
+    server = VLLMServer(
+        model,
+        free_port(),
+        data / "vllm.log",
+        threads=args.vllm_threads,
+        lora_rank=16,  # --max-lora-rank 16, as every run of this benchmark had
+        max_model_len=context,
+        kv_cache_gib=args.vllm_kv_gib,
     )
     server.start(python)
     try:

@@ -63,6 +63,9 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from servers import sse_json  # noqa: E402
 
 from storage.prompt_chunks import sqlite_prompts  # noqa: E402
 
@@ -129,11 +132,7 @@ async def via_rlproxy(url: str, client: httpx.AsyncClient, job: tuple[str, int])
     }
     run, start = Run(sent_at=[time.time()]), time.perf_counter()
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-        async for line in r.aiter_lines():
-            data = line.removeprefix("data: ").strip()
-            if not data.startswith("{"):
-                continue
-            chunk = json.loads(data)
+        async for chunk in sse_json(r):
             if "error" in chunk:
                 run.errors += 1
             for choice in chunk.get("choices") or []:
@@ -161,11 +160,7 @@ async def direct(
     }
     run, start = Run(sent_at=[time.time()]), time.perf_counter()
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        async for line in r.aiter_lines():
-            data = line.removeprefix("data: ").strip()
-            if not data.startswith("{"):
-                continue
-            chunk = json.loads(data)
+        async for chunk in sse_json(r):
             if "error" in chunk:
                 run.errors += 1
             for choice in chunk.get("choices") or []:

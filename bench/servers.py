@@ -4,6 +4,7 @@ health URL; each logs to a file and is waited on until healthy.
     from servers import start_server          # bench scripts run as `python bench/<name>.py`
     proc, url = start_server(data_dir, model_dir, {"RLPROXY_SCORING": "true"})
     with process(cmd, env, log_path, health_url): ...       # stopped (SIGTERM) on leaving
+    async for chunk in sse_json(response): ...              # a streamed answer's JSON events
 
 `SERVE_ONLY` turns the background trainer, scorer and adapter publisher off; a benchmark that
 wants them passes them on in `env_extra`.
@@ -11,15 +12,17 @@ wants them passes them on in `env_extra`.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -108,3 +111,12 @@ def process(
         yield proc
     finally:
         stop(proc)
+
+
+async def sse_json(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of a streamed answer (`data: {...}` lines), in order; `data: [DONE]`,
+    comments and blank lines are skipped."""
+    async for line in response.aiter_lines():
+        data = line.removeprefix("data: ").strip()
+        if data.startswith("{"):
+            yield json.loads(data)

@@ -85,13 +85,14 @@ def _build(folder: Path, out: IO[str] | None) -> None:
     run(str(folder / "bin" / "python"), "-c", "import vllm, torch; print(vllm.__version__)")
 
 
-def server_env(threads: int = 1) -> dict[str, str]:
+def server_env(threads: int = 1, kv_cache_gib: int = 1) -> dict[str, str]:
+    """The server's environment: `threads` OpenMP threads, a KV cache of `kv_cache_gib` GiB."""
     return {
         **os.environ,
         "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": str(threads),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
         # No usage reports, no hub look-ups: the model is a local folder.
         "VLLM_NO_USAGE_STATS": "1",
@@ -146,11 +147,25 @@ def _stop_with_parent() -> None:  # pragma: no cover - runs in the child between
 
 class VLLMServer:
     """One vLLM server process on loopback, started by rlproxy, in its own process group (its
-    engine core is a child of its own: signals go to the group)."""
+    engine core is a child of its own: signals go to the group).
 
-    def __init__(self, model: Path, port: int, log: Path, *, threads: int, lora_rank: int) -> None:
+    `serve --vllm-cpu` takes the defaults of `max_model_len` and `kv_cache_gib`; a benchmark of
+    long sessions (bench/bench_long_session.py) asks for a longer context and a larger cache."""
+
+    def __init__(
+        self,
+        model: Path,
+        port: int,
+        log: Path,
+        *,
+        threads: int,
+        lora_rank: int,
+        max_model_len: int = 2048,
+        kv_cache_gib: int = 1,
+    ) -> None:
         self.model, self.port, self.log = model, port, log
         self.threads, self.lora_rank = threads, lora_rank
+        self.max_model_len, self.kv_cache_gib = max_model_len, kv_cache_gib
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -159,7 +174,13 @@ class VLLMServer:
 
     def command(self, python: Path) -> Sequence[str]:
         rank = lora_rank_limit(self.lora_rank)
-        return [str(python), *server_args(self.model, self.port, rank)]
+        return [
+            str(python),
+            *server_args(self.model, self.port, rank, max_model_len=self.max_model_len),
+        ]
+
+    def env(self) -> dict[str, str]:
+        return server_env(self.threads, self.kv_cache_gib)
 
     def start(self, python: Path, *, with_parent: bool = True) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -168,7 +189,7 @@ class VLLMServer:
                 self.command(python),
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env=server_env(self.threads),
+                env=self.env(),
                 start_new_session=True,
                 preexec_fn=_stop_with_parent if with_parent else None,
             )

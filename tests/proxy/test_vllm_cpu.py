@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.cli.vllm_cpu import lora_rank_limit, server_args
+from proxy.cli.vllm_cpu import VLLMServer, lora_rank_limit, server_args
 
 
 @pytest.mark.parametrize(("rank", "limit"), [(1, 8), (8, 8), (9, 16), (16, 16), (200, 256)])
@@ -31,6 +31,25 @@ def test_the_flags_rlproxy_needs() -> None:
     assert flag["--max-lora-rank"] == "32" and "--enable-lora" in args
     assert flag["--logprobs-mode"] == "raw_logprobs"
     assert flag["--structured-outputs-config.backend"] == "guidance"
+
+
+def test_a_server_for_long_sessions_gets_its_context_kv_cache_and_threads() -> None:
+    server = VLLMServer(
+        Path("/m"),
+        8711,
+        Path("vllm.log"),
+        threads=2,
+        lora_rank=8,
+        max_model_len=32768,
+        kv_cache_gib=4,
+    )
+    flag = dict(itertools.pairwise(server.command(Path("/venv/bin/python"))))
+    assert flag["--max-model-len"] == "32768" and flag["--max-lora-rank"] == "8"
+    env = server.env()
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "4" and env["OMP_NUM_THREADS"] == "2"
+    plain = VLLMServer(Path("/m"), 8711, Path("vllm.log"), threads=1, lora_rank=16)
+    assert dict(itertools.pairwise(plain.command(Path("python"))))["--max-model-len"] == "2048"
+    assert plain.env()["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
 def test_vllm_urls_and_vllm_cpu_together_are_refused(tmp_path: Path) -> None:
