@@ -287,6 +287,7 @@ def judge_checks_config(settings: Settings) -> JudgeChecksConfig | None:
         min_canary_pass=settings.judge_gate_min_canary_pass,
         min_self_tau=settings.judge_gate_min_self_tau,
         window=settings.judge_gate_window,
+        hold_unchecked=settings.judge_gate_hold_unchecked,
         hold_undecided=settings.judge_gate_hold_undecided,
         drift_window=settings.judge_drift_window,
         drift_reward_rise=settings.judge_drift_reward_rise,

@@ -452,10 +452,16 @@ class Settings(BaseSettings):
     judge_gate_window: int = Field(
         200, ge=1, description="Newest checks per judge model and rubric the gate reads."
     )
+    judge_gate_hold_unchecked: bool = Field(
+        True,
+        description="Hold a judge's scores while a kind of check has fewer than "
+        "RLPROXY_JUDGE_GATE_MIN_CHECKS checks (its first groups: checks are front-loaded); they "
+        "are judged again once the judge passes. Off: a judge trains from its first group.",
+    )
     judge_gate_hold_undecided: bool = Field(
         False,
-        description="Also hold scores while the checks cannot decide yet (too few, or the bounds "
-        "straddle the threshold). Off: only a judge shown to fail is held.",
+        description="Also hold scores while a kind with enough checks cannot decide (its 95% "
+        "bounds straddle the threshold). Off: such a judge trains.",
     )
     judge_drift_window: int = Field(
         50,
@@ -531,8 +537,8 @@ class Settings(BaseSettings):
         True,
         description="Send every turn of a conversation to the same vLLM server, whose prefix "
         "cache holds its history (keyed by the trajectory id, a coding agent's session header, or "
-        "the conversation's opening messages; docs/vllm-engine.md). Off: every request goes to "
-        "the server with the least outstanding work.",
+        "the task signature: system prompt, first user message, tools; docs/vllm-engine.md). "
+        "Off: every request goes to the server with the least outstanding work.",
     )
     vllm_affinity_slack: int = Field(
         4,

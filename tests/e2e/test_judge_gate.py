@@ -109,6 +109,9 @@ def jserver(
         "RLPROXY_JUDGE_GATE_MIN_CHECKS": str(GROUPS_PER_AGENT),
         # With 4 checks: 4/4 passed has a Wilson lower bound of 0.51, 0/4 an upper one of 0.49.
         "RLPROXY_JUDGE_GATE_MIN_CANARY_PASS": "0.5",
+        # This suite checks what a decided gate does with each judge; holding a judge's first
+        # groups until its checks decide (the default) is tested in test_judge_checks.py.
+        "RLPROXY_JUDGE_GATE_HOLD_UNCHECKED": "false",
     }
     with own_server(tmp_path_factory.mktemp("judge-checks"), model_data_dir, env) as server:
         yield server

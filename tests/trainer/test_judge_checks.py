@@ -39,7 +39,10 @@ def check(**fields: Any) -> JudgeCheckRecord:
     )
 
 
-CONFIG = JudgeChecksConfig(min_checks=20, min_canary_pass=0.8, min_self_tau=0.5)
+CONFIG = JudgeChecksConfig(
+    min_checks=20, min_canary_pass=0.8, min_self_tau=0.5, hold_unchecked=False
+)
+"""The gate's thresholds, holding nothing for want of checks: the tests of one kind's verdict."""
 
 
 # ----------------------------------------------------------------------------- canaries
@@ -82,6 +85,27 @@ def test_too_few_canaries_cannot_decide() -> None:
     gate = gate_decision([check(canary_passed=False, canary_kind="empty")] * 19, CONFIG)
     assert gate.canary.verdict == "undecided" and gate.decision == "train"
     assert gate.reason is not None and "0/19" in gate.reason
+
+
+def test_by_default_a_judge_is_held_until_each_kind_of_check_can_decide() -> None:
+    config = JudgeChecksConfig(min_checks=20)
+    passing = [check(canary_passed=True, position_tau=1.0)] * 19
+    gate = gate_decision(passing, config)
+    assert gate.decision == "held" and (gate.reason or "").startswith("judge not proven yet")
+    assert "19/19" in (gate.reason or "")
+    # The 20th check of each kind decides: every re-ordering agreed, canaries 20/20 pass.
+    assert gate_decision([*passing, passing[0]], config).decision == "train"
+    # Canaries alone are not enough while re-orderings are on and have not reached 20.
+    canaries_only = [check(canary_passed=True)] * 40
+    assert gate_decision(canaries_only, config).decision == "held"
+    # A kind that is off (share 0) never holds.
+    no_reorder = JudgeChecksConfig(min_checks=20, position_share=0.0)
+    gate = gate_decision(canaries_only, no_reorder)
+    assert gate.self_agreement.verdict == "off" and gate.decision == "train"
+    # A failing kind holds with its own reason, whatever the other has.
+    failing = [check(canary_passed=False)] * 20
+    gate = gate_decision(failing, config)
+    assert gate.decision == "held" and (gate.reason or "").startswith("judge failed")
 
 
 def test_a_judge_whose_canary_upper_bound_is_below_the_threshold_is_held() -> None:
@@ -128,7 +152,7 @@ def test_with_the_gate_off_a_failing_judge_still_trains_and_says_so() -> None:
 def test_only_the_newest_window_counts() -> None:
     old_failures = [check(canary_passed=False)] * 30
     newer_passes = [check(canary_passed=True)] * 30
-    config = JudgeChecksConfig(min_checks=20, window=30)
+    config = JudgeChecksConfig(min_checks=20, window=30, hold_unchecked=False)
     assert gate_decision([*newer_passes, *old_failures], config).decision == "train"
     assert gate_decision([*old_failures, *newer_passes], config).decision == "held"
 
@@ -290,7 +314,9 @@ async def store(tmp_path: Path) -> AsyncIterator[Store]:
 
 
 def _scorer(store: Store, judge: RuleJudge, **checks: Any) -> Scorer:
-    config = JudgeChecksConfig(seed=3, **checks)
+    """A scorer with checks; unless `checks` says otherwise it does not hold a judge for want of
+    checks (the tests of front-loading and the default hold say so)."""
+    config = JudgeChecksConfig(seed=3, **{"hold_unchecked": False, **checks})
     return Scorer(store, judge, SignatureGrouper(min_size=3), ScoringConfig(checks=config))
 
 
@@ -384,6 +410,50 @@ async def test_a_judge_scoring_everything_alike_fails_its_canaries_and_is_held(
     gate = gate_decision(rows, JudgeChecksConfig(min_checks=3, window=3))
     assert gate.decision == "held" and gate.canary.outcomes == {"below": 0, "tie": 3, "above": 0}
     assert gate.canary.checks == 3 and gate.canary.passed == 0
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_checks_are_front_loaded_and_a_new_judge_trains_only_once_they_decide(
+    store: Store,
+) -> None:
+    # The default shares (a canary in 20 % of groups, a re-ordering in 10 %) and hold; 3 checks
+    # of each kind decide here. An honest judge: every canary below the median, tau 1.
+    judge = RuleJudge(honest)
+    scorer = _scorer(store, judge, min_checks=3, hold_unchecked=True)
+    first = [await scorer.score(await _ready_group(store, n)) for n in range(3)]
+    # Each of the first three groups got a canary (4 answers) and a second, reversed call.
+    assert [len(answers) for answers in judge.seen] == [4] * 6
+    assert judge.seen[1] == list(reversed(judge.seen[0]))
+    # Held until the third check of each kind (its own counted) lets the gate decide.
+    assert [d.summary.status if d else None for d in first] == ["held", "held", "scored"]
+    assert "judge not proven yet" in (first[0].summary.hold_reason or "")  # type: ignore[union-attr]
+    assert {g for g, _ in await _trainers_read(store)} == {first[2].id}  # type: ignore[union-attr]
+    # From then on the shares apply: 20 more groups get far fewer than 20 canaries.
+    calls = len(judge.seen)
+    for n in range(3, 23):
+        await scorer.score(await _ready_group(store, n))
+    later = judge.seen[calls:]
+    assert len(later) < 30 and sum(len(a) == 4 for a in later) < 12
+    # The groups held while the judge was unproven are judged again and then train.
+    released = await scorer.release_recovered()
+    assert sorted(released) == sorted(d.id for d in first[:2] if d)
+    while await scorer.score_next() is not None:
+        pass
+    assert {d.id for d in first if d} <= {g for g, _ in await _trainers_read(store)}
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_coin_flip_judge_never_trains_on_the_defaults(store: Store) -> None:
+    rng = random.Random(5)
+    coin = RuleJudge(lambda answers, _: [rng.random() for _ in answers], "coin")
+    scorer = _scorer(store, coin, hold_unchecked=True)  # the default thresholds: 20 checks
+    details = [await scorer.score(await _ready_group(store, n)) for n in range(30)]
+    assert {d.summary.status if d else None for d in details} == {"held"}
+    reasons = [d.summary.hold_reason or "" for d in details if d]
+    assert all(r.startswith("judge not proven yet") for r in reasons[:19])
+    assert reasons[-1].startswith("judge failed its checks")
+    assert await _trainers_read(store) == []
+    assert await scorer.release_recovered() == []
 
 
 @pytest.mark.asyncio(loop_scope="session")

@@ -17,6 +17,11 @@ Every group the judge scores gets one `JudgeCheckRecord`, stored with its scores
   Kendall's tau-b between the two (per group; `/rl/judge` aggregates them per rubric and day).
 - mean reward and completion lengths of the group, for the drift alarm.
 
+Checks are front-loaded: while a judge and rubric has fewer than `min_checks` checks of a kind
+(in its newest `window`), every group it judges gets that kind, whatever the share; from then on
+the shares apply. A new judge is checked on its first `min_checks` groups (about twice the judge
+calls there), not on its first `min_checks / share` (100 groups at a 20 % share).
+
 The gate, per judge model and rubric, over its newest `window` checks (95 % bounds):
 
 - canary pass rate: with at least `min_checks` canaries, the judge FAILS when the upper Wilson
@@ -24,8 +29,12 @@ The gate, per judge model and rubric, over its newest `window` checks (95 % boun
   it, and is UNDECIDED in between or with fewer canaries;
 - self-agreement: with at least `min_checks` position checks, FAILS when mean tau + 1.96 standard
   errors is below `min_self_tau`, PASSES when mean tau - 1.96 standard errors is at or above it;
-- scores are held (the group becomes "held", never trained on) when either fails, or when either
-  is undecided and `hold_undecided` is set. Otherwise they train.
+- a kind whose share is 0 is off: it never decides and never holds;
+- scores are held (the group becomes "held", never trained on) when either fails; while either
+  has fewer than `min_checks` checks and `hold_unchecked` is set (the default: nothing a judge
+  scores trains before its checks can decide, and a coin-flip judge is held from its first
+  group); and when either is undecided with enough checks and `hold_undecided` is set.
+  Otherwise they train.
 
 The decision is taken for each group as it is scored, counting that group's own check. Held scores
 stay stored and visible. When the gate of a judge and rubric no longer holds (the judge has
@@ -69,6 +78,9 @@ logger = logging.getLogger(__name__)
 MIN_DRIFT_CANARIES = 5
 """Canary checks each half of the drift window needs before a fall in pass rate counts."""
 
+FRONT_LOAD_LIMIT = 3
+"""Front-loading ends once a judge and rubric has this many times `min_checks` checks stored."""
+
 
 @dataclass
 class JudgeChecksConfig:
@@ -86,8 +98,14 @@ class JudgeChecksConfig:
     """The mean Kendall's tau between a group's two orderings a judge must reach."""
     window: int = 200
     """Newest checks per judge model and rubric that the gate and the figures read."""
+    hold_unchecked: bool = True
+    """Hold scores while a kind (share above 0) has fewer than `min_checks` checks: a judge's
+    scores train only once its checks can decide. Front-loading makes that its first
+    `min_checks` judged groups; the groups held then are judged again once the gate lets the
+    judge train (`release_recovered`)."""
     hold_undecided: bool = False
-    """Also hold scores while a kind has too few checks (or too little evidence) to decide."""
+    """Also hold scores while a kind with `min_checks` checks or more has too little evidence to
+    decide (its 95 % bounds straddle the threshold)."""
     drift_window: int = 50
     """Groups in each half of the drift alarm's comparison."""
     drift_reward_rise: float = 0.1
@@ -119,7 +137,8 @@ class JudgeChecksConfig:
 
 # ----------------------------------------------------------------------------- figures
 
-Verdict = Literal["pass", "fail", "undecided"]
+Verdict = Literal["pass", "fail", "undecided", "off"]
+"""A kind's verdict; "off" when its share is 0 (it never decides, never holds)."""
 
 
 @dataclass
@@ -167,8 +186,8 @@ def canary_figures(checks: Sequence[JudgeCheckRecord], config: JudgeChecksConfig
     done = [c for c in checks if c.canary_passed is not None]
     passed = sum(1 for c in done if c.canary_passed)
     low, high = st.wilson_interval(passed, len(done))
-    verdict: Verdict = "undecided"
-    if len(done) >= config.min_checks:
+    verdict: Verdict = "off" if config.canary_share == 0 else "undecided"
+    if verdict != "off" and len(done) >= config.min_checks:
         if high < config.min_canary_pass:
             verdict = "fail"
         elif low >= config.min_canary_pass:
@@ -207,8 +226,8 @@ def agreement_figures(
 ) -> AgreementFigures:
     taus = [c.position_tau for c in checks if c.position_tau is not None]
     interval = st.mean_interval(taus)
-    verdict: Verdict = "undecided"
-    if interval is not None and len(taus) >= config.min_checks:
+    verdict: Verdict = "off" if config.position_share == 0 else "undecided"
+    if verdict != "off" and interval is not None and len(taus) >= config.min_checks:
         if interval[2] < config.min_self_tau:
             verdict = "fail"
         elif interval[1] >= config.min_self_tau:
@@ -247,17 +266,20 @@ def gate_decision(checks: Sequence[JudgeCheckRecord], config: JudgeChecksConfig)
     canary = canary_figures(checks, config)
     agreement = agreement_figures(checks, config)
     environment = environment_figures(checks)
-    failing, undecided = [], []
+    failing: list[str] = []
+    unchecked: list[str] = []
+    undecided: list[str] = []
+    canary_what = (
+        f"canaries {canary.passed}/{canary.checks} passed (needs {config.min_checks} checks "
+        f"and a 95% bound clear of {config.min_canary_pass:g})"
+    )
     if canary.verdict == "fail":
         failing.append(
             f"canary pass rate {canary.passed}/{canary.checks} = {canary.pass_rate:.2f}, its 95% "
             f"upper bound {canary.high:.2f} is below {config.min_canary_pass:g}"
         )
     elif canary.verdict == "undecided":
-        undecided.append(
-            f"canaries {canary.passed}/{canary.checks} passed (needs {config.min_checks} checks "
-            f"and a 95% bound clear of {config.min_canary_pass:g})"
-        )
+        (unchecked if canary.checks < config.min_checks else undecided).append(canary_what)
     if agreement.verdict == "fail":
         failing.append(
             f"self-agreement mean tau {agreement.mean_tau:.2f} over {agreement.checks} "
@@ -266,7 +288,7 @@ def gate_decision(checks: Sequence[JudgeCheckRecord], config: JudgeChecksConfig)
         )
     elif agreement.verdict == "undecided":
         tau = "-" if agreement.mean_tau is None else f"{agreement.mean_tau:.2f}"
-        undecided.append(
+        (unchecked if agreement.checks < config.min_checks else undecided).append(
             f"self-agreement mean tau {tau} over {agreement.checks} re-orderings (needs "
             f"{config.min_checks} and a 95% bound clear of {config.min_self_tau:g})"
         )
@@ -275,12 +297,17 @@ def gate_decision(checks: Sequence[JudgeCheckRecord], config: JudgeChecksConfig)
     if failing:
         decision = "held" if config.gate else "train"
         reason = "judge failed its checks: " + "; ".join(failing)
-    elif undecided:
-        held = config.gate and config.hold_undecided
+        if not config.gate:
+            reason = "gate off; " + reason
+    elif unchecked or undecided:
+        held = config.gate and (
+            (bool(unchecked) and config.hold_unchecked)
+            or (bool(undecided) and config.hold_undecided)
+        )
         decision = "held" if held else "train"
-        reason = ("judge not proven yet: " if held else "undecided: ") + "; ".join(undecided)
-    if decision == "train" and failing:
-        reason = "gate off; " + (reason or "")
+        reason = ("judge not proven yet: " if held else "undecided: ") + "; ".join(
+            unchecked + undecided
+        )
     return GateDecision(decision, reason, canary, agreement, environment, len(checks))
 
 
@@ -384,20 +411,30 @@ class JudgeChecker:
         reward_policy: str,
         *,
         score: ScoreGroup = score_group,
+        store: Store | None = None,
     ) -> tuple[JudgeResult, JudgeCheckRecord | None]:
         """Judge `group` with its checks (`score`: RULER, or per-turn judging). The result holds
         the real members' scores only (the canary's is removed) with the tokens, cost, attempts
-        and time of every call summed; the check is None when judging failed."""
+        and time of every call summed; the check is None when judging failed. With `store`, the
+        checks are front-loaded (module docstring): a kind this judge and rubric has fewer than
+        `min_checks` of is drawn for every group."""
         config = self.config
+        canary_share, position_share = config.canary_share, config.position_share
+        if store is not None:
+            canaries, positions = await self.checked(store, judge.model, rubric_hash(group.rubric))
+            if canary_share > 0 and canaries < config.min_checks:
+                canary_share = 1.0
+            if position_share > 0 and positions < config.min_checks:
+                position_share = 1.0
         members = list(group.members)
         canary = None
-        if self._rng.random() < config.canary_share:
+        if self._rng.random() < canary_share:
             kinds = [KINDS[(self._next_kind + i) % len(KINDS)] for i in range(len(KINDS))]
             canary = insert_canary(members, kinds, self._rng, self._other_answer(group))
             if canary is not None:
                 self._next_kind = (KINDS.index(canary.kind) + 1) % len(KINDS)
                 members.insert(canary.position, canary.member)
-        reorder = len(members) >= 2 and self._rng.random() < config.position_share
+        reorder = len(members) >= 2 and self._rng.random() < position_share
         self._remember(group)
         judged = dataclasses.replace(group, members=members)
         first = await score(judged, judge)
@@ -436,6 +473,19 @@ class JudgeChecker:
         self._environment(check, detail, real)
         self._rewards_and_lengths(check, detail, real, reward_policy)
         return result, check
+
+    async def checked(self, store: Store, judge_model: str, rubric: str) -> tuple[int, int]:
+        """Canary and position checks in the newest `window` of this judge and rubric (hash).
+
+        Front-loading stops at `FRONT_LOAD_LIMIT` x `min_checks` checks of any kind, so a judge
+        whose re-orderings never give a tau (it scores every member alike) does not pay two
+        calls a group for ever."""
+        stored = await store.checks_of_judge(judge_model, rubric, limit=self.config.window)
+        if len(stored) >= FRONT_LOAD_LIMIT * self.config.min_checks:
+            return self.config.min_checks, self.config.min_checks
+        canaries = sum(1 for c in stored if c.canary_passed is not None)
+        positions = sum(1 for c in stored if c.position_tau is not None)
+        return canaries, positions
 
     async def decide(self, store: Store, check: JudgeCheckRecord) -> GateDecision:
         """The gate for the judge and rubric of `check`, counting `check` itself; sets the

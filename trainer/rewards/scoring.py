@@ -224,7 +224,12 @@ class Scorer:
             result = await score(judge_group, self.judge)
         else:
             result, check = await self.checker.judge(
-                judge_group, self.judge, group, self.config.reward_policy, score=score
+                judge_group,
+                self.judge,
+                group,
+                self.config.reward_policy,
+                score=score,
+                store=self.store,
             )
             if check is not None:
                 gate = await self.checker.decide(self.store, check)

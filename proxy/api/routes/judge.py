@@ -79,6 +79,7 @@ async def judge(
             "min_canary_pass": config.min_canary_pass,
             "min_self_tau": config.min_self_tau,
             "window": config.window,
+            "hold_unchecked": config.hold_unchecked,
             "hold_undecided": config.hold_undecided,
         },
         "judges": judges,
