@@ -112,8 +112,11 @@ def why_not_training(
         out.append(
             Advice(
                 f"{waiting.held} group{_s(waiting.held, ' is', 's are')} held: the judge failed "
-                "its checks, so its scores are not trained on.",
-                "See GET /rl/judge; use a better judge (RLPROXY_JUDGE_MODEL) or post rewards.",
+                "its checks, or has not had enough of them yet (its first "
+                f"{settings.judge_gate_min_checks} groups), so its scores are not trained on.",
+                "See GET /rl/judge for which. A judge not proven yet needs no change: its held "
+                "groups are judged again once it passes. A failing one: use a better judge "
+                "(RLPROXY_JUDGE_MODEL) or post rewards.",
             )
         )
     if not out and waiting.open_trajectories:
