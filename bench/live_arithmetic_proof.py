@@ -426,7 +426,8 @@ def report(
         "stalled_versions": result.stalls,
         "evaluation_seconds": result.eval_s,
         **final,
-        "settings": {k: str(v) for k, v in vars(args).items()} | {"server_env": server_env},
+        "settings": {k: str(v) for k, v in vars(args).items()}
+        | {"server_env": _rlproxy_environ() | server_env},
         "hardware": learning_proof.hardware(),
         "load_average_at_end": os.getloadavg(),
         "steps_detail": result.steps,
@@ -469,6 +470,11 @@ def report(
         f"SmolLM2-135M, live arithmetic, {summary['hardware']}; practice: {scores}",
     )
     print(f"wrote {path} and {args.out / f'{args.name}.png'}")
+
+
+def _rlproxy_environ() -> dict[str, str]:
+    """The RLPROXY_ settings this process passed on to the servers (the run's own win)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("RLPROXY_")}
 
 
 if __name__ == "__main__":
