@@ -435,7 +435,8 @@ async def test_turns_mode_runs_under_the_judge_checks(store: Store) -> None:
     judge = TurnJudge(
         lambda text: verdict(-1) if "[assistant]\n(empty)" in turn_of(text) else right_answers(text)
     )
-    checks = JudgeChecksConfig(seed=3, canary_share=1.0, position_share=0.0)
+    # hold_unchecked off: one group cannot make a judge proven (test_judge_checks.py tests that)
+    checks = JudgeChecksConfig(seed=3, canary_share=1.0, position_share=0.0, hold_unchecked=False)
     config = ScoringConfig(mode="turns", votes=1, checks=checks)
     scorer = Scorer(store, judge, SignatureGrouper(min_size=2), config)
     gid = await _ready_group(store)
