@@ -21,9 +21,11 @@ is random token ids (the step's cost does not depend on which), the embedded Smo
 fp32, LoRA r=8 on q,k,v,o. `release_memory` 'mmap' sets a process-wide glibc switch that cannot
 be undone, so each configuration lives in a process of its own and this script drives them in
 turn: one warm-up step each, then --rounds rounds of one step per configuration (A B C D, A B
-C D, ...), so load from other processes hits them alike. Printed per shape and configuration:
-the median step time (wall and process CPU) and its ratio to `old`'s median, each round's
-ratio spread, and the machine's load (`uptime`) before and after. A benchmark, not a test:
+C D, ...), so load from other processes hits them alike; --env gives one configuration's process
+environment variables (MALLOC_ARENA_MAX, GLIBC_TUNABLES, LD_PRELOAD of jemalloc). Printed per
+shape and configuration: the median step time (wall and process CPU, with its kernel time and
+minor page faults) and its ratio to `old`'s median, each round's ratio spread, the process's
+peak RSS so far, and the machine's load (`uptime`) before and after. A benchmark, not a test:
 figures depend on the machine and on what else runs beside it.
 """
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -94,29 +97,44 @@ def child(args: argparse.Namespace) -> None:
                 "checkpointing": config.gradient_checkpointing,
                 "checkpoint_min_tokens": config.checkpoint_min_tokens,
                 "release_memory": config.release_memory,
+                "mmap_threshold": config.mmap_threshold,
             }
         ),
         flush=True,
     )
     for line in sys.stdin:
         shape = line.strip()
+        before = resource.getrusage(resource.RUSAGE_SELF)
         wall, cpu = time.perf_counter(), time.process_time()
         metrics = trainer.train_step(work[shape])
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        print(
-            json.dumps({"wall": wall, "cpu": cpu, "forward_tokens": metrics.forward_tokens}),
-            flush=True,
-        )
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        result = {
+            "wall": wall,
+            "cpu": cpu,
+            "sys": after.ru_stime - before.ru_stime,
+            "faults": after.ru_minflt - before.ru_minflt,
+            "peak_mb": after.ru_maxrss / 1024,  # the process's peak so far (Linux: kB)
+            "forward_tokens": metrics.forward_tokens,
+        }
+        print(json.dumps(result), flush=True)
 
 
 class Trainer:
     """A child process holding one configuration's trainer."""
 
-    def __init__(self, args: argparse.Namespace, config: dict[str, object]) -> None:
+    def __init__(
+        self, args: argparse.Namespace, config: dict[str, object], env: dict[str, str]
+    ) -> None:
         cmd = [sys.executable, __file__, "--child", "--config", json.dumps(config)]
         cmd += ["--threads", str(args.threads)]
         self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, **env},
         )
         self.settings = self._read()  # loaded: the trainer's effective settings
 
@@ -152,6 +170,13 @@ def main() -> None:
     parser.add_argument(
         "--extra", action="append", default=[], help='NAME=JSON, e.g. ckpt-all={"x": 1}'
     )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        help="NAME=VAR=VALUE: an environment variable for configuration NAME's process, e.g. "
+        "jemalloc=LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+    )
     parser.add_argument("--only", help="comma-separated configurations to run (old is always run)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", default="{}", help=argparse.SUPPRESS)
@@ -170,7 +195,15 @@ def main() -> None:
     print(f"{args.threads} threads a trainer, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
     for name, config in configs.items():
         print(f"  {name:<12} {json.dumps(config)}")
-    trainers = {name: Trainer(args, config) for name, config in configs.items()}
+    envs: dict[str, dict[str, str]] = {name: {} for name in configs}
+    for item in args.env:
+        name, _, assignment = item.partition("=")
+        var, _, value = assignment.partition("=")
+        envs[name][var] = value
+    for name, env in envs.items():
+        if env:
+            print(f"  {name:<12} env {json.dumps(env)}")
+    trainers = {name: Trainer(args, config, envs[name]) for name, config in configs.items()}
     for name, trainer in trainers.items():
         print(f"  {name:<12} runs {json.dumps(trainer.settings)}", flush=True)
     try:
@@ -201,10 +234,13 @@ def main() -> None:
                 pairs = sorted(
                     t["wall"] / o["wall"] for t, o in zip(results, times["old"], strict=True)
                 )
+                system = statistics.median(t["sys"] for t in results)
+                faults = statistics.median(t["faults"] for t in results)
                 print(
                     f"  {name:<12} wall {wall:6.2f} s ({wall / old_wall:5.2f} x old)  "
-                    f"cpu {cpu:6.2f} s ({cpu / old_cpu:5.2f} x old)  "
-                    f"round ratios {pairs[0]:.2f}..{pairs[-1]:.2f}",
+                    f"cpu {cpu:6.2f} s ({cpu / old_cpu:5.2f} x old; kernel {system:5.2f} s, "
+                    f"{faults / 1e3:6.0f} k faults)  round ratios {pairs[0]:.2f}..{pairs[-1]:.2f}"
+                    f"  peak RSS {results[-1]['peak_mb']:6.0f} MB",
                     flush=True,
                 )
     finally:

@@ -107,8 +107,9 @@ def run(args: argparse.Namespace, name: str, repo: str, config: str, env: dict[s
     cmd = [sys.executable, __file__, "--child", "--repo", repo, "--config", config]
     for key in ("prompt_tokens", "completion", "groups", "members", "steps", "threads"):
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    extra_env = dict(item.split("=", 1) for item in args.env)
     out = subprocess.run(
-        cmd, env={**os.environ, **env}, capture_output=True, text=True, check=False
+        cmd, env={**os.environ, **extra_env, **env}, capture_output=True, text=True, check=False
     )
     if out.returncode != 0:
         print(f"{name:<28} failed: {out.stderr.strip().splitlines()[-1:]}", flush=True)
@@ -134,6 +135,12 @@ def main() -> None:
     parser.add_argument("--old-repo", help="a checkout of the trainer to measure as 'before'")
     parser.add_argument("--allocators", default="mmap,trim,glibc,arena2,jemalloc")
     parser.add_argument("--extra", action="append", default=[], help="JSON trainer config")
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        help="VAR=VALUE for every configuration's process, e.g. GLIBC_TUNABLES=...",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--repo", default=str(REPO), help=argparse.SUPPRESS)
     parser.add_argument("--config", default="{}", help=argparse.SUPPRESS)

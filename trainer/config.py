@@ -20,6 +20,8 @@ OFF_POLICY_CORRECTIONS = frozenset({"ppo", "tis"})
 MASKED_LOGPROBS = frozenset({"trainer", "stored"})
 COHORT_ADVANTAGES = frozenset({"leave_one_out", "group"})
 RELEASE_MEMORY = frozenset({"mmap", "trim", "off"})
+MAX_MMAP_THRESHOLD = 32 * 1024 * 1024
+"""mallopt(3)'s ceiling for M_MMAP_THRESHOLD on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)."""
 
 
 @dataclass
@@ -236,8 +238,9 @@ class TrainerConfig:
             "activations (about 1.25 MB a token for SmolLM2-135M in float32, so at most about "
             "1.3 GB below 1,024) and skip the recomputation, which made the learning proof's "
             "short steps 1.87x slower than without checkpointing and 1.28x with this default "
-            "(the rest is release_memory 'mmap'; bench/bench_trainer_defaults.py). Does not "
-            "change the result. 0 checkpoints every pass."
+            "(the rest was release_memory 'mmap' at a 64 KiB mmap_threshold, 1.05x at 1 MiB; "
+            "bench/bench_trainer_defaults.py). Does not change the result. 0 checkpoints "
+            "every pass."
         },
     )
     max_seq_len: int | None = field(
@@ -256,15 +259,29 @@ class TrainerConfig:
         default="mmap",
         metadata={
             "help": "How the trainer process hands freed memory back to the system (glibc only; "
-            "nothing elsewhere). 'mmap': every allocation of 64 kB or more gets pages of its "
-            "own (mallopt M_MMAP_THRESHOLD, which also stops glibc from raising that threshold "
-            "as it does by default), returned when freed, plus 'trim' after each step. "
-            "'trim': malloc_trim(0) after each step only. 'off': glibc's defaults, under which "
-            "the freed activations of long rows stay in the process's heap (measured: a "
-            "checkpointed forward of 2,000 tokens held 1,388 MB more resident memory with "
-            "'off', 150 MB with 'mmap'; bench/bench_trainer_memory.py has the step's peaks). "
-            "'mmap' costs short steps time: the learning proof's took 1.28x the CPU time of "
-            "'off' (page faults; bench/bench_trainer_defaults.py)."
+            "nothing elsewhere). 'mmap': every allocation of mmap_threshold bytes (1 MiB) or "
+            "more gets pages of its own (mallopt M_MMAP_THRESHOLD, which also stops glibc from "
+            "raising that threshold as it does by default), returned when freed, plus 'trim' "
+            "after each step. 'trim': malloc_trim(0) after each step only. 'off': glibc's "
+            "defaults, under which the freed activations of long rows stay in the process's "
+            "heap. Measured peak of one step on eight 3,500-token rows: 1,509 MB with 'mmap', "
+            "7,396 MB with 'trim', 6,331 MB with 'off' (bench/bench_trainer_memory.py). "
+            "'mmap' costs short steps 1.05x (learning proof's rows) to 1.19x (agent proof's) "
+            "the CPU time of 'off' (page faults; bench/bench_trainer_defaults.py)."
+        },
+    )
+    mmap_threshold: int = field(
+        default=1024 * 1024,
+        metadata={
+            "help": "With release_memory 'mmap': allocations of this many bytes or more get "
+            "pages of their own (mallopt M_MMAP_THRESHOLD, at most 32 MiB); smaller "
+            "ones reuse the heap. Measured (bench/bench_trainer_memory.py, "
+            "bench/bench_trainer_defaults.py; docs/concepts/grpo.md): one step on eight "
+            "3,500-token rows peaked at 1,496 MB with 64 KiB, 1,509 MB with 1 MiB (the "
+            "default), 2,417 MB with 4 MiB and 6,105 MB with 16 MiB; CPU time a step against "
+            "release_memory 'off' was 1.30x / 1.05x / 1.05x / 1.08x on the learning proof's "
+            "short rows and 1.33x / 1.19x / 1.02x / 1.01x on the agent proof's (page faults "
+            "of fresh pages)."
         },
     )
     max_grad_norm: float = field(
@@ -379,6 +396,11 @@ class TrainerConfig:
         _check(
             self.release_memory in RELEASE_MEMORY,
             f"release_memory must be one of {sorted(RELEASE_MEMORY)}, got {self.release_memory!r}",
+        )
+        _check(
+            0 < self.mmap_threshold <= MAX_MMAP_THRESHOLD,
+            f"mmap_threshold must be 1..{MAX_MMAP_THRESHOLD} bytes (mallopt's ceiling), got "
+            f"{self.mmap_threshold}",
         )
         _check(
             self.logprob_chunk >= 1,

@@ -29,10 +29,10 @@ batch (`grpo.sample_row_weights`), so the micro-batch losses add up to exactly t
 loss, including the per-sample averaging. With kl_beta > 0 a reference pass runs with the
 adapter disabled, under no_grad. `gradient_checkpointing` recomputes layer activations in the
 backward, in passes of `checkpoint_min_tokens` tokens or more (a short pass keeps its small
-activations and skips the recomputation). With glibc, large allocations get pages of their own
-and freed heap memory goes back to the system after each step (`release_memory`): by default
-glibc keeps the freed activations of a long row in the heap, which is most of a CPU step's
-resident memory.
+activations and skips the recomputation). With glibc, allocations of `mmap_threshold` bytes
+(1 MiB) and more get pages of their own and freed heap memory goes back to the system after
+each step (`release_memory`): by default glibc keeps the freed activations of a long row in the
+heap, which is most of a CPU step's resident memory.
 
 Where a step's time went before prompt sharing (torch.profiler over one step of
 bench/bench_grpo_speed.py's work, 8 rows of 64 prompt + 64 completion tokens, on a loaded 2-core
@@ -185,8 +185,11 @@ class PeftTrainer:
         if config.release_memory == "mmap":
             # Process-wide, and for good: the trainer runs in a process of its own. glibc's
             # default threshold grows up to 32 MB as large blocks are freed, after which a long
-            # row's activations come from the heap and stay there once freed.
-            _glibc("mallopt", M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+            # row's activations come from the heap and stay there once freed. At 1 MiB a short
+            # row's tensors still reuse the heap (fresh pages for each cost up to 1.3x the CPU
+            # time of a short step at 64 KiB) while a long pass's activations of several MB
+            # get pages of their own.
+            _glibc("mallopt", M_MMAP_THRESHOLD, config.mmap_threshold)
         with self._rng(config.seed):  # the LoRA A init is random: make it reproducible
             self.model: PeftModel = self._load_model()
         # Padding is masked out of attention and loss, so any id does; the model's own is tidiest.
@@ -737,9 +740,6 @@ class PeftTrainer:
         self.sync_followers()
         return state
 
-
-MMAP_THRESHOLD = 64 * 1024
-"""Allocations from this size up get pages of their own with release_memory 'mmap'."""
 
 M_MMAP_THRESHOLD = -3
 """mallopt's parameter number for the mmap threshold (glibc's malloc.h)."""

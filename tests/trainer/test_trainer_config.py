@@ -21,6 +21,7 @@ def test_defaults_are_valid_and_documented() -> None:
     # Whole prompts in bounded memory: the model's context, a token budget per pass.
     assert config.max_seq_len is None and config.micro_batch_tokens == 4096
     assert config.logprob_chunk == 1024 and config.release_memory == "mmap"
+    assert config.mmap_threshold == 1024 * 1024  # short rows' tensors reuse the heap
     assert config.checkpoint_min_tokens == 1024  # short passes keep their activations
     assert config.off_policy_correction == "ppo" and config.tis_cap == 2.0
     assert config.max_staleness == 4 and config.stale_policy == "drop"
@@ -48,6 +49,10 @@ def test_memory_options_are_checked() -> None:
         TrainerConfig(max_seq_len=1)
     with pytest.raises(ValueError, match="checkpoint_min_tokens"):
         TrainerConfig(checkpoint_min_tokens=-1)
+    with pytest.raises(ValueError, match="mmap_threshold"):
+        TrainerConfig(mmap_threshold=0)
+    with pytest.raises(ValueError, match="mmap_threshold"):
+        TrainerConfig(mmap_threshold=64 * 1024 * 1024)  # mallopt's ceiling is 32 MiB
     assert TrainerConfig(micro_batch_tokens=None).micro_batch_tokens is None
 
 
