@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
-from proxy.cli.openmp import prefer_passive_waits
 from proxy.redact import Redactor, install_log_redaction
 from proxy.settings import Settings
 
@@ -34,8 +33,6 @@ if TYPE_CHECKING:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Before anything imports torch: libgomp reads its wait policy when it loads.
-    prefer_passive_waits()
     parser = argparse.ArgumentParser(
         prog="rlproxy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
