@@ -200,11 +200,11 @@ class PeftTrainer:
         # The modules transformers' checkpointing switch is on in (each decoder layer); a pass
         # below checkpoint_min_tokens turns them off for itself (`_checkpoint_pass`). Unsloth's
         # offloading checkpointing is its own: every pass there, as configured.
-        self._checkpointed = [
-            m
-            for m in self.model.modules()
-            if self.backend == "peft" and getattr(m, "gradient_checkpointing", False) is True
-        ]
+        self._checkpointed = (
+            [m for m in self.model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+            if self.backend == "peft"
+            else []
+        )
         self._logits_fn = lm_head_logits(self.model.get_base_model())
         self._params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         # One fused kernel per step instead of a loop of small ops per LoRA matrix.

@@ -269,17 +269,16 @@ def gate_decision(checks: Sequence[JudgeCheckRecord], config: JudgeChecksConfig)
     failing: list[str] = []
     unchecked: list[str] = []
     undecided: list[str] = []
-    canary_what = (
-        f"canaries {canary.passed}/{canary.checks} passed (needs {config.min_checks} checks "
-        f"and a 95% bound clear of {config.min_canary_pass:g})"
-    )
     if canary.verdict == "fail":
         failing.append(
             f"canary pass rate {canary.passed}/{canary.checks} = {canary.pass_rate:.2f}, its 95% "
             f"upper bound {canary.high:.2f} is below {config.min_canary_pass:g}"
         )
     elif canary.verdict == "undecided":
-        (unchecked if canary.checks < config.min_checks else undecided).append(canary_what)
+        (unchecked if canary.checks < config.min_checks else undecided).append(
+            f"canaries {canary.passed}/{canary.checks} passed (needs {config.min_checks} checks "
+            f"and a 95% bound clear of {config.min_canary_pass:g})"
+        )
     if agreement.verdict == "fail":
         failing.append(
             f"self-agreement mean tau {agreement.mean_tau:.2f} over {agreement.checks} "
@@ -369,6 +368,21 @@ def drift_report(
     return DriftReport(True, reason, recent, earlier)
 
 
+def front_loading_counts(
+    stored: Sequence[JudgeCheckRecord], config: JudgeChecksConfig
+) -> tuple[int, int]:
+    """The canary and position checks among `stored` that front-loading counts.
+
+    Front-loading stops at `FRONT_LOAD_LIMIT` x `min_checks` checks of any kind, so a judge whose
+    re-orderings never give a tau (it scores every member alike) does not pay two calls a group
+    for ever."""
+    if len(stored) >= FRONT_LOAD_LIMIT * config.min_checks:
+        return config.min_checks, config.min_checks
+    canaries = sum(1 for c in stored if c.canary_passed is not None)
+    positions = sum(1 for c in stored if c.position_tau is not None)
+    return canaries, positions
+
+
 def _mean(values: Sequence[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else None
@@ -411,17 +425,17 @@ class JudgeChecker:
         reward_policy: str,
         *,
         score: ScoreGroup = score_group,
-        store: Store | None = None,
+        stored: Sequence[JudgeCheckRecord] | None = None,
     ) -> tuple[JudgeResult, JudgeCheckRecord | None]:
         """Judge `group` with its checks (`score`: RULER, or per-turn judging). The result holds
         the real members' scores only (the canary's is removed) with the tokens, cost, attempts
-        and time of every call summed; the check is None when judging failed. With `store`, the
-        checks are front-loaded (module docstring): a kind this judge and rubric has fewer than
-        `min_checks` of is drawn for every group."""
+        and time of every call summed; the check is None when judging failed. With `stored` (this
+        judge and rubric's newest checks, `Store.checks_of_judge`), the checks are front-loaded
+        (module docstring): a kind it has fewer than `min_checks` of is drawn for every group."""
         config = self.config
         canary_share, position_share = config.canary_share, config.position_share
-        if store is not None:
-            canaries, positions = await self.checked(store, judge.model, rubric_hash(group.rubric))
+        if stored is not None:
+            canaries, positions = front_loading_counts(stored, config)
             if canary_share > 0 and canaries < config.min_checks:
                 canary_share = 1.0
             if position_share > 0 and positions < config.min_checks:
@@ -474,25 +488,19 @@ class JudgeChecker:
         self._rewards_and_lengths(check, detail, real, reward_policy)
         return result, check
 
-    async def checked(self, store: Store, judge_model: str, rubric: str) -> tuple[int, int]:
-        """Canary and position checks in the newest `window` of this judge and rubric (hash).
-
-        Front-loading stops at `FRONT_LOAD_LIMIT` x `min_checks` checks of any kind, so a judge
-        whose re-orderings never give a tau (it scores every member alike) does not pay two
-        calls a group for ever."""
-        stored = await store.checks_of_judge(judge_model, rubric, limit=self.config.window)
-        if len(stored) >= FRONT_LOAD_LIMIT * self.config.min_checks:
-            return self.config.min_checks, self.config.min_checks
-        canaries = sum(1 for c in stored if c.canary_passed is not None)
-        positions = sum(1 for c in stored if c.position_tau is not None)
-        return canaries, positions
-
-    async def decide(self, store: Store, check: JudgeCheckRecord) -> GateDecision:
-        """The gate for the judge and rubric of `check`, counting `check` itself; sets the
-        check's decision and reason, and logs when the decision changes."""
-        stored = await store.checks_of_judge(
-            check.judge_model, check.rubric_hash, limit=self.config.window
-        )
+    async def decide(
+        self,
+        store: Store,
+        check: JudgeCheckRecord,
+        stored: Sequence[JudgeCheckRecord] | None = None,
+    ) -> GateDecision:
+        """The gate for the judge and rubric of `check`, counting `check` itself and `stored`
+        (read from `store` when not given); sets the check's decision and reason, and logs when
+        the decision changes."""
+        if stored is None:
+            stored = await store.checks_of_judge(
+                check.judge_model, check.rubric_hash, limit=self.config.window
+            )
         gate = gate_decision([check, *stored], self.config)
         check.decision, check.reason = gate.decision, gate.reason
         key = (check.judge_model, check.rubric_hash)

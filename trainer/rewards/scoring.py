@@ -40,6 +40,7 @@ from trainer.rewards.ruler import (
     JudgeGroup,
     JudgeMember,
     ScoreGroup,
+    rubric_hash,
     score_group,
 )
 from trainer.rewards.turns import DEFAULT_TURN_RUBRIC, DEFAULT_VOTES, TurnScoring
@@ -223,16 +224,20 @@ class Scorer:
         if self.checker is None:
             result = await score(judge_group, self.judge)
         else:
+            # One read of this judge and rubric's checks serves front-loading and the gate.
+            stored = await self.store.checks_of_judge(
+                self.judge.model, rubric_hash(rubric), limit=self.checker.config.window
+            )
             result, check = await self.checker.judge(
                 judge_group,
                 self.judge,
                 group,
                 self.config.reward_policy,
                 score=score,
-                store=self.store,
+                stored=stored,
             )
             if check is not None:
-                gate = await self.checker.decide(self.store, check)
+                gate = await self.checker.decide(self.store, check, stored)
                 hold_reason = gate.reason if gate.decision == "held" else None
         per_member = len(members) or 1
         return JudgeOutcome(
