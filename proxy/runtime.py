@@ -216,6 +216,7 @@ async def local_engine(settings: Settings) -> AsyncIterator[Any]:
     engine = LocalEngine(
         loaded,
         max_batch_size=settings.max_batch_size,
+        prefill_tokens=settings.prefill_tokens,
         prefix_cache_bytes=settings.prefix_cache_bytes,
         prefix_cache_ttl_s=settings.prefix_cache_ttl_s,
     )

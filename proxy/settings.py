@@ -88,6 +88,15 @@ class Settings(BaseSettings):
         description="Largest request body accepted, in bytes (larger: 413 before parsing).",
     )
     max_batch_size: int = Field(16, ge=1, description="Rows decoded together by the local engine.")
+    prefill_tokens: int = Field(
+        2048,
+        ge=1,
+        description="Prompt tokens the local engine prefills in one pass (after its prefix "
+        "cache), before the running rows take their next decode step. Newcomers are admitted "
+        "first come first served until the next one would pass this; a longer prompt runs in a "
+        "pass of its own. Lower: running sessions stall less behind a long new prompt; higher: "
+        "fewer passes for many short prompts.",
+    )
     prefix_cache_bytes: int = Field(
         2**30,
         ge=0,
