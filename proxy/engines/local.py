@@ -389,7 +389,7 @@ class LocalEngine:
         if self._batch is None:
             self._batch = batch
         else:
-            self._batch.stack(batch)
+            self._batch.stack(batch, max_rows=self.max_batch_size)
         self._rows.extend(new_rows)
         self._sample_and_emit(new_rows, logits)
 
@@ -693,8 +693,8 @@ class LocalEngine:
             self._rows, self._batch = [], None
         else:
             assert self._batch is not None
-            self._batch.keep(keep)
-            self._rows = [self._rows[i] for i in keep]
+            order = self._batch.keep(keep)
+            self._rows = [self._rows[i] for i in order]
         self._unload_unused()
 
     def _cache_rows(self, positions: list[int]) -> None:
