@@ -48,6 +48,10 @@ def sample() -> dict[str, float]:
     return now
 
 
+def stop(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM as Ctrl-C: the peaks are written on the way out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
@@ -56,7 +60,7 @@ def main() -> None:
     peaks: dict[str, float] = {}
     series: list[dict[str, Any]] = []
     start = time.monotonic()
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    signal.signal(signal.SIGTERM, stop)
     try:
         while True:
             now = sample()

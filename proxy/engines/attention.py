@@ -57,14 +57,15 @@ def cpu_sdpa_attention(
 
 def use_cpu_attention(model: Any) -> bool:
     """Switch `model` (a transformers model loaded with `sdpa` attention, on CPU) to
-    `cpu_sdpa_attention`; returns whether it did. Other attention implementations, devices
-    and models without grouped-query attention are left as they are."""
+    `cpu_sdpa_attention` (a model switched already stays so); returns whether it is. Other
+    attention implementations, devices and models without grouped-query attention are left
+    as they are."""
     config = model.config
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if (
         model.device.type != "cpu"
-        or getattr(config, "_attn_implementation", None) != "sdpa"
+        or getattr(config, "_attn_implementation", None) not in ("sdpa", NAME)
         or not heads
         or kv_heads == heads
     ):

@@ -182,8 +182,9 @@ class KVBatch:
         """Append `other`'s rows below this batch's, left-padding the shorter one (`max_rows`:
         the most rows the batch will hold, so that a new buffer has room for them)."""
         length = max(self.mask.shape[1], other.mask.shape[1])
+        growing = self._growing()
         for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-            if isinstance(mine, GrowingLayer):
+            if growing:
                 mine.join(theirs.keys, theirs.values, max_rows)
                 continue
             mine.keys = torch.cat([left_pad(mine.keys, length), left_pad(theirs.keys, length)])
@@ -191,6 +192,12 @@ class KVBatch:
                 [left_pad(mine.values, length), left_pad(theirs.values, length)]
             )
         self.mask = torch.cat([left_pad(self.mask, length), left_pad(other.mask, length)])
+
+    def _growing(self) -> bool:
+        """Whether the cache's layers are `GrowingLayer`s (they are all or none: `growing_cache`),
+        whose rows join and leave in place."""
+        layers = self.cache.layers
+        return bool(layers) and all(isinstance(layer, GrowingLayer) for layer in layers)
 
     def grow(self) -> torch.Tensor:
         """Extend the mask by one real position per row; return the new tokens' positions (B, 1)."""
@@ -202,8 +209,8 @@ class KVBatch:
         """Keep only `rows` (indices into the batch), then drop all-padding leading columns.
         Returns the old index of the row now in each position: growing layers fill a leaving
         row's place with one of the last rows instead of moving every row below it."""
-        layers = self.cache.layers
-        if layers and all(isinstance(layer, GrowingLayer) for layer in layers):
+        layers, growing = self.cache.layers, self._growing()
+        if growing:
             order = fill_holes(self.size, rows)
             for layer in layers:
                 layer.keep_rows(order)
@@ -215,7 +222,7 @@ class KVBatch:
         start = int(real[0]) if len(real) else 0
         if start:
             for layer in layers:
-                if isinstance(layer, GrowingLayer):
+                if growing:
                     layer.trim_left(start)
                 else:
                     layer.keys = layer.keys[:, :, start:, :]

@@ -18,9 +18,9 @@ their cached prefix) reach `prefill_tokens` (always at least one), so a burst of
 prompts is prefilled a few at a time, the running rows taking a decode step between passes, and
 the first to arrive is answered first. Admitted rows are prefilled in groups of similar length
 still to run, each on top of its cached prefix; a long prompt with nothing cached runs alone,
-so that its attention needs no mask and takes the causal kernel (padding it beside others would
-mask it: 1.45x the time at 2,849 tokens on CPU). On CPU the model's attention reads
-grouped-query heads in place (`attention.py`).
+so that its attention needs no mask and takes the causal kernel, and a cached prefix too short
+to pay for the mask it needs is not used (`prefill_plan.py`). On CPU the model's attention
+reads grouped-query heads in place (`attention.py`).
 
 Adapter loads and unloads run on the worker thread between two steps. A request keeps the
 adapter it started with: an unload waits until no request in flight (queued, decoding, or not yet
@@ -58,6 +58,7 @@ from proxy.engines.base import (
 )
 from proxy.engines.kv_batch import ROOM, KVBatch, growing_cache
 from proxy.engines.loader import LoadedModel
+from proxy.engines.prefill_plan import prefill_costs, prefill_groups, worth_reusing
 from proxy.engines.prefix_cache import Hit, KVSpan, PrefixCache, head_of
 from proxy.engines.sampling import RowSampler
 
@@ -135,8 +136,8 @@ class LocalEngine:
         self.model: Any = loaded.model  # becomes a PeftModel on the first adapter load
         self.max_batch_size = max_batch_size
         self.prefill_tokens = max(1, prefill_tokens)
-        self.cpu_attention = use_cpu_attention(loaded.model)
-        self._flops = _flops(loaded.model)
+        use_cpu_attention(loaded.model)
+        self._costs = prefill_costs(loaded.model)
         self.max_context = int(getattr(loaded.model.config, "max_position_embeddings", 2048))
         self.vocab_size = int(loaded.model.config.vocab_size)
         # The loader's stop ids (EOS, the generation config's, <|im_start|> for ChatML).
@@ -356,22 +357,21 @@ class LocalEngine:
         self._waiting = [job for job in self._waiting if not self._drop_if_cancelled(job)]
         new_rows: list[_Row] = []
         budget = self.prefill_tokens
-        prompts: set[tuple[tuple[int, ...], Hashable]] = set()  # run once however many ask
+        # Each prompt (and weights) admitted this pass, with its cached prefix: the prefill runs
+        # it once however many rows ask, so it is looked up and paid for once.
+        hits: dict[tuple[tuple[int, ...], Hashable], Hit | None] = {}
         while self._waiting:
             job = self._waiting[0]
             if len(self._rows) + len(new_rows) + job.request.n > self.max_batch_size and (
                 self._rows or new_rows
             ):
                 break
-            prompt = (tuple(job.request.prompt_ids), self._cache_key(job.request.adapter))
-            hit = self.prefix_cache.lookup(prompt[1], job.request.prompt_ids)
-            if hit and not worth_reusing(hit.length, len(prompt[0]), *self._flops):
-                hit = None
-            cost = 0 if prompt in prompts else len(prompt[0]) - (hit.length if hit else 0)
+            key = (tuple(job.request.prompt_ids), self._cache_key(job.request.adapter))
+            seen = key in hits
+            hit = hits[key] if seen else self._usable_hit(key[1], job.request.prompt_ids)
+            cost = 0 if seen else len(job.request.prompt_ids) - (hit.length if hit else 0)
             if new_rows and cost > budget:
                 break
-            budget -= cost
-            prompts.add(prompt)
             self._waiting.pop(0)
             self._count_queued(-job.request.n)
             try:
@@ -380,6 +380,8 @@ class LocalEngine:
                 logger.exception("request %s could not start", job.request.request_id)
                 _fail(job, _failure("generation could not start", exc))
                 continue
+            budget -= cost
+            hits[key] = hit
             for row in rows:
                 row.hit = hit
             new_rows.extend(rows)
@@ -392,6 +394,14 @@ class LocalEngine:
             self._batch.stack(batch, max_rows=self.max_batch_size)
         self._rows.extend(new_rows)
         self._sample_and_emit(new_rows, logits)
+
+    def _usable_hit(self, key: Hashable, prompt_ids: list[int]) -> Hit | None:
+        """The prompt's cached prefix, unless prefilling on top of it costs more than the
+        whole prompt (`worth_reusing`)."""
+        hit = self.prefix_cache.lookup(key, prompt_ids)
+        if hit and not worth_reusing(hit.length, len(prompt_ids), *self._costs):
+            return None
+        return hit
 
     def _drop_if_cancelled(self, job: _Job) -> bool:
         if job.cancelled:
@@ -468,7 +478,7 @@ class LocalEngine:
         order: list[int] = []  # run indices in the order the groups' outputs are stacked
         logits_parts: list[torch.Tensor] = []
         batch: KVBatch | None = None
-        for group in _prefill_groups(to_run, cached=[hit is not None for hit in hits]):
+        for group in prefill_groups(to_run, cached=[hit is not None for hit in hits]):
             logits, part = self._prefill_group([run[i] for i in group], [hits[i] for i in group])
             order.extend(group)
             logits_parts.append(logits)
@@ -726,63 +736,6 @@ class LocalEngine:
         for job in jobs.values():
             _fail(job, error)
         self._rows, self._waiting, self._batch = [], [], None
-
-
-LONG_PROMPT = 512
-"""Tokens to run from which a row with nothing cached is prefilled alone: its attention then
-needs no mask and sdpa's causal kernel skips the masked half (a mask costs more than another
-pass's overhead from here on)."""
-
-
-def _prefill_groups(to_run: list[int], cached: list[bool]) -> list[list[int]]:
-    """Indices of `to_run` (tokens each row still has to run; `cached`: whether it has a cached
-    prefix) grouped for one forward pass each: longest first, a row joining the current group
-    while the group's longest is at most twice its own plus 64 (padding or recomputing more
-    than that costs more than another pass). A row of `LONG_PROMPT` tokens or more with nothing
-    cached runs alone."""
-
-    def alone(i: int) -> bool:
-        return not cached[i] and to_run[i] >= LONG_PROMPT
-
-    groups: list[list[int]] = []
-    for i in sorted(range(len(to_run)), key=lambda i: -to_run[i]):
-        head = groups[-1][0] if groups else None
-        if (
-            head is not None
-            and not alone(head)
-            and not alone(i)
-            and to_run[head] <= 2 * to_run[i] + 64
-        ):
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
-def _flops(model: Any) -> tuple[float, float]:
-    """The model's forward cost per token outside attention (2 x its parameters, embeddings
-    excluded) and per attended (query, key) pair (4 x hidden size x layers), for
-    `worth_reusing`."""
-    config = model.config
-    embedding = model.get_input_embeddings().weight.numel()
-    params = sum(p.numel() for p in model.parameters()) - embedding
-    hidden = int(getattr(config, "hidden_size", 0) or 0)
-    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
-    return 2.0 * params, 4.0 * hidden * layers
-
-
-def worth_reusing(hit: int, prompt: int, token_flops: float, pair_flops: float) -> bool:
-    """Whether prefilling a `prompt`-token prompt on top of its first `hit` tokens' cached KV
-    costs less than prefilling it whole.
-
-    Reusing skips the hit tokens' layers (`token_flops` each) but needs an attention mask, and
-    with a mask the kernel computes every (query, key) pair of the new tokens against all keys
-    (`pair_flops` each), where a whole prompt alone takes the causal kernel, which computes only
-    the lower half. A short hit on a long prompt (8 agents whose system prompts share their
-    first 15 tokens) is cheaper ignored; an agent's next turn (most of the prompt cached) never
-    is."""
-    new = prompt - hit
-    return hit * token_flops >= pair_flops * (new * prompt - prompt * prompt / 2)
 
 
 def _fill_cache(

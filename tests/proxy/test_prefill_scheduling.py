@@ -8,8 +8,6 @@ Real embedded model; the passes are read with a forward hook on the model.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,9 +16,12 @@ import pytest_asyncio
 import torch
 
 from proxy.engines.attention import NAME as CPU_ATTENTION
+from proxy.engines.attention import use_cpu_attention
 from proxy.engines.base import ChoiceFinished, GenerationRequest, SamplingParams
 from proxy.engines.kv_batch import growing_cache
-from proxy.engines.local import LONG_PROMPT, LocalEngine, _flops, _prefill_groups, worth_reusing
+from proxy.engines.local import LocalEngine
+from proxy.engines.prefill_plan import LONG_PROMPT, prefill_costs, prefill_groups, worth_reusing
+from tests.proxy.engine_runs import admitted_together, run
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, top_logprobs=2)
 WORDS = [
@@ -49,25 +50,6 @@ def prompt(tokenizer: Any, seed: int, words: int) -> list[int]:
     return list(tokenizer.encode(rendered, add_special_tokens=False))
 
 
-async def run(engine: LocalEngine, request: GenerationRequest) -> ChoiceFinished:
-    async for event in engine.generate(request):
-        if isinstance(event, ChoiceFinished):
-            return event
-    raise AssertionError("no choice finished")
-
-
-async def admitted_together(engine: LocalEngine, requests: list[GenerationRequest]) -> list[Any]:
-    """Queue all of `requests` before the engine's worker looks at any of them."""
-    release = threading.Event()
-    held = asyncio.ensure_future(engine._control(release.wait))
-    tasks = [asyncio.ensure_future(run(engine, r)) for r in requests]
-    while engine.queued_rows() < sum(r.n for r in requests):
-        await asyncio.sleep(0.01)
-    release.set()
-    await held
-    return list(await asyncio.gather(*tasks))
-
-
 class Passes:
     """Each forward pass the model runs: (rows, tokens, whether a mask reached attention)."""
 
@@ -87,6 +69,20 @@ class Passes:
 
     def close(self) -> None:
         self._hook.remove()
+
+
+async def passes_of(
+    engine: LocalEngine, requests: list[GenerationRequest]
+) -> tuple[list[ChoiceFinished], Passes]:
+    """Admit `requests` together on `engine` (stopped afterwards); their first choices and the
+    passes the model ran."""
+    passes = Passes(engine)
+    try:
+        got = await admitted_together(engine, requests)
+    finally:
+        passes.close()
+        await engine.stop()
+    return [g[0] for g in got], passes
 
 
 def assert_same(got: ChoiceFinished, want: ChoiceFinished) -> None:
@@ -119,12 +115,7 @@ async def test_new_prompts_past_the_budget_are_prefilled_one_pass_each_first_com
     engine = await make(loaded_model, prefill_tokens=100)
     prompts = [prompt(tokenizer, seed, 60) for seed in range(3)]  # ~90-110 tokens each
     requests = [GenerationRequest(p, GREEDY) for p in prompts]
-    passes = Passes(engine)
-    try:
-        got = await admitted_together(engine, requests)
-    finally:
-        passes.close()
-        await engine.stop()
+    got, passes = await passes_of(engine, requests)
     # One newcomer a pass, in arrival order, each followed by a decode step of every running row.
     assert passes.calls[:5] == [
         (1, len(prompts[0]), False),
@@ -134,7 +125,7 @@ async def test_new_prompts_past_the_budget_are_prefilled_one_pass_each_first_com
         (1, len(prompts[2]), False),
     ]
     for g, r in zip(got, requests, strict=True):
-        assert_same(g, await run(plain, r))
+        assert_same(g, (await run(plain, r))[0])
 
 
 async def test_prompts_within_the_budget_share_a_pass_and_repeats_of_one_prompt_cost_nothing(
@@ -144,12 +135,7 @@ async def test_prompts_within_the_budget_share_a_pass_and_repeats_of_one_prompt_
     budget = len(first) + len(second) + len(third) // 2  # `first` and `second` fit, not `third`
     engine = await make(loaded_model, prefill_tokens=budget)
     requests = [GenerationRequest(p, GREEDY) for p in (first, first, first, second, third)]
-    passes = Passes(engine)
-    try:
-        await admitted_together(engine, requests)
-    finally:
-        passes.close()
-        await engine.stop()
+    _, passes = await passes_of(engine, requests)
     # The three copies of `first` count once, so `second` joins them; `third` waits.
     assert passes.prefills[0][:2] == (2, max(len(first), len(second)))
     assert passes.prefills[1] == (1, len(third), False)
@@ -160,10 +146,10 @@ async def test_prompts_within_the_budget_share_a_pass_and_repeats_of_one_prompt_
 
 def test_long_prompts_with_nothing_cached_get_a_pass_of_their_own() -> None:
     long, longer, short, other_short = LONG_PROMPT, LONG_PROMPT + 40, 90, 80
-    assert _prefill_groups([long, longer], cached=[False, False]) == [[1], [0]]
-    assert _prefill_groups([short, other_short, longer], cached=[False] * 3) == [[2], [0, 1]]
+    assert prefill_groups([long, longer], cached=[False, False]) == [[1], [0]]
+    assert prefill_groups([short, other_short, longer], cached=[False] * 3) == [[2], [0, 1]]
     # With a cached prefix the mask is needed anyway: similar lengths still share a pass.
-    assert _prefill_groups([long, longer], cached=[True, True]) == [[1, 0]]
+    assert prefill_groups([long, longer], cached=[True, True]) == [[1, 0]]
 
 
 async def test_long_new_prompts_admitted_together_run_unmasked_one_by_one_and_match(
@@ -173,16 +159,11 @@ async def test_long_new_prompts_admitted_together_run_unmasked_one_by_one_and_ma
     prompts = [prompt(tokenizer, seed, 540 + 30 * seed) for seed in range(3)]
     assert all(len(p) >= LONG_PROMPT for p in prompts) and len({len(p) for p in prompts}) == 3
     requests = [GenerationRequest(p, GREEDY) for p in prompts]
-    passes = Passes(engine)
-    try:
-        got = await admitted_together(engine, requests)
-    finally:
-        passes.close()
-        await engine.stop()
+    got, passes = await passes_of(engine, requests)
     # Padded together they would need a mask (and the slower kernel); alone, none.
     assert sorted(passes.prefills) == sorted((1, len(p), False) for p in prompts)
     for g, r in zip(got, requests, strict=True):
-        assert_same(g, await run(plain, r))
+        assert_same(g, (await run(plain, r))[0])
 
 
 # ----------------------------------------------------------------- short hits on long prompts
@@ -200,16 +181,16 @@ async def test_a_long_prompt_sharing_only_its_first_tokens_runs_whole_and_unmask
     loaded_model, tokenizer, plain: LocalEngine
 ) -> None:
     engine = await make(loaded_model, prefix_cache_bytes=2**30)
-    assert worth_reusing(5, 700, *_flops(loaded_model.model)) is False
+    assert worth_reusing(5, 700, *prefill_costs(loaded_model.model)) is False
     first = prompt(tokenizer, 1, 600)
     second = prompt(tokenizer, 2, 600)
     shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
     assert 2 <= shared < 20
     passes = Passes(engine)
     try:
-        answer = await run(engine, GenerationRequest(first, GREEDY))
+        answer = (await run(engine, GenerationRequest(first, GREEDY)))[0]
         hits = engine.health().detail["prefix_cache_hit_tokens"]
-        got = await run(engine, GenerationRequest(second, GREEDY))
+        got = (await run(engine, GenerationRequest(second, GREEDY)))[0]
         assert engine.health().detail["prefix_cache_hit_tokens"] == hits  # not reused
         assert passes.prefills[-1] == (1, len(second), False)
         # The same session's next turn still is.
@@ -220,7 +201,7 @@ async def test_a_long_prompt_sharing_only_its_first_tokens_runs_whole_and_unmask
     finally:
         passes.close()
         await engine.stop()
-    assert_same(got, await run(plain, GenerationRequest(second, GREEDY)))
+    assert_same(got, (await run(plain, GenerationRequest(second, GREEDY)))[0])
 
 
 # ----------------------------------------------------------------- attention on CPU
@@ -230,7 +211,8 @@ def test_cpu_attention_reads_grouped_heads_in_place_and_equals_transformers_sdpa
     loaded_model,
 ) -> None:
     model = loaded_model.model
-    assert model.config._attn_implementation == CPU_ATTENTION  # an engine switched it
+    assert use_cpu_attention(model)  # what an engine on CPU does (again: it is idempotent)
+    assert model.config._attn_implementation == CPU_ATTENTION
     assert model.config.num_key_value_heads < model.config.num_attention_heads
     torch.manual_seed(0)
     ids = torch.randint(100, 40000, (2, 150))

@@ -8,8 +8,6 @@ embedded model, with the cache (`on`) beside an engine without it (`off`) on the
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ from proxy.engines.local import LocalEngine
 from proxy.engines.prefix_cache import KVSpan, PrefixCache
 from proxy.telemetry.metrics import _StateCollector
 from tests.e2e.test_adapters import write_random_lora
+from tests.proxy.engine_runs import admitted_together, run
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, top_logprobs=2)
 SYSTEM = "You are a careful assistant for a team of engineers. " * 12
@@ -108,14 +107,6 @@ def test_entries_expire_and_an_adapter_s_entries_can_be_dropped() -> None:
 def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-async def run(engine: LocalEngine, request: GenerationRequest) -> dict[int, ChoiceFinished]:
-    finished: dict[int, ChoiceFinished] = {}
-    async for event in engine.generate(request):
-        if isinstance(event, ChoiceFinished):
-            finished[event.index] = event
-    return finished
 
 
 async def session(engine: LocalEngine, tokenizer: Any, turns: int) -> list[ChoiceFinished]:
@@ -224,19 +215,6 @@ async def test_n_choices_on_a_cached_prefix_match_no_cache(
     ]
 
 
-async def _admitted_together(engine: LocalEngine, requests: list[GenerationRequest]) -> list[Any]:
-    """Run `requests` so that the engine admits them in one step: its worker is held by a
-    control command until all of them are queued."""
-    release = threading.Event()
-    held = asyncio.ensure_future(engine._control(release.wait))
-    tasks = [asyncio.ensure_future(run(engine, r)) for r in requests]
-    while engine.queued_rows() < sum(r.n for r in requests):
-        await asyncio.sleep(0.01)
-    release.set()
-    await held
-    return list(await asyncio.gather(*tasks))
-
-
 async def test_a_batch_mixing_cached_uncached_and_grammar_rows_matches_no_cache(
     on: LocalEngine, off: LocalEngine, tokenizer
 ) -> None:
@@ -261,7 +239,7 @@ async def test_a_batch_mixing_cached_uncached_and_grammar_rows_matches_no_cache(
         GenerationRequest(as_json, GREEDY, grammar=constraint_for_json_object()),  # system cached
     ]
     hits_before, _ = cache_figures(on)
-    got = await _admitted_together(on, requests)
+    got = await admitted_together(on, requests)
     want = [await run(off, r) for r in requests]
     assert cache_figures(on)[0] - hits_before > len(answers[0].prompt_token_ids)
     for g, w in zip(got, want, strict=True):
@@ -326,7 +304,7 @@ async def test_a_version_loaded_again_under_its_name_never_reuses_the_old_kv(
 
         # Rows of the base model and of the adapter in one batch, each on its own KV.
         base_first = (await run(on, GenerationRequest(ids, GREEDY)))[0]
-        both = await _admitted_together(
+        both = await admitted_together(
             on, [GenerationRequest(ids, GREEDY), GenerationRequest(ids, GREEDY, adapter=name)]
         )
         assert cache_figures(on)[0] > hits
