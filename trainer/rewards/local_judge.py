@@ -28,13 +28,16 @@ ChatComplete = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 EXPLANATION_MAX_CHARS = 160
 """Explanations are capped in the grammar: a small model otherwise rambles to max_tokens."""
 
+EXPLANATION_PATTERN = rf"^[ !#-\[\]-~]{{0,{EXPLANATION_MAX_CHARS}}}$"
+"""Printable ASCII without `"` and `\\`: no escapes, no multi-byte characters, so every
+character of a reply is one byte and a reply never takes more tokens than it has bytes."""
+
 
 class LocalJudge:
-    def __init__(self, complete: ChatComplete, policy: str, *, tokens_per_member: int = 96) -> None:
+    def __init__(self, complete: ChatComplete, policy: str) -> None:
         self._complete = complete
         self.base_model = f"{policy}@base"
         self.model = f"local:{self.base_model}"
-        self.tokens_per_member = tokens_per_member
 
     async def complete(
         self, messages: list[dict[str, Any]], response_format: dict[str, Any]
@@ -45,7 +48,7 @@ class LocalJudge:
             "messages": messages,
             "response_format": _keyed_format(ids) if ids else response_format,
             "temperature": 0,
-            "max_tokens": 32 + self.tokens_per_member * max(len(ids), 1),
+            "max_tokens": reply_budget(ids),
         }
         try:
             body = await self._complete(request)
@@ -70,11 +73,22 @@ def _member_ids(response_format: dict[str, Any]) -> list[str]:
     return [str(i) for i in entry.get("enum") or []]
 
 
+def reply_budget(ids: list[str]) -> int:
+    """Tokens enough for the longest reply the keyed grammar allows, so that no reply is cut.
+
+    Every character the grammar allows is ASCII and every token carries at least one byte, so
+    the longest reply's length in bytes bounds its tokens (one more for EOS); `json.dumps` lays it
+    out as the grammar does. With no ids (a schema that is not RULER's), one member's budget."""
+    longest = {"explanation": "x" * EXPLANATION_MAX_CHARS, "score": 10}
+    reply = {"scores": {i: longest for i in ids or ["1"]}}
+    return len(json.dumps(reply)) + 1
+
+
 def _keyed_format(ids: list[str]) -> dict[str, Any]:
     entry = {
         "type": "object",
         "properties": {
-            "explanation": {"type": "string", "maxLength": EXPLANATION_MAX_CHARS},
+            "explanation": {"type": "string", "pattern": EXPLANATION_PATTERN},
             # An integer 0..10 (divided by 10 below): a free JSON number lets a small model
             # write decimals until max_tokens.
             "score": {"type": "integer", "minimum": 0, "maximum": 10},
