@@ -38,6 +38,7 @@ import queue
 import threading
 import time
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass, field
@@ -90,8 +91,10 @@ class _Row:
     constraint: Any | None
     stop_token_ids: frozenset[int]
     cache_key: Hashable = BASE_KEY  # the identity of the weights that serve it (prefix cache)
-    hit: Hit | None = None  # its prompt's cached prefix, looked up when it was admitted
-    prefix: tuple[KVSpan, ...] = ()  # its prompt's KV, when the prefix cache is on
+    hit: Hit | None = None  # its prompt's cached prefix, from admission until its prefill
+    # Its prompt's KV as the prefix cache stored it (the cache on), weakly: a row never keeps
+    # KV the cache has let go, so the cache's byte bound holds while rows decode.
+    prefix: tuple[weakref.ref[KVSpan], ...] = ()
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     text: str = ""  # visible text decoded so far (stop strings removed at the end)
@@ -496,7 +499,7 @@ class LocalEngine:
             batch.cache.batch_select_indices(index)
             batch.mask, logits = batch.mask[index], logits[index]
         for row, i in zip(rows, inverse, strict=True):
-            row.prefix = run[i].prefix
+            row.prefix, row.hit = run[i].prefix, None
         return logits, batch
 
     def _prefill_group(
@@ -552,8 +555,9 @@ class LocalEngine:
                     [layer.values[b : b + 1, :, first:] for layer in batch.cache.layers],
                 )
                 reused = head_of(hit.spans, past[b]) if hit else ()
-                row.prefix = (*(span.detached() for span in reused), fresh_span)
-                self.prefix_cache.insert(row.cache_key, row.prompt_ids, row.prefix)
+                spans = (*(span.detached() for span in reused), fresh_span)
+                self.prefix_cache.insert(row.cache_key, row.prompt_ids, spans)
+                row.prefix = tuple(weakref.ref(span) for span in spans)
         return out.logits[:, -1, :].float(), batch
 
     def _empty_cache(self) -> DynamicCache:
@@ -722,12 +726,16 @@ class LocalEngine:
             start = width - real + len(row.prompt_ids)  # the first generated token's column
             if start >= width:
                 continue  # nothing generated was fed: the prefill stored the prompt already
+            held = [ref() for ref in row.prefix]
+            prefix = [span for span in held if span is not None]
+            if len(prefix) < len(held):  # evicted while it decoded: copy the whole row
+                prefix, start = [], width - real
             tail = KVSpan.copy_of(
                 [layer.keys[i : i + 1, :, start:] for layer in layers],
                 [layer.values[i : i + 1, :, start:] for layer in layers],
             )
             ids = (row.prompt_ids + row.completion_ids)[:real]
-            self.prefix_cache.insert(row.cache_key, ids, (*row.prefix, tail))
+            self.prefix_cache.insert(row.cache_key, ids, (*prefix, tail))
 
     def _fail_all(self, error: BaseException) -> None:
         jobs = {id(r.job): r.job for r in self._rows}

@@ -8,6 +8,7 @@ embedded model, with the cache (`on`) beside an engine without it (`off`) on the
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -340,6 +341,59 @@ async def test_the_cache_stays_within_its_bytes_and_evicts_the_least_recently_us
         assert cache_figures(engine)[0] == hits + len(one) - 1
         assert engine.health().detail["prefix_cache"]["bytes"] <= budget
     finally:
+        await engine.stop()
+
+
+def kv_no_cache_holds(engine: LocalEngine) -> int:
+    """Bytes of live KV spans that no prefix cache in this process holds (rows pinning KV the
+    cache has let go). Spans are freed as soon as nothing refers to them (no cycles)."""
+    caches = [o for o in gc.get_objects() if isinstance(o, PrefixCache)]
+    held = {id(s.block) for c in caches for e in c._entries for s in e.spans}
+    live = {id(o.block): o.block for o in gc.get_objects() if isinstance(o, KVSpan)}
+    return sum(block.nbytes for key, block in live.items() if key not in held)
+
+
+async def test_rows_in_flight_hold_no_kv_the_cache_has_let_go(
+    loaded_model, tokenizer, off: LocalEngine
+) -> None:
+    """The byte bound holds while rows decode: a row keeps no copy of its prompt's KV once the
+    cache evicted it (64 rows of 820 tokens would pin 2.4 GB beside a 1 GiB cache), and a row
+    whose prompt was evicted still stores its whole KV when it finishes."""
+    one = chat_ids(tokenizer, [{"role": "user", "content": "Tell me about the sea. " * 20}])
+    two = chat_ids(tokenizer, [{"role": "user", "content": "Tell me about hills. " * 20}])
+    per_token = 30 * 2 * 3 * 64 * 4
+    budget = int(per_token * (len(one) + 8) * 1.5)  # room for one prompt, not two
+    engine = LocalEngine(loaded_model, prefix_cache_bytes=budget)
+    pinned: list[int] = []
+
+    def during_decode(_module, _args, kwargs) -> None:
+        if not kwargs.get("logits_to_keep"):  # a decode step: both rows admitted and running
+            pinned.append(kv_no_cache_holds(engine))
+
+    hook = engine.model.register_forward_pre_hook(during_decode, with_kwargs=True)
+    await engine.start()
+    try:
+        # `two` ends first, so `one` (its prompt evicted at `two`'s prefill) is stored last.
+        short = SamplingParams(max_tokens=4, temperature=0, top_logprobs=2)
+        first, _ = await admitted_together(
+            engine, [GenerationRequest(one, GREEDY), GenerationRequest(two, short)]
+        )
+        hook.remove()
+        assert pinned and max(pinned) == 0, f"rows pinned {max(pinned)} bytes beyond the cache"
+        assert engine.health().detail["prefix_cache"]["bytes"] <= budget
+        # `one`'s prompt was evicted while it decoded; its next turn finds its prompt and answer.
+        answer = first[0]
+        again = (
+            one
+            + answer.completion_token_ids
+            + tokenizer.encode("\nMore.", add_special_tokens=False)
+        )
+        hits, _ = cache_figures(engine)
+        got = (await run(engine, GenerationRequest(again, GREEDY)))[0]
+        assert cache_figures(engine)[0] - hits >= len(one) + len(answer.completion_token_ids) - 1
+        assert_same(got, (await run(off, GenerationRequest(again, GREEDY)))[0])
+    finally:
+        hook.remove()
         await engine.stop()
 
 
