@@ -344,12 +344,12 @@ async def test_the_cache_stays_within_its_bytes_and_evicts_the_least_recently_us
         await engine.stop()
 
 
-def kv_no_cache_holds(engine: LocalEngine) -> int:
+def kv_no_cache_holds() -> int:
     """Bytes of live KV spans that no prefix cache in this process holds (rows pinning KV the
     cache has let go). Spans are freed as soon as nothing refers to them (no cycles)."""
-    caches = [o for o in gc.get_objects() if isinstance(o, PrefixCache)]
+    caches = [o for o in gc.get_objects() if type(o) is PrefixCache]
     held = {id(s.block) for c in caches for e in c._entries for s in e.spans}
-    live = {id(o.block): o.block for o in gc.get_objects() if isinstance(o, KVSpan)}
+    live = {id(o.block): o.block for o in gc.get_objects() if type(o) is KVSpan}
     return sum(block.nbytes for key, block in live.items() if key not in held)
 
 
@@ -368,10 +368,11 @@ async def test_rows_in_flight_hold_no_kv_the_cache_has_let_go(
 
     def during_decode(_module, _args, kwargs) -> None:
         if not kwargs.get("logits_to_keep"):  # a decode step: both rows admitted and running
-            pinned.append(kv_no_cache_holds(engine))
+            pinned.append(kv_no_cache_holds())
 
     hook = engine.model.register_forward_pre_hook(during_decode, with_kwargs=True)
     await engine.start()
+    before = kv_no_cache_holds()  # whatever earlier tests left alive
     try:
         # `two` ends first, so `one` (its prompt evicted at `two`'s prefill) is stored last.
         short = SamplingParams(max_tokens=4, temperature=0, top_logprobs=2)
@@ -379,7 +380,7 @@ async def test_rows_in_flight_hold_no_kv_the_cache_has_let_go(
             engine, [GenerationRequest(one, GREEDY), GenerationRequest(two, short)]
         )
         hook.remove()
-        assert pinned and max(pinned) == 0, f"rows pinned {max(pinned)} bytes beyond the cache"
+        assert pinned and max(pinned) == before, f"rows pinned {max(pinned) - before} bytes"
         assert engine.health().detail["prefix_cache"]["bytes"] <= budget
         # `one`'s prompt was evicted while it decoded; its next turn finds its prompt and answer.
         answer = first[0]
