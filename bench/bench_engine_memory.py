@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sample_rss import rss_mb
 from servers import REPO, start_server, stop
 
 CONFIGS: dict[str, dict[str, str]] = {
@@ -41,10 +42,14 @@ CONFIGS: dict[str, dict[str, str]] = {
     "nocache": {"RLPROXY_PREFIX_CACHE_BYTES": "0"},
 }
 
+
 WORDS = ["agent", "tool", "call", "result", "file", "line", "error", "test", "patch", "run"]
 
 
 def prompts(model: Path, count: int, tokens: int) -> list[str]:
+    """`count` distinct prompts of `tokens` tokens. Not bench_long_session's `Filler`: its words
+    make greedy answers run to `--max-tokens` (3,072 tokens for the burst, 5.2 GB peak) where
+    these stop about halfway (1,478); the figures in docs/running.md are of these."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model))
@@ -55,16 +60,6 @@ def prompts(model: Path, count: int, tokens: int) -> list[str]:
         ids = tokenizer(words, add_special_tokens=False)["input_ids"][:tokens]
         out.append(str(tokenizer.decode(ids)))
     return out
-
-
-def memory_mb(pid: int) -> dict[str, float]:
-    """VmHWM (peak resident) and VmRSS (resident now) of `pid`, in MB."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmHWM", "VmRSS"):
-            fields[key] = int(value.split()[0]) / 1024
-    return fields
 
 
 async def burst(url: str, texts: list[str], max_tokens: int) -> tuple[float, int]:
@@ -97,13 +92,13 @@ def run(
     try:
         asyncio.run(burst(url, texts[:1], 4))  # the first forward pass is not the burst's
         wall, tokens = asyncio.run(burst(url, texts, args.max_tokens))
-        memory = memory_mb(proc.pid)
+        peak, after = rss_mb(proc.pid, "VmHWM"), rss_mb(proc.pid)
     finally:
         stop(proc)
     figures = {
         "config": config,
-        "peak_rss_mb": round(memory["VmHWM"]),
-        "rss_after_mb": round(memory["VmRSS"]),
+        "peak_rss_mb": round(peak),
+        "rss_after_mb": round(after),
         "wall_s": round(wall, 1),
         "tokens_per_s": round(tokens / wall, 2),
         "completion_tokens": tokens,
@@ -136,18 +131,20 @@ def main() -> int:
         for config in args.configs
     ]
     base = args.configs[0]
-    summary = {}
-    for config in args.configs:
-        rounds = [runs[i : i + len(args.configs)] for i in range(0, len(runs), len(args.configs))]
-        ratios = {
-            key: statistics.median(
-                next(f[key] for f in rnd if f["config"] == config)
-                / next(f[key] for f in rnd if f["config"] == base)
-                for rnd in rounds
+    # Each round's figures by config; a ratio is the median over rounds of config / base.
+    rounds = [
+        {f["config"]: f for f in runs[i : i + len(args.configs)]}
+        for i in range(0, len(runs), len(args.configs))
+    ]
+    summary = {
+        config: {
+            f"{key}_vs_{base}": round(
+                statistics.median(rnd[config][key] / rnd[base][key] for rnd in rounds), 2
             )
             for key in ("peak_rss_mb", "rss_after_mb", "wall_s", "tokens_per_s")
         }
-        summary[config] = {f"{key}_vs_{base}": round(v, 2) for key, v in ratios.items()}
+        for config in args.configs
+    }
     print(json.dumps(summary, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {"args": vars(args), "runs": runs, "ratios": summary}

@@ -28,9 +28,10 @@ def kind(cmdline: list[str]) -> str | None:
     return None
 
 
-def rss_mb(pid: str) -> float:
+def rss_mb(pid: str | int, field: str = "VmRSS") -> float:
+    """A memory figure of `pid` from /proc in MB: `VmRSS` (resident now) or `VmHWM` (its peak)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return 0.0
 

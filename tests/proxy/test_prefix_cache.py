@@ -316,13 +316,19 @@ async def test_a_version_loaded_again_under_its_name_never_reuses_the_old_kv(
         await off.stop()
 
 
-async def test_the_cache_stays_within_its_bytes_and_evicts_the_least_recently_used(
-    loaded_model, tokenizer
-) -> None:
+def two_prompts_and_room_for_one(tokenizer: Any) -> tuple[list[int], list[int], int]:
+    """Two prompts of about 150 tokens, and a cache budget that holds one answered prompt, not
+    two."""
     one = chat_ids(tokenizer, [{"role": "user", "content": "Tell me about the sea. " * 20}])
     two = chat_ids(tokenizer, [{"role": "user", "content": "Tell me about hills. " * 20}])
     per_token = 30 * 2 * 3 * 64 * 4  # layers x (K, V) x KV heads x head dim x fp32
-    budget = int(per_token * (len(one) + 8) * 1.5)  # room for one answered prompt, not two
+    return one, two, int(per_token * (len(one) + 8) * 1.5)
+
+
+async def test_the_cache_stays_within_its_bytes_and_evicts_the_least_recently_used(
+    loaded_model, tokenizer
+) -> None:
+    one, two, budget = two_prompts_and_room_for_one(tokenizer)
     engine = LocalEngine(loaded_model, prefix_cache_bytes=budget)
     await engine.start()
     try:
@@ -359,10 +365,7 @@ async def test_rows_in_flight_hold_no_kv_the_cache_has_let_go(
     """The byte bound holds while rows decode: a row keeps no copy of its prompt's KV once the
     cache evicted it (64 rows of 820 tokens would pin 2.4 GB beside a 1 GiB cache), and a row
     whose prompt was evicted still stores its whole KV when it finishes."""
-    one = chat_ids(tokenizer, [{"role": "user", "content": "Tell me about the sea. " * 20}])
-    two = chat_ids(tokenizer, [{"role": "user", "content": "Tell me about hills. " * 20}])
-    per_token = 30 * 2 * 3 * 64 * 4
-    budget = int(per_token * (len(one) + 8) * 1.5)  # room for one prompt, not two
+    one, two, budget = two_prompts_and_room_for_one(tokenizer)
     engine = LocalEngine(loaded_model, prefix_cache_bytes=budget)
     pinned: list[int] = []
 

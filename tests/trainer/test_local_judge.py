@@ -11,7 +11,6 @@ a string it may keep open.
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 import llguidance
@@ -20,7 +19,12 @@ import pytest
 import torch
 from llguidance import LLMatcher
 
-from proxy.chat.grammar import allocate_bitmask, build_tokenizer_info, constraint_for_json_schema
+from proxy.chat.grammar import (
+    allocate_bitmask,
+    apply_bitmask,
+    build_tokenizer_info,
+    constraint_for_json_schema,
+)
 from trainer.rewards.local_judge import LocalJudge, _as_list_form
 from trainer.rewards.ruler import JudgeGroup, JudgeMember, parse_judge_reply, response_format_for
 
@@ -58,20 +62,21 @@ def worst_reply(source: str, info: llguidance.LLTokenizer, limit: int) -> tuple[
     matcher = LLMatcher(info, source, log_level=0)
     assert not matcher.is_error(), matcher.get_error()
     pieces = [info.decode_bytes([t]) for t in range(info.vocab_size)]
-    bits = torch.arange(32, dtype=torch.int32)
     mask = allocate_bitmask(1, info)
     out, tokens = b"", 0
     while not matcher.is_stopped() and tokens < limit:
         llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
-        allowed = ((mask[0].unsqueeze(-1) >> bits) & 1).bool().flatten()[: info.vocab_size]
-        candidates = [t for t in allowed.nonzero().flatten().tolist() if pieces[t]]
+        logits = torch.zeros((1, info.vocab_size))
+        apply_bitmask(logits, mask)  # banned tokens -> -inf
+        allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+        candidates = [t for t in allowed if pieces[t]]  # special tokens decode to no bytes
         assert candidates, "the grammar allows nothing but EOS and is not stopped"
 
         def cost(t: int) -> tuple[int, int, int]:
             piece = pieces[t]
             # Fewest bytes first; then an escape or a non-ASCII byte (both make a character
             # take several tokens); a closing quote last (it ends a string early).
-            rank = 0 if piece in (b"\\",) or piece[0] >= 0x80 else 2 if piece == b'"' else 1
+            rank = 0 if piece == b"\\" or piece[0] >= 0x80 else 2 if piece == b'"' else 1
             return (len(piece), rank, t)
 
         token = min(candidates, key=cost)
@@ -110,4 +115,3 @@ def test_explanations_are_plain_text(info: llguidance.LLTokenizer) -> None:
         matcher = LLMatcher(info, source, log_level=0)
         tokens = info.tokenize_bytes((head + tail).encode())
         assert (matcher.validate_tokens(tokens) == len(tokens)) is allowed, tail
-    assert json.loads(json.dumps(schema))  # the schema is plain JSON
