@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from proxy.adapters.deployment import (
     SharedVersions,
     default_replica_id,
     trainer_lease_name,
+    trainer_presence_name,
 )
 from proxy.adapters.manager import AdapterManager
 from proxy.adapters.publisher import Publisher
@@ -42,6 +44,7 @@ from proxy.cli.trainer_process import TrainerProcess
 from proxy.engines.base import Engine
 from proxy.redact import Redactor
 from proxy.settings import Settings
+from proxy.telemetry.background import BackgroundWatch
 from proxy.telemetry.metrics import Metrics, Sources
 from proxy.telemetry.telemetry import Telemetry, open_telemetry
 from storage.grouping import SignatureGrouper
@@ -51,7 +54,7 @@ from trainer.rewards.judge_checks import JudgeChecksConfig
 from trainer.rewards.litellm_judge import LiteLLMJudge
 from trainer.rewards.local_judge import ChatComplete, LocalJudge
 from trainer.rewards.ruler import DEFAULT_RUBRIC, Judge
-from trainer.rewards.scoring import Scorer, ScoringConfig
+from trainer.rewards.scoring import Scorer, ScoresWanted, ScoringConfig
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,8 @@ class Runtime:
     """Scrubs credentials from provider errors, stored error texts and the trainer's log tail."""
     telemetry: Telemetry | None = None
     """Metrics, spans and Langfuse scores (serving only)."""
+    background: BackgroundWatch | None = None
+    """What the judge, the trainer and the engine's background rows cost (serving only)."""
 
 
 @asynccontextmanager
@@ -116,12 +121,19 @@ async def open_runtime(
             if not settings.judge_model:
                 registry = rt.served.registry if rt.served else ServedModels(settings.model_name)
                 # The judge's own service: it has no record sink, so judge calls never become
-                # calls (nor training data).
+                # calls (nor training data); its requests give way to users' (serving first).
                 judge_chat = ChatService(
-                    engine, registry, engine.tokenizer, max_n=1, tool_format=settings.tool_format
+                    engine,
+                    registry,
+                    engine.tokenizer,
+                    max_n=1,
+                    tool_format=settings.tool_format,
+                    background=True,
                 )
                 judge_complete = judge_chat.complete_json
             rt.scorer = build_scorer(settings, store, judge_complete)
+            if serving:
+                rt.scorer.wanted = scores_wanted(settings, store, rt.telemetry)
         if serving:
             # Left to the judge only when one runs and is asked to judge rewarded groups too.
             settle = not (settings.scoring and settings.judge_explicit_groups)
@@ -219,6 +231,10 @@ async def local_engine(settings: Settings) -> AsyncIterator[Any]:
         prefill_tokens=settings.prefill_tokens,
         prefix_cache_bytes=settings.prefix_cache_bytes,
         prefix_cache_ttl_s=settings.prefix_cache_ttl_s,
+        serving_first=settings.serving_first,
+        background_idle_s=settings.background_idle_s,
+        background_max_wait_s=settings.background_max_wait_s,
+        background_prefill_tokens=settings.background_prefill_tokens,
     )
     await engine.start()
     try:
@@ -261,8 +277,38 @@ def build_scorer(
         reward_policy=settings.reward_policy,
         lease_s=settings.scoring_lease_s,
         checks=judge_checks_config(settings),
+        retry_s=settings.judge_retry_s,
     )
     return Scorer(store, judge, signature_grouper(settings), config)
+
+
+NO_TRAINER = (
+    "nothing uses the scores: this server runs no trainer (RLPROXY_TRAIN=false), no replica or "
+    "`rlproxy train` trains on this database, and no telemetry receives scores. Start a trainer, "
+    "run `rlproxy score`, or set RLPROXY_SCORING_WITHOUT_TRAINER=true"
+)
+
+
+def scores_wanted(
+    settings: Settings, store: Store, telemetry: Telemetry | None
+) -> ScoresWanted | None:
+    """Serving's test of whether judging helps anyone (None: always): a trainer here, a scores
+    reader (Langfuse), or the setting; else a trainer elsewhere on the database (the trainer
+    lease of a replica, or a running `rlproxy train`'s announcement)."""
+    scores_read = telemetry is not None and telemetry.scores is not None
+    if settings.train or settings.scoring_without_trainer or scores_read:
+        return None
+    names = (trainer_lease_name(settings.model_name), trainer_presence_name(settings.model_name))
+
+    async def why_not() -> str | None:
+        now = time.time()
+        for name in names:
+            lease = await store.get_lease(name)
+            if lease is not None and lease.expires_at > now:
+                return None
+        return NO_TRAINER
+
+    return why_not
 
 
 def signature_grouper(settings: Settings) -> SignatureGrouper:
@@ -396,6 +442,20 @@ def _start_background(settings: Settings, rt: Runtime) -> None:
         rt.tasks.append(asyncio.create_task(rt.scorer.run(settings.scoring_interval_s)))
     if settings.publish_adapters and rt.served is not None:
         rt.tasks.append(asyncio.create_task(rt.served.publisher.run(settings.adapter_poll_s)))
+    if rt.served is not None:
+        rt.background = watch_background(settings, rt, rt.served)
+        rt.tasks.append(asyncio.create_task(rt.background.run()))
+
+
+def watch_background(settings: Settings, rt: Runtime, served: Served) -> BackgroundWatch:
+    trainer, scorer = served.trainer, rt.scorer if settings.scoring else None
+    # The local engine reports its background rows; an engine without any (vLLM) reports None.
+    engine_background = getattr(served.engine, "background_health", lambda: None)
+    return BackgroundWatch(
+        engine_background=engine_background,
+        trainer_pid=lambda: None if trainer is None else trainer.status().get("pid"),
+        judge=lambda: None if scorer is None else scorer.status(),
+    )
 
 
 def rollout_config(settings: Settings) -> RolloutConfig | None:

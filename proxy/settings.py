@@ -111,6 +111,31 @@ class Settings(BaseSettings):
         gt=0,
         description="A prefix cache entry not used for this long is dropped.",
     )
+    serving_first: bool = Field(
+        True,
+        description="Users' requests before background work on the local engine: the local "
+        "judge's requests run only while no user's request runs or waits, and are paused (their "
+        "KV kept in the prefix cache) when one arrives. False: one first-come-first-served queue.",
+    )
+    background_idle_s: float = Field(
+        0.5,
+        ge=0,
+        description="Background work starts or resumes only after users' requests have been "
+        "gone this long (an agent's next call usually follows within it).",
+    )
+    background_max_wait_s: float = Field(
+        600.0,
+        gt=0,
+        description="A background request that waited this long runs beside users' requests, so "
+        "that under endless traffic the judge still gets a bounded share of the engine.",
+    )
+    background_prefill_tokens: int = Field(
+        256,
+        ge=1,
+        description="A background prompt is prefilled at most this many tokens a pass (through "
+        "the prefix cache), so a user's request that arrives waits for one chunk, not a whole "
+        "long judge prompt. Needs the prefix cache (RLPROXY_PREFIX_CACHE_BYTES > 0).",
+    )
     max_n: int = Field(8, ge=1, description="Largest `n` (choices per request) accepted.")
     default_max_tokens: int | None = Field(
         None,
@@ -282,6 +307,20 @@ class Settings(BaseSettings):
         description="How often groups are formed (scoring on or off) and the background scorer "
         "looks for ready groups.",
     )
+    scoring_without_trainer: bool = Field(
+        False,
+        description="Judge ready groups even when nothing uses the scores: this server runs no "
+        "trainer (RLPROXY_TRAIN=false), no replica or `rlproxy train` on the database trains, and "
+        "no telemetry receives scores. By default the groups wait (unscored, never lost) until a "
+        "trainer appears, or `rlproxy score` scores them.",
+    )
+    judge_retry_s: float = Field(
+        900.0,
+        gt=0,
+        description="A judge that failed its checks (the gate holds it, or its canaries cannot "
+        "reach the pass rate even at their 95% upper bound) judges one group this often, to notice "
+        "a fix, instead of every ready group; the others wait, unscored and never lost.",
+    )
     scoring_lease_s: float = Field(
         60.0,
         gt=0,
@@ -345,6 +384,13 @@ class Settings(BaseSettings):
         "trainer.config.TrainerConfig.",
     )
     train_poll_s: float = Field(5.0, gt=0, description="How often the trainer looks for groups.")
+    trainer_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="CPU priority of serve's trainer child, as `nice`: 10 leaves serving most of a "
+        "shared core while a step runs (19: training only in what serving leaves; 0: equals).",
+    )
     trainer_command: list[str] | None = Field(
         None,
         description="The command line of serve's trainer child (default: this interpreter's "

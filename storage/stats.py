@@ -396,6 +396,29 @@ async def totals(conn: AsyncConnection) -> Totals:
     )
 
 
+@dataclass(frozen=True)
+class JudgeWork:
+    """What the judge did since a time: groups it judged (scored or failed; rewards alone are
+    not judging), its calls (attempts, re-orderings included) and their wall time."""
+
+    since: float
+    groups: int
+    calls: int
+    seconds: float
+
+
+async def judge_work(conn: AsyncConnection, *, since: float) -> JudgeWork:
+    """Groups judged since `since` (scanned: for the command line)."""
+    judged = G.c.judge_model.is_not(None) & (G.c.judge_model != "explicit")
+    stmt = select(
+        func.count(),
+        func.coalesce(func.sum(G.c.judge_attempts), 0),
+        func.coalesce(func.sum(G.c.judge_latency_s), 0.0),
+    ).where(judged, G.c.scored_at >= since)
+    groups, calls, seconds = (await conn.execute(stmt)).one()
+    return JudgeWork(since, int(groups), int(calls), float(seconds))
+
+
 def _value_bytes(value: Any) -> int:
     """A stored value's size as SQLite's `length(CAST(v AS BLOB))` gives it: text by its UTF-8
     bytes, a number by its text."""

@@ -695,6 +695,11 @@ class Store:
 
     # --- figures (the dashboard, `rlproxy status`; SQL in storage.stats) ---------------------
 
+    async def judge_work(self, *, since: float) -> stats.JudgeWork:
+        """Groups the judge scored or failed since `since`, its calls and their time."""
+        async with self._engines.read.connect() as conn:
+            return await stats.judge_work(conn, since=since)
+
     async def calls_per_minute(
         self, *, minutes: int = 60, now: float | None = None, owner: str | None = None
     ) -> list[stats.MinuteCount]:

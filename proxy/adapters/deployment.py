@@ -42,6 +42,16 @@ def trainer_lease_name(policy: str) -> str:
     return f"trainer:{policy}"
 
 
+PRESENCE_TTL_S = 15.0
+"""How long a trainer's announcement holds without renewal (`rlproxy train` renews it)."""
+
+
+def trainer_presence_name(policy: str) -> str:
+    """The lease a running `rlproxy train` of `policy` renews, whoever started it: servers that
+    train nothing themselves judge groups only while some trainer uses the scores."""
+    return f"trainer-present:{policy}"
+
+
 def publisher_lease_name(policy: str) -> str:
     return f"publisher:{policy}"
 

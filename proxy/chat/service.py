@@ -134,8 +134,10 @@ class ChatService:
         limits: RequestLimits = DEFAULT_LIMITS,
         max_queued_rows: int = 0,
         tool_format: str = "auto",
+        background: bool = False,
     ) -> None:
         self.engine = engine
+        self.background = background  # its requests give way to users' (the judge's service)
         self.registry = registry
         self.tokenizer = tokenizer
         # The model's own chat template and tool-call family (RLPROXY_TOOL_FORMAT).
@@ -258,6 +260,7 @@ class ChatService:
             adapter=prep.resolved.adapter,
             grammar=prep.grammar,
             request_id=prep.request_id,
+            background=self.background,
             affinity=partial(affinity_key, prep.call, prep.messages),
         )
 

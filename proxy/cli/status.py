@@ -29,7 +29,7 @@ from sqlalchemy.engine import make_url
 from proxy.settings import Settings
 from proxy.telemetry.waiting import why_not_training
 from storage.records import AdapterRecord
-from storage.stats import GroupQueue, Totals, VersionReward
+from storage.stats import GroupQueue, JudgeWork, Totals, VersionReward
 
 LABEL = 14
 
@@ -47,7 +47,8 @@ async def status_command(
         queue = await store.group_queue()
         adapters = await store.list_adapters(settings.model_name)
         rewards = await store.reward_by_version()
-    report = build_report(settings, totals, last_hour, queue, adapters, rewards)
+        judged = await store.judge_work(since=time.time() - 3600)
+    report = build_report(settings, totals, last_hour, queue, adapters, rewards, judged)
     if as_json:
         print(json.dumps(report, indent=2), file=out)
     else:
@@ -62,6 +63,7 @@ def build_report(
     queue: GroupQueue,
     adapters: list[AdapterRecord],
     rewards: list[VersionReward],
+    judged: JudgeWork | None = None,
 ) -> dict[str, Any]:
     """Everything `rlproxy status` shows, as plain JSON values."""
     activated = [a for a in adapters if a.activated_at is not None]
@@ -103,10 +105,13 @@ def build_report(
             "pipeline": queue.counts,
             "last_scored": None if queue.last_scored is None else asdict(queue.last_scored),
             "last_failed": None if queue.last_failed is None else asdict(queue.last_failed),
+            "last_hour": None if judged is None else asdict(judged),
         },
         "reward_by_version": [asdict(r) for r in rewards],
         "waiting": asdict(queue.waiting),
-        "why_not_training": [asdict(a) for a in why_not_training(queue.waiting, settings)],
+        "why_not_training": [
+            asdict(a) for a in why_not_training(queue.waiting, settings, judge=judged)
+        ],
     }
 
 
@@ -169,6 +174,14 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
         failed = judge["last_failed"]
         parts.append(f"last failure {_ago(failed['at'], now)}: {failed['failure'] or '?'}")
     line("judge", "; ".join(parts))
+    work = judge.get("last_hour")
+    if work is not None:
+        line(
+            "background",
+            f"judge: {work['groups']} groups, {work['calls']} calls, {work['seconds']:.0f} s in "
+            "the last hour; the local judge and the trainer give way to serving (GET /rl/stats "
+            "for what runs now)",
+        )
     print_waiting(report["why_not_training"], out)
     print_rewards(report["reward_by_version"], out)
 

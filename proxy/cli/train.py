@@ -17,12 +17,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
+import socket
 from contextlib import AsyncExitStack
 from pathlib import Path
 
+from proxy.adapters.deployment import PRESENCE_TTL_S, trainer_presence_name
 from proxy.cli.progress import progress
 from proxy.settings import Settings
+from storage.store import Store
 from trainer import distributed
 from trainer.loop import TrainingLoop
 from trainer.wandb_log import WandbLog
@@ -32,8 +36,12 @@ logger = logging.getLogger(__name__)
 
 async def train_command(settings: Settings, steps: int | None = None) -> int:
     """Train until stopped (or for `steps` steps); return an exit code."""
-    from proxy.cli.trainer_process import stop_with_parent
+    from proxy.cli.trainer_process import PARENT_PID_ENV, lower_priority, stop_with_parent
 
+    if os.environ.get(PARENT_PID_ENV):  # serve's child: serving comes first
+        logger.info(
+            "trainer niceness %d (RLPROXY_TRAINER_NICE)", lower_priority(settings.trainer_nice)
+        )
     if distributed.launched():
         _stop_with_server()  # our parent is torchrun; the server is its parent
     else:
@@ -96,6 +104,8 @@ async def train_command(settings: Settings, steps: int | None = None) -> int:
         )
         await loop.resume()
         logger.info("training %s into %s", settings.model_name, settings.checkpoints_dir)
+        present = asyncio.create_task(_announce(rt.store, settings))
+        stack.push_async_callback(_cancelled, present)
         task = asyncio.create_task(_train(loop, steps, settings.train_poll_s))
         stop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -105,6 +115,25 @@ async def train_command(settings: Settings, steps: int | None = None) -> int:
         except asyncio.CancelledError:
             logger.info("trainer stopping")
         return 0
+
+
+async def _announce(store: Store, settings: Settings) -> None:
+    """Say on the database that a trainer of this policy runs (`trainer_presence_name`), for as
+    long as it does: servers with no trainer of their own judge groups only while one does."""
+    name = trainer_presence_name(settings.model_name)
+    holder = f"{socket.gethostname()}:{os.getpid()}"
+    ttl = max(PRESENCE_TTL_S, 3 * settings.train_poll_s)
+    while True:
+        try:  # held by another trainer of the policy: it says the same
+            await store.acquire_lease(name, holder, ttl)
+        except Exception:
+            logger.exception("could not announce the trainer on the database; trying again")
+        await asyncio.sleep(ttl / 3)
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def _stop_with_server() -> None:

@@ -133,6 +133,7 @@ class TrainerProcess:
             "RLPROXY_DATABASE_URL": s.resolved_database_url,
         }
         env["RLPROXY_TRAIN_THREADS"] = str(s.train_threads or 1)
+        env["RLPROXY_TRAINER_NICE"] = str(s.trainer_nice)  # the child lowers its own priority
         env[PARENT_PID_ENV] = str(os.getpid())  # the child stops when this process dies
         if s.model_dir is not None:
             env["RLPROXY_MODEL_DIR"] = str(s.model_dir)
@@ -291,6 +292,21 @@ def _kill_group(proc: asyncio.subprocess.Process) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         proc.kill()
+
+
+def lower_priority(nice: int) -> int:
+    """In serve's trainer child: run every thread of this process at niceness `nice` or lower
+    priority (Linux keeps a niceness per thread: threads started before this call, such as a
+    thread pool, are set one by one; later ones inherit it). Returns the niceness now."""
+    tasks = Path("/proc/self/task")
+    tids = [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [0]
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError as e:  # a thread that ended meanwhile; or no permission (cannot be)
+            logger.warning("could not lower the priority of thread %d to nice %d: %s", tid, nice, e)
+    return os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def stop_with_parent() -> None:

@@ -39,6 +39,9 @@ class GenerationRequest:
     # A compiled grammar (proxy.chat.grammar.Grammar) every choice must follow; None = free text.
     grammar: Any | None = None
     request_id: str = ""
+    background: bool = False
+    """Background work (the local judge): the local engine runs it only while no user request
+    runs or waits, and pauses it when one arrives (`proxy.engines.local`)."""
     affinity: Callable[[], str] | None = None
     """Gives what stays the same on every turn of one conversation (`proxy.chat.affinity`): an
     engine with several servers sends the turns to the same one, whose prefix cache holds the

@@ -41,7 +41,7 @@ import warnings
 import weakref
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -78,6 +78,13 @@ class _Job:
     events: asyncio.Queue[EngineEvent | BaseException]
     cancelled: bool = False
     rows_left: int = 0
+    queued_at: float = field(default_factory=time.monotonic)
+    promoted: bool = False  # background work that waited `background_max_wait_s`: runs as a user's
+
+    @property
+    def foreground(self) -> bool:
+        """A user's request (or background work that waited too long): never paused."""
+        return not self.request.background or self.promoted
 
 
 @dataclass
@@ -91,6 +98,8 @@ class _Row:
     constraint: Any | None
     stop_token_ids: frozenset[int]
     cache_key: Hashable = BASE_KEY  # the identity of the weights that serve it (prefix cache)
+    # The ids its (next) prefill runs: the prompt; for a paused row, prompt + generated so far.
+    context: list[int] = field(default_factory=list)
     hit: Hit | None = None  # its prompt's cached prefix, from admission until its prefill
     # Its prompt's KV as the prefix cache stored it (the cache on), weakly: a row never keeps
     # KV the cache has let go, so the cache's byte bound holds while rows decode.
@@ -106,6 +115,22 @@ class _Row:
     @property
     def adapter(self) -> str | None:
         return self.job.request.adapter
+
+
+@dataclass
+class BackgroundFigures:
+    """Background work (the local judge's requests) since the engine started."""
+
+    pauses: int = 0
+    """Rows taken out of the batch because a user's request arrived (resumed later)."""
+    promoted: int = 0
+    """Requests that waited `background_max_wait_s` and then ran beside users' requests."""
+    chunks: int = 0
+    """Prefill passes that ran one chunk of a long background prompt into the prefix cache."""
+    tokens: int = 0
+    """Tokens sampled for background rows."""
+    busy_s: float = 0.0
+    """Engine time spent on background rows (each pass's time, by their share of its rows)."""
 
 
 @dataclass
@@ -131,6 +156,10 @@ class LocalEngine:
         prefill_tokens: int = 2048,
         prefix_cache_bytes: int = 0,
         prefix_cache_ttl_s: float = 1800.0,
+        serving_first: bool = True,
+        background_idle_s: float = 0.5,
+        background_max_wait_s: float = 600.0,
+        background_prefill_tokens: int = 256,
     ) -> None:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -176,6 +205,14 @@ class LocalEngine:
         self.steps = 0
         self.tokens = 0  # tokens sampled, every row and request (for tokens/s)
         self.prefill_rows_shared = 0  # rows whose prompt another row of their prefill ran
+        # Background work (requests marked `background`: the local judge) gives way to users'.
+        self.serving_first = serving_first
+        self.background_idle_s = background_idle_s
+        self.background_max_wait_s = background_max_wait_s
+        self.background_prefill_tokens = max(1, background_prefill_tokens)
+        self._paused: list[_Row] = []  # background rows taken out of the batch for a user's
+        self._last_foreground = 0.0  # monotonic time a user's request last ran or waited
+        self.background = BackgroundFigures()
         self.last_error: str | None = None
 
     # ----------------------------------------------------------------- async facade
@@ -207,6 +244,7 @@ class LocalEngine:
                 "prefix_cache_query_tokens": self.prefix_cache.stats.prompt_tokens,
                 "prefix_cache_hit_tokens": self.prefix_cache.stats.hit_tokens,
                 "prefix_cache": self.prefix_cache.health(),
+                "background": self.background_health(),
                 "adapters": sorted(self._adapters),
                 "device": str(self.device),
                 "last_error": self.last_error,
@@ -215,6 +253,16 @@ class LocalEngine:
 
     def queued_rows(self) -> int:
         return self._queued
+
+    def background_health(self) -> dict[str, Any]:
+        """Background work now (rows running, paused, requests waiting) and since the start."""
+        return {
+            "serving_first": self.serving_first,
+            "running_rows": sum(1 for row in self._rows if row.job.request.background),
+            "paused_rows": len(self._paused),
+            "waiting_requests": sum(1 for job in list(self._waiting) if job.request.background),
+            **asdict(self.background),
+        }
 
     def _count_queued(self, rows: int) -> None:
         with self._queued_lock:
@@ -266,8 +314,11 @@ class LocalEngine:
         torch.set_grad_enabled(False)
         while not self._stopping:
             try:
-                self._drain_inbox(block=not self._rows and not self._waiting)
+                self._drain_inbox(wait=self._idle_wait())
                 self._unload_unused()
+                if self._foreground_present():
+                    self._last_foreground = time.monotonic()
+                self._give_way()
                 self._admit()
                 if self._rows:
                     self._step()
@@ -276,13 +327,15 @@ class LocalEngine:
                 self.last_error = repr(exc)
                 self._fail_all(EngineError(f"generation failed: {exc}"))
 
-    def _drain_inbox(self, *, block: bool) -> None:
+    def _drain_inbox(self, *, wait: float | None) -> None:
+        """Move what arrived into `_waiting` (controls run at once); wait up to `wait` seconds
+        for the first item (None: do not wait)."""
         while True:
             try:
-                item = self._inbox.get(block=block, timeout=0.5 if block else None)
+                item = self._inbox.get(block=wait is not None, timeout=wait)
             except queue.Empty:
                 return
-            block = False
+            wait = None
             if item is None:
                 return
             if isinstance(item, _Control):
@@ -333,7 +386,8 @@ class LocalEngine:
                 busy = self._in_use.get(name, 0) > 0
             # A request whose stream closed early still has rows in the batch until the next
             # step retires them as cancelled.
-            if not busy and not any(row.adapter == name for row in self._rows):
+            rows = [*self._rows, *self._paused]
+            if not busy and not any(row.adapter == name for row in rows):
                 self._delete_adapter(name)
 
     def _delete_adapter(self, name: str) -> None:
@@ -352,44 +406,162 @@ class LocalEngine:
                 self.model.delete_adapter(name)
         logger.info("adapter %s unloaded", name)
 
+    # ----------------------------------------------------------------- users first
+
+    def _foreground_waiting(self) -> bool:
+        return any(job.foreground for job in self._waiting)
+
+    def _foreground_present(self) -> bool:
+        return self._foreground_waiting() or any(row.job.foreground for row in self._rows)
+
+    def _background_pending(self) -> bool:
+        return bool(self._paused) or any(job.request.background for job in self._waiting)
+
+    def _background_turn(self, now: float) -> bool:
+        """Whether background work may run now: no user's request runs or waits, and none has
+        for `background_idle_s` (an agent's next call usually follows within that)."""
+        if not self.serving_first:
+            return True
+        if self._foreground_present():
+            return False
+        return now - self._last_foreground >= self.background_idle_s
+
+    def _idle_wait(self) -> float | None:
+        """How long the worker may wait for the inbox: not at all while there is work it can
+        do now; until background work's turn comes; else half a second."""
+        if self._rows or self._foreground_waiting():
+            return None
+        if not self._background_pending():
+            return 0.5
+        now = time.monotonic()
+        if self._background_turn(now) or self._overdue(now):
+            return None
+        return max(0.01, min(0.5, self._last_foreground + self.background_idle_s - now))
+
+    def _overdue(self, now: float) -> bool:
+        jobs = [*self._waiting, *(row.job for row in self._paused)]
+        return any(not j.foreground and self._waited_too_long(j, now) for j in jobs)
+
+    def _waited_too_long(self, job: _Job, now: float) -> bool:
+        return self.serving_first and now - job.queued_at >= self.background_max_wait_s
+
+    def _promote_overdue(self, now: float) -> None:
+        """Background work that waited `background_max_wait_s` runs as a user's would: under
+        endless traffic the judge still gets a bounded share."""
+        jobs = {id(j): j for j in [*self._waiting, *(row.job for row in self._paused)]}
+        for job in jobs.values():
+            if not job.foreground and self._waited_too_long(job, now):
+                job.promoted = True
+                self.background.promoted += 1
+                logger.info(
+                    "background request %s waited %.0f s: it runs beside users' requests now",
+                    job.request.request_id,
+                    now - job.queued_at,
+                )
+
+    def _give_way(self) -> None:
+        """A user's request waits: take the background rows out of the batch. Their KV so far
+        goes to the prefix cache, so resuming them later prefills only a token or so."""
+        if not self.serving_first or not self._foreground_waiting():
+            return
+        positions = [i for i, row in enumerate(self._rows) if not row.job.foreground]
+        if not positions:
+            return
+        if self.prefix_cache.enabled:
+            self._cache_rows(positions)
+        paused = [self._rows[i] for i in positions]
+        keep = [i for i in range(len(self._rows)) if i not in set(positions)]
+        if not keep:
+            self._rows, self._batch = [], None
+        else:
+            assert self._batch is not None
+            order = self._batch.keep(keep)
+            self._rows = [self._rows[i] for i in order]
+        for row in paused:
+            row.context = row.prompt_ids + row.completion_ids
+            row.prefix = ()
+        self._paused.extend(paused)
+        self.background.pauses += len(paused)
+
+    def _drop_paused_if_cancelled(self, row: _Row) -> bool:
+        if row.job.cancelled:
+            row.finish_reason = "cancelled"
+            _post(row.job, [self._finished(row)])
+        return row.job.cancelled
+
+    def _chunked(self, job: _Job, key: Hashable, ids: list[int]) -> bool:
+        """For background work with more than `background_prefill_tokens` of `ids` to prefill:
+        prefill the next chunk into the prefix cache and return True (it is admitted once the
+        rest fits in one chunk), so that a user's request never waits behind a long background
+        prefill. False: nothing to do, admit it (or the prefix cache is off: no chunks)."""
+        if job.foreground or not self.serving_first or not self.prefix_cache.enabled:
+            return False
+        hit = self.prefix_cache.lookup(key, ids)
+        done = hit.length if hit else 0
+        if len(ids) - done <= self.background_prefill_tokens:
+            return False
+        chunk = ids[: done + self.background_prefill_tokens]
+        row = _Row(
+            job=job,
+            index=0,
+            prompt_ids=chunk,
+            sampler=RowSampler(job.request.params, seed=None, device=self.device),
+            constraint=None,
+            stop_token_ids=self.stop_token_ids,
+            cache_key=key,
+            context=chunk,
+        )
+        started = time.perf_counter()
+        self._prefill_group([row], [hit])
+        self.background.chunks += 1
+        self.background.busy_s += time.perf_counter() - started
+        return True
+
     # ----------------------------------------------------------------- batching
 
     def _admit(self) -> None:
         """Prefill waiting requests, first come first served, while they fit the batch and the
-        pass's token budget, and merge them into the running batch."""
+        pass's token budget, and merge them into the running batch. Users' requests go first:
+        background work (paused rows, then requests) only on its turn (`_background_turn`)."""
+        now = time.monotonic()
         self._waiting = [job for job in self._waiting if not self._drop_if_cancelled(job)]
+        self._paused = [row for row in self._paused if not self._drop_paused_if_cancelled(row)]
+        self._promote_overdue(now)
+        turn = self._background_turn(now)
         new_rows: list[_Row] = []
         budget = self.prefill_tokens
         # Each prompt (and weights) admitted this pass, with its cached prefix: the prefill runs
         # it once however many rows ask, so it is looked up and paid for once.
         hits: dict[tuple[tuple[int, ...], Hashable], Hit | None] = {}
-        while self._waiting:
-            job = self._waiting[0]
-            if len(self._rows) + len(new_rows) + job.request.n > self.max_batch_size and (
-                self._rows or new_rows
-            ):
-                break
-            key = (tuple(job.request.prompt_ids), self._cache_key(job.request.adapter))
-            seen = key in hits
-            hit = hits[key] if seen else self._usable_hit(key[1], job.request.prompt_ids)
-            cost = 0 if seen else len(job.request.prompt_ids) - (hit.length if hit else 0)
-            if new_rows and cost > budget:
-                break
-            self._waiting.pop(0)
-            self._count_queued(-job.request.n)
-            try:
-                rows = self._rows_for(job)
-            except Exception as exc:  # this request's own parameters or grammar: it fails alone
-                logger.exception("request %s could not start", job.request.request_id)
-                _fail(job, _failure("generation could not start", exc))
-                continue
-            budget -= cost
-            hits[key] = hit
-            for row in rows:
+        if not self.serving_first:  # one queue, first come first served
+            self._admit_jobs(list(self._waiting), new_rows, hits, budget)
+        elif not turn:  # users' requests; paused rows of promoted work resume beside them
+            self._admit_jobs([j for j in self._waiting if j.foreground], new_rows, hits, budget)
+            for row in [r for r in self._paused if r.job.foreground]:
+                if self._batch_full(new_rows, 1):
+                    break
+                self._paused.remove(row)
+                row.hit = self._usable_hit(row.cache_key, row.context)
+                new_rows.append(row)
+        else:  # background work's turn: paused rows first (they came first), then requests
+            for row in list(self._paused):
+                if self._batch_full(new_rows, 1):
+                    break
+                if self._chunked(row.job, row.cache_key, row.context):
+                    break
+                hit = self._usable_hit(row.cache_key, row.context)
+                cost = len(row.context) - (hit.length if hit else 0)
+                if new_rows and cost > budget:
+                    break
+                self._paused.remove(row)
+                budget -= cost
                 row.hit = hit
-            new_rows.extend(rows)
+                new_rows.append(row)
+            else:
+                self._admit_jobs(list(self._waiting), new_rows, hits, budget, chunked=True)
         if not new_rows:
             return
+        started = time.perf_counter()
         logits, batch = self._prefill(new_rows)
         if self._batch is None:
             self._batch = batch
@@ -397,6 +569,69 @@ class LocalEngine:
             self._batch.stack(batch, max_rows=self.max_batch_size)
         self._rows.extend(new_rows)
         self._sample_and_emit(new_rows, logits)
+        self._count_background(new_rows, time.perf_counter() - started)
+
+    def _batch_full(self, new_rows: list[_Row], n: int) -> bool:
+        """Whether `n` more rows would pass the batch size (one request always fits alone)."""
+        running = len(self._rows) + len(new_rows)
+        return running + n > self.max_batch_size and running > 0
+
+    def _admit_jobs(
+        self,
+        jobs: list[_Job],
+        new_rows: list[_Row],
+        hits: dict[tuple[tuple[int, ...], Hashable], Hit | None],
+        budget: int,
+        *,
+        chunked: bool = False,
+    ) -> None:
+        """Admit `jobs` in order until the batch or the pass's token budget is full; with
+        `chunked`, a long background prompt first runs into the prefix cache chunk by chunk."""
+        for job in jobs:
+            if self._batch_full(new_rows, job.request.n):
+                return
+            if chunked:
+                key = self._cache_key(job.request.adapter)
+                if self._chunked(job, key, job.request.prompt_ids):
+                    return
+            budget, taken = self._admit_job(job, new_rows, hits, budget)
+            if not taken:
+                return
+
+    def _admit_job(
+        self,
+        job: _Job,
+        new_rows: list[_Row],
+        hits: dict[tuple[tuple[int, ...], Hashable], Hit | None],
+        budget: int,
+    ) -> tuple[int, bool]:
+        """Take `job` out of `_waiting` into `new_rows` if its prefill fits what is left of the
+        pass's token budget; returns the budget left and whether it was taken (or failed)."""
+        key = (tuple(job.request.prompt_ids), self._cache_key(job.request.adapter))
+        seen = key in hits
+        hit = hits[key] if seen else self._usable_hit(key[1], job.request.prompt_ids)
+        cost = 0 if seen else len(job.request.prompt_ids) - (hit.length if hit else 0)
+        if new_rows and cost > budget:
+            return budget, False
+        self._waiting.remove(job)
+        self._count_queued(-job.request.n)
+        try:
+            rows = self._rows_for(job)
+        except Exception as exc:  # this request's own parameters or grammar: it fails alone
+            logger.exception("request %s could not start", job.request.request_id)
+            _fail(job, _failure("generation could not start", exc))
+            return budget, True
+        hits[key] = hit
+        for row in rows:
+            row.hit = hit
+        new_rows.extend(rows)
+        return budget - cost, True
+
+    def _count_background(self, rows: list[_Row], seconds: float) -> None:
+        """Charge background work its share of a pass over `rows` that took `seconds`."""
+        background = sum(1 for row in rows if row.job.request.background)
+        if background:
+            self.background.busy_s += seconds * background / len(rows)
 
     def _usable_hit(self, key: Hashable, prompt_ids: list[int]) -> Hit | None:
         """The prompt's cached prefix, unless prefilling on top of it costs more than the
@@ -425,11 +660,13 @@ class LocalEngine:
         rows = []
         for i in range(req.n):
             seed = None if req.params.seed is None else req.params.seed + i
+            prompt = list(req.prompt_ids)
             rows.append(
                 _Row(
                     job=job,
                     index=i,
-                    prompt_ids=list(req.prompt_ids),
+                    prompt_ids=prompt,
+                    context=prompt,
                     sampler=RowSampler(req.params, seed=seed, device=self.device),
                     constraint=self._new_constraint(req.grammar),
                     stop_token_ids=self.stop_token_ids,
@@ -468,14 +705,14 @@ class LocalEngine:
         seen: dict[tuple[tuple[int, ...], Hashable], int] = {}
         inverse = []  # each row's index in `run`
         for row in rows:
-            key = (tuple(row.prompt_ids), row.cache_key)
+            key = (tuple(row.context), row.cache_key)
             if key not in seen:
                 seen[key] = len(run)
                 run.append(row)
             inverse.append(seen[key])
         hits = [row.hit for row in run]
         to_run = [
-            len(row.prompt_ids) - (hit.length if hit else 0)
+            len(row.context) - (hit.length if hit else 0)
             for row, hit in zip(run, hits, strict=True)
         ]
         order: list[int] = []  # run indices in the order the groups' outputs are stacked
@@ -511,7 +748,7 @@ class LocalEngine:
         what comes before them is read from its cache hit, left-padded to the longest. A row
         with fewer than S tokens left to run recomputes a few cached ones; a row shorter than S
         is left-padded. The real positions of every row stay contiguous on the right."""
-        lengths = [len(row.prompt_ids) for row in run]
+        lengths = [len(row.context) for row in run]
         cached = [hit.length if hit else 0 for hit in hits]
         width = max(n - c for n, c in zip(lengths, cached, strict=True))  # S
         past = [max(0, n - width) for n in lengths]  # cached positions each row reads
@@ -520,7 +757,7 @@ class LocalEngine:
         ids = torch.full((len(run), width), pad, dtype=torch.long)
         mask = torch.zeros((len(run), past_width + width), dtype=torch.long)
         for b, row in enumerate(run):
-            fresh = row.prompt_ids[past[b] :]
+            fresh = row.context[past[b] :]
             ids[b, width - len(fresh) :] = torch.tensor(fresh, dtype=torch.long)
             mask[b, past_width + width - lengths[b] :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
@@ -556,7 +793,7 @@ class LocalEngine:
                 )
                 reused = head_of(hit.spans, past[b]) if hit else ()
                 spans = (*(span.detached() for span in reused), fresh_span)
-                self.prefix_cache.insert(row.cache_key, row.prompt_ids, spans)
+                self.prefix_cache.insert(row.cache_key, row.context, spans)
                 row.prefix = tuple(weakref.ref(span) for span in spans)
         return out.logits[:, -1, :].float(), batch
 
@@ -567,6 +804,8 @@ class LocalEngine:
     def _step(self) -> None:
         """One decode step for every running row: feed its last sampled token."""
         assert self._batch is not None
+        started = time.perf_counter()
+        rows = list(self._rows)
         ids = torch.tensor([[row.completion_ids[-1]] for row in self._rows], dtype=torch.long)
         positions = self._batch.grow()
         out = self.model(
@@ -580,6 +819,7 @@ class LocalEngine:
         self._batch.cache = out.past_key_values
         self.steps += 1
         self._sample_and_emit(self._rows, out.logits[:, -1, :].float())
+        self._count_background(rows, time.perf_counter() - started)
 
     def _sample_and_emit(self, rows: list[_Row], logits: torch.Tensor) -> None:
         """Sample one token per row from `logits` (B, V), emit events, retire finished rows."""
@@ -630,6 +870,8 @@ class LocalEngine:
         """Sample row `b`'s next token from `logits` (B, V); return its events."""
         token = row.sampler.sample(logits[b], row.completion_ids)
         self.tokens += 1
+        if row.job.request.background:
+            self.background.tokens += 1
         logprob = float(logprobs_all[b, token])
         row.completion_ids.append(token)
         row.logprobs.append(logprob)
@@ -723,7 +965,7 @@ class LocalEngine:
             if row.cache_key != self._cache_key(row.adapter):
                 continue  # its weights were unloaded meanwhile (cannot happen while it runs)
             real = int(mask[i].sum())  # prompt + generated tokens fed (not the last sampled)
-            start = width - real + len(row.prompt_ids)  # the first generated token's column
+            start = width - real + len(row.context)  # the first column its prefill did not run
             if start >= width:
                 continue  # nothing generated was fed: the prefill stored the prompt already
             held = [ref() for ref in row.prefix]
@@ -738,12 +980,12 @@ class LocalEngine:
             self.prefix_cache.insert(row.cache_key, ids, (*prefix, tail))
 
     def _fail_all(self, error: BaseException) -> None:
-        jobs = {id(r.job): r.job for r in self._rows}
+        jobs = {id(r.job): r.job for r in [*self._rows, *self._paused]}
         jobs.update({id(j): j for j in self._waiting})
         self._count_queued(-sum(j.request.n for j in self._waiting))
         for job in jobs.values():
             _fail(job, error)
-        self._rows, self._waiting, self._batch = [], [], None
+        self._rows, self._waiting, self._batch, self._paused = [], [], None, []
 
 
 def _fill_cache(

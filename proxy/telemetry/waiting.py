@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from proxy.settings import Settings
-from storage.stats import Waiting
+from storage.stats import JudgeWork, Waiting
 
 
 @dataclass(frozen=True)
@@ -25,9 +25,14 @@ class Advice:
 
 
 def why_not_training(
-    waiting: Waiting, settings: Settings, *, now: float | None = None
+    waiting: Waiting,
+    settings: Settings,
+    *,
+    now: float | None = None,
+    judge: JudgeWork | None = None,
 ) -> list[Advice]:
-    """The reasons, most blocking first; [] when nothing waits for a reason of its own."""
+    """The reasons, most blocking first; [] when nothing waits for a reason of its own.
+    `judge`: what the judge did in the last hour (the local judge's cost is stated with it)."""
     now = time.time() if now is None else now
     out: list[Advice] = []
     if not settings.train:
@@ -95,7 +100,7 @@ def why_not_training(
             out.append(
                 Advice(
                     f"{groups} wait for the judge, and the judge is the local base model: a "
-                    "placeholder that is rarely a useful judge.",
+                    f"placeholder that is rarely a useful judge. {placeholder_cost(judge)}",
                     "Post each episode's reward, or set RLPROXY_JUDGE_MODEL to a capable model.",
                 )
             )
@@ -130,6 +135,22 @@ def why_not_training(
             )
         )
     return out
+
+
+def placeholder_cost(judge: JudgeWork | None) -> str:
+    """What the local judge costs, in one sentence: measured over the last hour when it
+    judged, else what a group takes."""
+    gives_way = "it runs on the serving engine only while no user's request waits"
+    if judge is None or not judge.groups:
+        return (
+            "Each group costs one to four judge calls on the serving engine (tens of seconds "
+            f"each on a 2-core CPU); {gives_way}."
+        )
+    return (
+        f"In the last hour it judged {judge.groups} group{_s(judge.groups, '', 's')} in "
+        f"{judge.calls} call{_s(judge.calls, '', 's')}, {judge.seconds:.0f} s of the engine's "
+        f"time; {gives_way}."
+    )
 
 
 def _n(count: int) -> str:

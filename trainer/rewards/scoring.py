@@ -18,6 +18,17 @@ sizing the lease to the judge's timeout keeps the lease short (a dead replica's 
 back within `lease_s`) whatever the judge takes: the local judge queues behind serving and has no
 timeout of its own. A scorer that lost its claim (its lease ran out, another took the group)
 stops judging and never overwrites the other's result.
+
+Judging costs (the local judge takes the serving engine's time, a paid judge money), so `run`
+judges only when it can help, and ready groups wait otherwise (unscored, never lost):
+
+- nothing uses the scores (`wanted` says why: serving with no trainer anywhere and no telemetry
+  receiving scores): no group is judged until that changes;
+- the judge failed its checks: the gate fails it, or its canaries cannot reach the pass rate even
+  at their 95 % upper bound (after `EARLY_CANARIES`), under every rubric it was decided on and
+  passes none: one group is judged every `retry_s` (to notice a fix), the others wait.
+
+`status()` says which, with the judge calls and judge time of the last hour.
 """
 
 from __future__ import annotations
@@ -25,15 +36,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from storage.group_ops import DEFAULT_LEASE_S, FormResult
 from storage.grouping import SignatureGrouper
 from storage.records import GroupDetail, JudgeOutcome, ScoreRecord
 from storage.store import Store
-from trainer.rewards.judge_checks import JudgeChecker, JudgeChecksConfig
+from trainer.rewards.judge_checks import GateDecision, JudgeChecker, JudgeChecksConfig
 from trainer.rewards.ruler import (
     DEFAULT_RUBRIC,
     Judge,
@@ -46,6 +59,15 @@ from trainer.rewards.ruler import (
 from trainer.rewards.turns import DEFAULT_TURN_RUBRIC, DEFAULT_VOTES, TurnScoring
 
 logger = logging.getLogger(__name__)
+
+EARLY_CANARIES = 5
+"""Canary checks after which a judge whose 95 % upper bound lies below the pass rate it must
+reach backs off, before the gate has `min_checks` to decide (0 of 5 passed: bound 0.43)."""
+
+HOUR_S = 3600.0
+
+ScoresWanted = Callable[[], Awaitable[str | None]]
+"""Why nothing would use scores now (the scorer then waits), or None to judge."""
 
 ScoredListener = Callable[[GroupDetail, JudgeOutcome], None]
 """Told of each group whose scores (or failure) this scorer stored, right after the commit
@@ -72,10 +94,16 @@ class ScoringConfig:
     """How long a claim on a group holds without renewal (renewed every third of it)."""
     checks: JudgeChecksConfig | None = None
     """Canaries, self-agreement and the gate (`trainer.rewards.judge_checks`); None: off."""
+    retry_s: float = 900.0
+    """A judge that failed its checks judges one group this often (module docstring)."""
 
     def __post_init__(self) -> None:
         if self.votes < 1:
             raise ValueError(f"votes must be at least 1 (judge calls per turn), not {self.votes}")
+        if self.retry_s <= 0:
+            raise ValueError(
+                f"retry_s must be positive (seconds between tries), not {self.retry_s}"
+            )
         if self.mode == "turns" and self.rubric == DEFAULT_RUBRIC:
             self.rubric = DEFAULT_TURN_RUBRIC
 
@@ -93,13 +121,22 @@ class Scorer:
         config: ScoringConfig | None = None,
         *,
         on_scored: ScoredListener | None = None,
+        wanted: ScoresWanted | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
         self.judge = judge
         self.grouper = grouper
         self.config = config or ScoringConfig()
         self.on_scored = on_scored
+        self.wanted = wanted
+        self.clock = clock
         self.checker = None if self.config.checks is None else JudgeChecker(self.config.checks)
+        self.state: Literal["idle", "judging", "waiting", "backing off"] = "idle"
+        self.reason: str | None = None  # why it waits or backs off
+        self.retry_at: float | None = None  # backing off: when it judges its next group
+        self._gates: dict[str, tuple[bool, str | None]] = {}  # rubric hash -> failing, why
+        self._judged: deque[tuple[float, float, int]] = deque()  # (at, seconds, calls), 1 h
 
     async def form(self) -> FormResult:
         return await self.store.form_groups(self.grouper)
@@ -126,13 +163,89 @@ class Scorer:
         while True:
             try:
                 await self.release_recovered()
-                while await self.score_next() is not None:
+                while await self._may_judge() and await self.score_next() is not None:
                     pass
+                if self.state == "judging":
+                    self.state, self.reason = "idle", None
             except asyncio.CancelledError:
                 raise
             except Exception:
                 logger.exception("the scoring pass failed; trying again in %.0f s", interval_s)
             await asyncio.sleep(interval_s)
+
+    async def _may_judge(self) -> bool:
+        """Whether `run` judges its next group now (module docstring); sets `state`."""
+        why = await self.wanted() if self.wanted is not None else None
+        if why is not None:
+            if self.state != "waiting":
+                logger.info("ready groups wait unscored: %s", why)
+            self.state, self.reason, self.retry_at = "waiting", why, None
+            return False
+        failing = self.failing()
+        if failing is None:
+            self.state, self.reason, self.retry_at = "judging", None, None
+            return True
+        now = self.clock()
+        if self.retry_at is None:  # it failed on the group just judged: wait from now
+            self.retry_at = now + self.config.retry_s
+            logger.warning(
+                "judge %s failed its checks (%s): it judges one group every %.0f s until it "
+                "passes; ready groups wait unscored",
+                self.judge.model,
+                failing,
+                self.config.retry_s,
+            )
+        if now < self.retry_at:
+            self.state, self.reason = "backing off", failing
+            return False
+        self.retry_at = now + self.config.retry_s  # this group is the try
+        self.state, self.reason = "judging", f"one try while backing off: {failing}"
+        return True
+
+    def failing(self) -> str | None:
+        """Why this judge backs off: it failed its checks under every rubric it was decided on
+        and passes none (a judge that fails one rubric and passes another keeps judging);
+        None when it does not."""
+        if not self._gates or not all(bad for bad, _ in self._gates.values()):
+            return None
+        return "; ".join(sorted({why for _, why in self._gates.values() if why}))
+
+    def _note_gate(self, rubric: str | None, gate: GateDecision) -> None:
+        assert self.checker is not None
+        config = self.checker.config
+        canary = gate.canary
+        early = (
+            canary.verdict == "undecided"
+            and canary.checks >= EARLY_CANARIES
+            and canary.high < config.min_canary_pass
+        )
+        failed = canary.verdict == "fail" or gate.self_agreement.verdict == "fail" or early
+        why = gate.reason
+        if early:
+            why = (
+                f"canaries {canary.passed}/{canary.checks} passed, the 95% upper bound "
+                f"{canary.high:.2f} is below {config.min_canary_pass:g}"
+            )
+        self._gates[rubric or ""] = (failed, why if failed else None)
+        if not failed:
+            self.retry_at = None
+
+    def status(self) -> dict[str, Any]:
+        """What background judging is doing and what it cost in the last hour."""
+        now = self.clock()
+        while self._judged and self._judged[0][0] < now - HOUR_S:
+            self._judged.popleft()
+        recent = [j for j in self._judged if j[0] >= now - 600]
+        return {
+            "state": self.state,
+            "reason": self.reason,
+            "retry_at": self.retry_at,
+            "retry_s": self.config.retry_s,
+            "groups_last_hour": len(self._judged),
+            "judge_calls_last_hour": sum(calls for _, _, calls in self._judged),
+            "judge_calls_per_minute": round(sum(calls for _, _, calls in recent) / 10, 2),
+            "judge_seconds_last_hour": round(sum(s for _, s, _ in self._judged), 1),
+        }
 
     async def _score_claimed(self, group_id: str) -> GroupDetail | None:
         try:
@@ -148,6 +261,8 @@ class Scorer:
                 judge_model=self.judge.model,
                 failure=f"{type(exc).__name__}: {exc}",
             )
+        if outcome is not None and outcome.judge_model != "explicit":
+            self._judged.append((self.clock(), outcome.latency_s or 0.0, outcome.attempts or 0))
         stored = outcome is not None and await self.store.finish_scoring(group_id, outcome)
         if outcome is None or not stored:
             logger.warning(
@@ -239,6 +354,7 @@ class Scorer:
             if check is not None:
                 gate = await self.checker.decide(self.store, check, stored)
                 hold_reason = gate.reason if gate.decision == "held" else None
+                self._note_gate(check.rubric_hash, gate)
         per_member = len(members) or 1
         return JudgeOutcome(
             status=result.status,

@@ -11,6 +11,13 @@
               judge can score, skipped and held groups; `why_not_training`: those figures read
               against the settings, as {what, fix} sentences (`proxy.telemetry.waiting`)
     judge     which judge scores groups, whether background scoring runs, the reward policy
+    background
+              what runs beside serving and what it costs (`proxy.telemetry.background`): the
+              engine's background rows (running, paused for users, waiting) and its share of
+              the engine over the last minute; the judge's state ("judging", "idle", "waiting"
+              for a trainer, "backing off" after failing its checks, with why and its next try)
+              and its calls and time in the last hour; the trainer child's niceness and CPU;
+              the server's CPU (cores)
     trainer   the trainer child's state (as /health reports it), the newest version, and the
               staleness bound's counts over the trainer's run (groups trained on, dropped and
               down-weighted for being more than max_staleness versions behind; null before
@@ -32,9 +39,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 
 from proxy.api.auth import Caller
-from proxy.api.deps import Registry, SettingsDep, StoreDep, TrainerDep
+from proxy.api.deps import Registry, RuntimeDep, SettingsDep, StoreDep, TrainerDep
 from proxy.telemetry.metrics import StaleGroups
 from proxy.telemetry.waiting import why_not_training
+from storage.stats import JudgeWork
 
 router = APIRouter(prefix="/rl/stats")
 
@@ -58,6 +66,7 @@ async def stats(
     registry: Registry,
     trainer: TrainerDep,
     caller: Caller,
+    runtime: RuntimeDep,
     minutes: Annotated[int, Query(ge=1, le=24 * 60)] = 60,
     window: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> dict[str, Any]:
@@ -68,6 +77,8 @@ async def stats(
     queue = await store.group_queue(owner=owner, untrained_window=UNTRAINED_WINDOW)
     newest = await store.latest_adapter(registry.policy)
     stale = StaleGroups.from_step(newest.metrics if newest is not None else None)
+    background = runtime.background.report() if runtime.background is not None else None
+    judged = _judge_work(background, now)
     return {
         "object": "rl.stats",
         "now": now,
@@ -88,7 +99,7 @@ async def stats(
             "last_scored": asdict(queue.last_scored) if queue.last_scored else None,
             "last_failed": asdict(queue.last_failed) if queue.last_failed else None,
             "why_not_training": [
-                asdict(a) for a in why_not_training(queue.waiting, settings, now=now)
+                asdict(a) for a in why_not_training(queue.waiting, settings, now=now, judge=judged)
             ],
         },
         "judge": {
@@ -97,6 +108,7 @@ async def stats(
             "scoring": settings.scoring,
             "judges_explicit_groups": settings.judge_explicit_groups,
         },
+        "background": background,
         "trainer": {
             **_trainer_state(trainer.status() if trainer is not None else {"state": "off"}),
             "newest_version": None
@@ -112,6 +124,19 @@ async def stats(
             else {**asdict(stale), "dropped_share": stale.dropped_share},
         },
     }
+
+
+def _judge_work(background: dict[str, Any] | None, now: float) -> JudgeWork | None:
+    """The judge's last hour as this server's scorer counted it (no query)."""
+    judge = None if background is None else background.get("judge")
+    if not judge:
+        return None
+    return JudgeWork(
+        since=now - 3600,
+        groups=judge["groups_last_hour"],
+        calls=judge["judge_calls_last_hour"],
+        seconds=judge["judge_seconds_last_hour"],
+    )
 
 
 def _trainer_state(status: dict[str, Any]) -> dict[str, Any]:
