@@ -265,7 +265,10 @@ def build_scorer(
         judge = LocalJudge(judge_complete, settings.model_name)
         logger.warning(
             "RULER judge: the local model (%s). A 135M judge is a placeholder for trying the "
-            "loop out, not a useful judge: set RLPROXY_JUDGE_MODEL for real scores",
+            "loop out, not a useful judge: set RLPROXY_JUDGE_MODEL for real scores. It costs "
+            "the serving engine's time (one or two calls a group, tens of seconds each on a "
+            "2-core CPU), taken only while no user's request waits; once it fails its checks it "
+            "judges one group every RLPROXY_JUDGE_RETRY_S",
             judge.model,
         )
     config = ScoringConfig(
@@ -285,18 +288,18 @@ def build_scorer(
 NO_TRAINER = (
     "nothing uses the scores: this server runs no trainer (RLPROXY_TRAIN=false), no replica or "
     "`rlproxy train` trains on this database, and no telemetry receives scores. Start a trainer, "
-    "run `rlproxy score`, or set RLPROXY_SCORING_WITHOUT_TRAINER=true"
+    "run `rlproxy score`, or set RLPROXY_SCORING=true"
 )
 
 
 def scores_wanted(
     settings: Settings, store: Store, telemetry: Telemetry | None
 ) -> ScoresWanted | None:
-    """Serving's test of whether judging helps anyone (None: always): a trainer here, a scores
-    reader (Langfuse), or the setting; else a trainer elsewhere on the database (the trainer
-    lease of a replica, or a running `rlproxy train`'s announcement)."""
+    """Serving's test of whether judging helps anyone (None: always): RLPROXY_SCORING=true, a
+    trainer here or a scores reader (Langfuse); else, with `auto`, a trainer elsewhere on the
+    database (the trainer lease of a replica, or a running `rlproxy train`'s announcement)."""
     scores_read = telemetry is not None and telemetry.scores is not None
-    if settings.train or settings.scoring_without_trainer or scores_read:
+    if settings.scoring is True or settings.train or scores_read:
         return None
     names = (trainer_lease_name(settings.model_name), trainer_presence_name(settings.model_name))
 

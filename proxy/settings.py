@@ -295,24 +295,20 @@ class Settings(BaseSettings):
         description="How long a task seen once waits for another run of the same task before it "
         "joins its agent's cohort.",
     )
-    scoring: bool = Field(
-        True,
-        description="Score ready groups with RULER in the background while serving. Off, groups "
-        "still form, and those whose every member has an explicit reward are scored from the "
-        "rewards and trained on (no judge).",
+    scoring: bool | Literal["auto"] = Field(
+        "auto",
+        description="Score ready groups with RULER in the background while serving. `auto`: "
+        "only while something uses the scores (a trainer here, on another replica or a running "
+        "`rlproxy train` on the database, or telemetry that receives scores); otherwise ready "
+        "groups wait, unscored and never lost (`rlproxy score` scores them on demand). `true`: "
+        "always. `false`: never; groups still form, and those whose every member has an "
+        "explicit reward are scored from the rewards and trained on (no judge).",
     )
     scoring_interval_s: float = Field(
         5.0,
         gt=0,
         description="How often groups are formed (scoring on or off) and the background scorer "
         "looks for ready groups.",
-    )
-    scoring_without_trainer: bool = Field(
-        False,
-        description="Judge ready groups even when nothing uses the scores: this server runs no "
-        "trainer (RLPROXY_TRAIN=false), no replica or `rlproxy train` on the database trains, and "
-        "no telemetry receives scores. By default the groups wait (unscored, never lost) until a "
-        "trainer appears, or `rlproxy score` scores them.",
     )
     judge_retry_s: float = Field(
         900.0,

@@ -165,7 +165,10 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
     judge = report["judge"]
     parts = [
         judge["model"],
-        "background scoring " + ("on" if judge["background_scoring"] else "off"),
+        "background scoring "
+        + {True: "on", False: "off"}.get(
+            judge["background_scoring"], "auto (while a trainer runs)"
+        ),
     ]
     parts.append("groups " + _breakdown(judge["pipeline"]))
     if judge["last_scored"]:

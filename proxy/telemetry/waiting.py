@@ -36,9 +36,15 @@ def why_not_training(
     now = time.time() if now is None else now
     out: list[Advice] = []
     if not settings.train:
+        waits = (
+            " Its judge waits for one: with RLPROXY_SCORING=auto ready groups are judged only "
+            "while a trainer (here, on another replica, or `rlproxy train`) uses the scores."
+            if settings.scoring == "auto"
+            else ""
+        )
         out.append(
             Advice(
-                "This server runs no trainer (RLPROXY_TRAIN=false).",
+                "This server runs no trainer (RLPROXY_TRAIN=false)." + waits,
                 "Run `rlproxy train` against the same database, or serve with training on.",
             )
         )
@@ -87,7 +93,7 @@ def why_not_training(
         )
     if waiting.unrewarded_ready:
         groups = f"{waiting.unrewarded_ready} ready group{_s(waiting.unrewarded_ready, '', 's')}"
-        if not settings.scoring:
+        if settings.scoring is False:
             out.append(
                 Advice(
                     f"{groups} {_s(waiting.unrewarded_ready, 'has', 'have')} members with no "

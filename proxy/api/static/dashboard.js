@@ -323,6 +323,40 @@
     ], { id: "prefix-cache" });
   }
 
+  // What runs beside serving (GET /rl/stats `background`): the judge's state and cost, the
+  // engine's background rows (paused while users' requests run), the trainer's priority and CPU.
+  function backgroundCard(bg) {
+    const judge = bg.judge;
+    const engine = bg.engine;
+    const cores = (x) => (x === null || x === undefined ? "–" : `${num(x, 2)} cores`);
+    const state = judge ? judge.state : "no scorer";
+    return card("Background work", state, [
+      judge && judge.reason ? h("div", { class: "small", id: "background-reason", text: judge.reason }) : null,
+      judge && judge.state === "backing off" && judge.retry_at
+        ? h("div", { class: "small muted", text: `next try in ${Math.max(0, Math.round(judge.retry_at - Date.now() / 1000))} s` })
+        : null,
+      judge
+        ? h("div", {
+            class: "small muted",
+            text: `judge: ${judge.judge_calls_per_minute} calls/min (last 10 min), ${judge.groups_last_hour} groups, ` +
+              `${judge.judge_calls_last_hour} calls, ${num(judge.judge_seconds_last_hour, 0)} s in the last hour`,
+          })
+        : null,
+      engine
+        ? h("div", {
+            class: "small muted",
+            text: `engine: ${engine.running_rows} background rows running, ${engine.paused_rows} paused for users, ` +
+              `${engine.pauses} pauses; ${bg.engine_background_share === null ? "–" : num(100 * bg.engine_background_share, 0) + " %"} of the engine`,
+          })
+        : null,
+      h("div", {
+        class: "small muted",
+        text: `CPU, last minute: server ${cores(bg.server_cpu_cores)}, trainer ${cores(bg.trainer.cpu_cores)}` +
+          (bg.trainer.nice === null || bg.trainer.nice === undefined ? "" : ` (nice ${bg.trainer.nice})`),
+      }),
+    ], { id: "background", small: true });
+  }
+
   function drawOverview(stats, models, cache) {
     const calls = stats.calls;
     const trainer = stats.trainer;
@@ -358,7 +392,7 @@
         card("Judge", judge.model, [
           h("div", {
             class: "small muted",
-            text: `${judge.scoring ? "scoring in the background" : "background scoring off"} · ` +
+            text: `${judge.scoring === false ? "background scoring off" : judge.scoring === "auto" ? "scoring while a trainer uses the scores" : "scoring in the background"} · ` +
               `ready ${groups.counts.ready}, scoring ${groups.counts.scoring}, forming ${groups.counts.forming}`,
           }),
           h("div", {
@@ -370,6 +404,7 @@
             : null,
         ], { id: "judge", small: true }),
         cache ? cacheCard(cache) : null,
+        stats.background ? backgroundCard(stats.background) : null,
       ),
       groups.why_not_training && groups.why_not_training.length
         ? h(
