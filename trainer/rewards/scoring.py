@@ -179,7 +179,7 @@ class Scorer:
         if why is not None:
             if self.state != "waiting":
                 logger.info("ready groups wait unscored: %s", why)
-            self.state, self.reason, self.retry_at = "waiting", why, None
+            self.state, self.reason = "waiting", why  # a back-off's next try stays where it was
             return False
         failing = self.failing()
         if failing is None:
@@ -223,8 +223,9 @@ class Scorer:
         why = gate.reason
         if early:
             why = (
-                f"canaries {canary.passed}/{canary.checks} passed, the 95% upper bound "
-                f"{canary.high:.2f} is below {config.min_canary_pass:g}"
+                f"canaries {canary.passed}/{canary.checks} passed: even their 95% upper bound "
+                f"{canary.high:.2f} is below {config.min_canary_pass:g} (the gate decides at "
+                f"{config.min_checks} checks)"
             )
         self._gates[rubric or ""] = (failed, why if failed else None)
         if not failed:
