@@ -82,7 +82,11 @@ COMMON = {
 CONFIGS = {
     "serving_first": {},
     "before": {"RLPROXY_SERVING_FIRST": "false", "RLPROXY_TRAINER_NICE": "0"},
+    # Other trainer priorities, for --only (trainer phase: --servers trainer).
+    "nice19": {"RLPROXY_TRAINER_NICE": "19"},
+    "nice0": {"RLPROXY_TRAINER_NICE": "0"},
 }
+DEFAULT_CONFIGS = ["serving_first", "before"]
 
 
 def commit() -> str:
@@ -247,26 +251,32 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, work: P
     """Two servers of this configuration: one where the judge works (no trainer), one where
     the trainer works (no judge), each measured idle first."""
     out: dict[str, Any] = {}
-    judging = {**COMMON, "RLPROXY_TRAIN": "false", **env}
-    proc, url = serve(f"{name}-judge", judging, args, work)
-    try:
-        out["judge_server"] = {"env": judging, "idle": phase(url, "idle", args, 0)}
-        make_groups(url, "judge", args.judge_groups, rewarded=False)
-        wait_until("the judge at work", lambda: judge_state(url) == "judging", args.timeout_s)
-        out["judge_server"]["judge"] = phase(url, "judge", args, 4)
-    finally:
-        stop(proc)
-    training = {**COMMON, "RLPROXY_SCORING": "false", **env}
-    proc, url = serve(f"{name}-trainer", training, args, work)
-    try:
-        out["trainer_server"] = {"env": training, "idle": phase(url, "idle", args, 0)}
-        make_groups(url, "train", args.train_groups, rewarded=True)
-        wait_until("the trainer's first version", lambda: newest(url), args.timeout_s)
-        out["trainer_server"]["trainer"] = phase(url, "trainer", args, 8)
-    finally:
-        stop(proc)
+    if "judge" in args.servers:
+        judging = {**COMMON, "RLPROXY_TRAIN": "false", **env}
+        proc, url = serve(f"{name}-judge", judging, args, work)
+        try:
+            out["judge_server"] = {"env": judging, "idle": phase(url, "idle", args, 0)}
+            make_groups(url, "judge", args.judge_groups, rewarded=False)
+            wait_until("the judge at work", lambda: judge_state(url) == "judging", args.timeout_s)
+            out["judge_server"]["judge"] = phase(url, "judge", args, 4)
+        finally:
+            stop(proc)
+    if "trainer" in args.servers:
+        training = {**COMMON, "RLPROXY_SCORING": "false", **env}
+        proc, url = serve(f"{name}-trainer", training, args, work)
+        try:
+            out["trainer_server"] = {"env": training, "idle": phase(url, "idle", args, 0)}
+            make_groups(url, "train", args.train_groups, rewarded=True)
+            wait_until("the trainer's first version", lambda: newest(url), args.timeout_s)
+            out["trainer_server"]["trainer"] = phase(url, "trainer", args, 8)
+            left = stats(url)["groups"]["untrained_scored"]
+            out["trainer_server"]["trainer"]["scored_groups_left_after"] = left
+        finally:
+            stop(proc)
     out["ratios"] = {}
     for server, busy in (("judge_server", "judge"), ("trainer_server", "trainer")):
+        if server not in out:
+            continue
         idle, loaded = out[server]["idle"], out[server][busy]
         if idle["tokens_per_s_median"] and loaded["tokens_per_s_median"]:
             out["ratios"][f"{busy}_tokens_per_s_vs_idle"] = round(
@@ -292,10 +302,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=8, help="client requests per phase")
     p.add_argument("--think-s", type=float, default=1.0, help="client pause between requests")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--train-groups", type=int, default=24)
+    p.add_argument("--train-groups", type=int, default=60, help="enough to keep it stepping")
     p.add_argument("--judge-groups", type=int, default=16)
     p.add_argument("--timeout-s", type=float, default=600)
-    p.add_argument("--only", choices=sorted(CONFIGS))
+    p.add_argument(
+        "--only", nargs="+", choices=sorted(CONFIGS), help="default: serving_first before"
+    )
+    p.add_argument(
+        "--servers", nargs="+", choices=["judge", "trainer"], default=["judge", "trainer"]
+    )
     p.add_argument("--model-dir", type=Path, default=REPO / "rlproxy-data")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "background.json")
     return p.parse_args()
@@ -313,13 +328,13 @@ def main() -> int:
         "load_average_at_start": os.getloadavg(),
         "settings_not_default": {
             "all": COMMON,
-            **{name: env for name, env in CONFIGS.items()},
+            **{name: CONFIGS[name] for name in args.only or DEFAULT_CONFIGS},
         },
         "args": {k: str(v) for k, v in vars(args).items()},
         "configs": {},
         "complete": False,
     }
-    names = [args.only] if args.only else list(CONFIGS)
+    names = args.only or DEFAULT_CONFIGS
     from proxy.engines.loader import ensure_fp32_cache
 
     ensure_fp32_cache(args.model_dir)

@@ -15,6 +15,7 @@ rank 0 does all of the above and the other ranks only train their share of each 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -123,12 +124,16 @@ async def _announce(store: Store, settings: Settings) -> None:
     name = trainer_presence_name(settings.model_name)
     holder = f"{socket.gethostname()}:{os.getpid()}"
     ttl = max(PRESENCE_TTL_S, 3 * settings.train_poll_s)
-    while True:
-        try:  # held by another trainer of the policy: it says the same
-            await store.acquire_lease(name, holder, ttl)
-        except Exception:
-            logger.exception("could not announce the trainer on the database; trying again")
-        await asyncio.sleep(ttl / 3)
+    try:
+        while True:
+            try:  # held by another trainer of the policy: it says the same
+                await store.acquire_lease(name, holder, ttl)
+            except Exception:
+                logger.exception("could not announce the trainer on the database; trying again")
+            await asyncio.sleep(ttl / 3)
+    finally:  # gone: servers with no trainer stop judging at once, not when the lease runs out
+        with contextlib.suppress(Exception):
+            await asyncio.shield(store.release_lease(name, holder))
 
 
 async def _cancelled(task: asyncio.Task[None]) -> None:

@@ -80,6 +80,7 @@ class _Job:
     rows_left: int = 0
     queued_at: float = field(default_factory=time.monotonic)
     promoted: bool = False  # background work that waited `background_max_wait_s`: runs as a user's
+    whole: bool = False  # a background prompt the prefix cache cannot hold: prefilled in one pass
 
     @property
     def foreground(self) -> bool:
@@ -264,9 +265,13 @@ class LocalEngine:
             **asdict(self.background),
         }
 
-    def _count_queued(self, rows: int) -> None:
+    def _count_queued(self, job: _Job, sign: int) -> None:
+        """Count (+1) or discount (-1) `job`'s rows as queued; background work is not counted:
+        users' requests are never refused (`max_queued_rows`) for judge work parked here."""
+        if job.request.background:
+            return
         with self._queued_lock:
-            self._queued += rows
+            self._queued += sign * job.request.n
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]:
         adapter = request.adapter
@@ -277,7 +282,7 @@ class LocalEngine:
                 self._in_use[adapter] += 1
         loop = asyncio.get_running_loop()
         job = _Job(request=request, loop=loop, events=asyncio.Queue(), rows_left=request.n)
-        self._count_queued(request.n)
+        self._count_queued(job, +1)
         self._inbox.put(job)
         try:
             while job.rows_left > 0:
@@ -316,7 +321,7 @@ class LocalEngine:
             try:
                 self._drain_inbox(wait=self._idle_wait())
                 self._unload_unused()
-                if self._foreground_present():
+                if self._users_present():
                     self._last_foreground = time.monotonic()
                 self._give_way()
                 self._admit()
@@ -409,10 +414,15 @@ class LocalEngine:
     # ----------------------------------------------------------------- users first
 
     def _foreground_waiting(self) -> bool:
+        """Whether work that runs now waits: a user's request, or promoted background work."""
         return any(job.foreground for job in self._waiting)
 
-    def _foreground_present(self) -> bool:
-        return self._foreground_waiting() or any(row.job.foreground for row in self._rows)
+    def _users_waiting(self) -> bool:
+        return any(not job.request.background for job in self._waiting)
+
+    def _users_present(self) -> bool:
+        """Whether a user's request runs or waits (promoted background work is not a user)."""
+        return self._users_waiting() or any(not row.job.request.background for row in self._rows)
 
     def _background_pending(self) -> bool:
         return bool(self._paused) or any(job.request.background for job in self._waiting)
@@ -422,7 +432,7 @@ class LocalEngine:
         for `background_idle_s` (an agent's next call usually follows within that)."""
         if not self.serving_first:
             return True
-        if self._foreground_present():
+        if self._users_present():
             return False
         return now - self._last_foreground >= self.background_idle_s
 
@@ -461,9 +471,13 @@ class LocalEngine:
 
     def _give_way(self) -> None:
         """A user's request waits: take the background rows out of the batch. Their KV so far
-        goes to the prefix cache, so resuming them later prefills only a token or so."""
-        if not self.serving_first or not self._foreground_waiting():
+        goes to the prefix cache, so resuming them later prefills only a token or so. With the
+        prefix cache off, running background rows finish (pausing would throw their KV away);
+        only new background work waits."""
+        if not self.serving_first or not self._users_waiting():
             return
+        if not self.prefix_cache.enabled:
+            return  # their KV would be lost and recomputed whole: new work waits, theirs runs
         positions = [i for i, row in enumerate(self._rows) if not row.job.foreground]
         if not positions:
             return
@@ -494,7 +508,7 @@ class LocalEngine:
         prefill the next chunk into the prefix cache and return True (it is admitted once the
         rest fits in one chunk), so that a user's request never waits behind a long background
         prefill. False: nothing to do, admit it (or the prefix cache is off: no chunks)."""
-        if job.foreground or not self.serving_first or not self.prefix_cache.enabled:
+        if job.foreground or job.whole or not self.serving_first or not self.prefix_cache.enabled:
             return False
         hit = self.prefix_cache.lookup(key, ids)
         done = hit.length if hit else 0
@@ -515,6 +529,15 @@ class LocalEngine:
         self._prefill_group([row], [hit])
         self.background.chunks += 1
         self.background.busy_s += time.perf_counter() - started
+        held = self.prefix_cache.lookup(key, ids)
+        if held is None or held.length < len(chunk) - 1:
+            # The cache could not keep it (the prompt's KV passes its bound): one whole prefill.
+            job.whole = True
+            logger.info(
+                "background request %s: its prompt's KV does not stay in the prefix cache; "
+                "it is prefilled whole",
+                job.request.request_id,
+            )
         return True
 
     # ----------------------------------------------------------------- batching
@@ -562,11 +585,16 @@ class LocalEngine:
         if not new_rows:
             return
         started = time.perf_counter()
-        logits, batch = self._prefill(new_rows)
-        if self._batch is None:
-            self._batch = batch
-        else:
-            self._batch.stack(batch, max_rows=self.max_batch_size)
+        try:
+            logits, batch = self._prefill(new_rows)
+            if self._batch is None:
+                self._batch = batch
+            else:
+                self._batch.stack(batch, max_rows=self.max_batch_size)
+        except Exception as exc:  # the rows admitted this pass are in no list `_fail_all` reads
+            for job in {id(row.job): row.job for row in new_rows}.values():
+                _fail(job, EngineError(f"generation failed: {exc}"))
+            raise
         self._rows.extend(new_rows)
         self._sample_and_emit(new_rows, logits)
         self._count_background(new_rows, time.perf_counter() - started)
@@ -614,7 +642,7 @@ class LocalEngine:
         if new_rows and cost > budget:
             return budget, False
         self._waiting.remove(job)
-        self._count_queued(-job.request.n)
+        self._count_queued(job, -1)
         try:
             rows = self._rows_for(job)
         except Exception as exc:  # this request's own parameters or grammar: it fails alone
@@ -643,7 +671,7 @@ class LocalEngine:
 
     def _drop_if_cancelled(self, job: _Job) -> bool:
         if job.cancelled:
-            self._count_queued(-job.request.n)
+            self._count_queued(job, -1)
             prompt = list(job.request.prompt_ids)
             adapter = job.request.adapter
             _post(
@@ -982,7 +1010,8 @@ class LocalEngine:
     def _fail_all(self, error: BaseException) -> None:
         jobs = {id(r.job): r.job for r in [*self._rows, *self._paused]}
         jobs.update({id(j): j for j in self._waiting})
-        self._count_queued(-sum(j.request.n for j in self._waiting))
+        for job in self._waiting:
+            self._count_queued(job, -1)
         for job in jobs.values():
             _fail(job, error)
         self._rows, self._waiting, self._batch, self._paused = [], [], None, []

@@ -426,14 +426,19 @@ class JudgeChecker:
         *,
         score: ScoreGroup = score_group,
         stored: Sequence[JudgeCheckRecord] | None = None,
+        every_check: bool = False,
     ) -> tuple[JudgeResult, JudgeCheckRecord | None]:
         """Judge `group` with its checks (`score`: RULER, or per-turn judging). The result holds
         the real members' scores only (the canary's is removed) with the tokens, cost, attempts
         and time of every call summed; the check is None when judging failed. With `stored` (this
         judge and rubric's newest checks, `Store.checks_of_judge`), the checks are front-loaded
-        (module docstring): a kind it has fewer than `min_checks` of is drawn for every group."""
+        (module docstring): a kind it has fewer than `min_checks` of is drawn for every group.
+        `every_check`: every kind that is on is drawn (a backing-off judge's try)."""
         config = self.config
         canary_share, position_share = config.canary_share, config.position_share
+        if every_check:
+            canary_share = 1.0 if canary_share > 0 else 0.0
+            position_share = 1.0 if position_share > 0 else 0.0
         if stored is not None:
             canaries, positions = front_loading_counts(stored, config)
             if canary_share > 0 and canaries < config.min_checks:

@@ -26,7 +26,12 @@ judges only when it can help, and ready groups wait otherwise (unscored, never l
   receiving scores): no group is judged until that changes;
 - the judge failed its checks: the gate fails it, or its canaries cannot reach the pass rate even
   at their 95 % upper bound (after `EARLY_CANARIES`), under every rubric it was decided on and
-  passes none: one group is judged every `retry_s` (to notice a fix), the others wait.
+  passes none; or its last `FAILURES_IN_A_ROW` groups failed (the judge is down, or its replies
+  never parse): one group is judged every `retry_s`, the others wait. That try gets every check
+  that is on; after `RECOVERY_TRIES` tries in a row whose canary passes (the next try comes a
+  tenth of `retry_s` after a passing one), or any group judged after failures, the judge judges
+  at full rate again, its checks counted from then on (the gate, over its whole window, still
+  decides whether the scores train).
 
 `status()` says which, with the judge calls and judge time of the last hour.
 """
@@ -44,9 +49,15 @@ from typing import Any, Literal
 
 from storage.group_ops import DEFAULT_LEASE_S, FormResult
 from storage.grouping import SignatureGrouper
-from storage.records import GroupDetail, JudgeOutcome, ScoreRecord
+from storage.records import GroupDetail, JudgeCheckRecord, JudgeOutcome, ScoreRecord
 from storage.store import Store
-from trainer.rewards.judge_checks import GateDecision, JudgeChecker, JudgeChecksConfig
+from trainer.rewards.judge_checks import (
+    JudgeChecker,
+    JudgeChecksConfig,
+    agreement_figures,
+    canary_figures,
+    gate_decision,
+)
 from trainer.rewards.ruler import (
     DEFAULT_RUBRIC,
     Judge,
@@ -63,6 +74,13 @@ logger = logging.getLogger(__name__)
 EARLY_CANARIES = 5
 """Canary checks after which a judge whose 95 % upper bound lies below the pass rate it must
 reach backs off, before the gate has `min_checks` to decide (0 of 5 passed: bound 0.43)."""
+
+RECOVERY_TRIES = 3
+"""Tries in a row whose checks pass before a backing-off judge judges at full rate again (a
+coin-flip judge passes one canary in two, three in a row one time in eight)."""
+
+FAILURES_IN_A_ROW = 3
+"""Groups whose judging failed in a row after which the judge backs off."""
 
 HOUR_S = 3600.0
 
@@ -136,6 +154,10 @@ class Scorer:
         self.reason: str | None = None  # why it waits or backs off
         self.retry_at: float | None = None  # backing off: when it judges its next group
         self._gates: dict[str, tuple[bool, str | None]] = {}  # rubric hash -> failing, why
+        self._since: dict[str, float] = {}  # rubric hash -> its checks count from then (a fix)
+        self._try_due = False  # backing off: the next group claimed is the try
+        self._passed_tries = 0  # tries passed in a row
+        self._failed_in_a_row: list[str] = []  # why the latest groups' judging failed
         self._judged: deque[tuple[float, float, int]] = deque()  # (at, seconds, calls), 1 h
 
     async def form(self) -> FormResult:
@@ -198,7 +220,7 @@ class Scorer:
         if now < self.retry_at:
             self.state, self.reason = "backing off", failing
             return False
-        self.retry_at = now + self.config.retry_s  # this group is the try
+        self._try_due = True  # the next group claimed is the try (none may be ready yet)
         self.state, self.reason = "judging", f"one try while backing off: {failing}"
         return True
 
@@ -206,30 +228,79 @@ class Scorer:
         """Why this judge backs off: it failed its checks under every rubric it was decided on
         and passes none (a judge that fails one rubric and passes another keeps judging);
         None when it does not."""
+        failed = self._failed_in_a_row
+        if len(failed) >= FAILURES_IN_A_ROW:
+            return f"its last {len(failed)} groups failed to be judged ({failed[-1]})"
         if not self._gates or not all(bad for bad, _ in self._gates.values()):
             return None
         return "; ".join(sorted({why for _, why in self._gates.values() if why}))
 
-    def _note_gate(self, rubric: str | None, gate: GateDecision) -> None:
+    def _take_try(self) -> bool:
+        """Whether the group being judged now is a backing-off judge's try (and count it)."""
+        if not self._try_due:
+            return False
+        self._try_due = False
+        if self.failing() is None:
+            return False
+        self.retry_at = self.clock() + self.config.retry_s
+        return True
+
+    def _note_gate(
+        self,
+        rubric: str | None,
+        check: JudgeCheckRecord,
+        stored: list[JudgeCheckRecord],
+        trying: bool,
+    ) -> None:
+        """Whether the judge fails under `rubric`, from `check` and the `stored` checks made
+        since its last recovery (`_note_try`: from then on only newer checks count)."""
         assert self.checker is not None
         config = self.checker.config
-        canary = gate.canary
+        key = rubric or ""
+        if trying:
+            self._note_try(key, check)
+        since = self._since.get(key)
+        recent = [check, *(c for c in stored if since is None or c.created_at >= since)]
+        canary = canary_figures(recent, config)
+        agreement = agreement_figures(recent, config)
         early = (
             canary.verdict == "undecided"
             and canary.checks >= EARLY_CANARIES
             and canary.high < config.min_canary_pass
         )
-        failed = canary.verdict == "fail" or gate.self_agreement.verdict == "fail" or early
-        why = gate.reason
+        failed = canary.verdict == "fail" or agreement.verdict == "fail" or early
+        why = gate_decision(recent, config).reason
         if early:
             why = (
                 f"canaries {canary.passed}/{canary.checks} passed: even their 95% upper bound "
                 f"{canary.high:.2f} is below {config.min_canary_pass:g} (the gate decides at "
                 f"{config.min_checks} checks)"
             )
-        self._gates[rubric or ""] = (failed, why if failed else None)
-        if not failed:
-            self.retry_at = None
+        self._gates[key] = (failed, why if failed else None)
+
+    def _note_try(self, key: str, check: JudgeCheckRecord) -> None:
+        """A backing-off judge's try: `RECOVERY_TRIES` passed in a row (each soon after the
+        last) and its checks count afresh from now; one that fails waits `retry_s` again."""
+        assert self.checker is not None
+        passed = check.canary_passed
+        if passed is None:  # canaries off: the re-ordered judging decides
+            tau = check.position_tau
+            passed = tau is not None and tau >= self.checker.config.min_self_tau
+        if not passed:
+            self._passed_tries = 0
+            return
+        self._passed_tries += 1
+        if self._passed_tries < RECOVERY_TRIES:
+            self.retry_at = self.clock() + self.config.retry_s / 10
+            return
+        self._passed_tries = 0
+        self._since[key] = self.clock()
+        logger.info(
+            "judge %s passed %d tries in a row: judging at full rate again, its checks counted "
+            "from now",
+            self.judge.model,
+            RECOVERY_TRIES,
+        )
 
     def status(self) -> dict[str, Any]:
         """What background judging is doing and what it cost in the last hour."""
@@ -264,6 +335,10 @@ class Scorer:
             )
         if outcome is not None and outcome.judge_model != "explicit":
             self._judged.append((self.clock(), outcome.latency_s or 0.0, outcome.attempts or 0))
+            if outcome.status == "failed":
+                self._failed_in_a_row = [*self._failed_in_a_row, outcome.failure or "?"][-10:]
+            else:
+                self._failed_in_a_row = []
         stored = outcome is not None and await self.store.finish_scoring(group_id, outcome)
         if outcome is None or not stored:
             logger.warning(
@@ -329,6 +404,7 @@ class Scorer:
         ):
             return JudgeOutcome(status="scored", scores=[], judge_model="explicit")
         rubric = self.rubric_for(group)
+        trying = self._take_try()
         judge_group = JudgeGroup(
             group_id=group.id,
             members=[JudgeMember(m.member_id, m.messages, m.tools) for m in members],
@@ -351,11 +427,12 @@ class Scorer:
                 self.config.reward_policy,
                 score=score,
                 stored=stored,
+                every_check=trying,
             )
             if check is not None:
                 gate = await self.checker.decide(self.store, check, stored)
                 hold_reason = gate.reason if gate.decision == "held" else None
-                self._note_gate(check.rubric_hash, gate)
+                self._note_gate(check.rubric_hash, check, list(stored), trying)
         per_member = len(members) or 1
         return JudgeOutcome(
             status=result.status,
