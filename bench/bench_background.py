@@ -18,10 +18,12 @@ else to do) and then busy:
 - the judge's (RLPROXY_TRAIN=false, so nothing trains meanwhile): `--judge-groups` unrewarded
   groups of two runs wait for the local judge, which scores them while the client runs (the
   file records the groups judged, the engine's pauses and its time on background rows);
-- the trainer's (RLPROXY_SCORING=false, so nothing judges meanwhile): `--train-groups` groups
-  of two runs with rewards 0 and 1 (scored from the rewards) are made, and once the trainer has
-  written its first version the client runs while it steps (the file records the versions
-  written during the phase and the trainer child's CPU and niceness).
+- the trainer's (RLPROXY_SCORING=false, so nothing judges meanwhile): measured idle with the
+  trainer off while `--train-groups` groups of two runs with rewards 0 and 1 (scored from the
+  rewards) are made; then the same data is served with the trainer on, and once it has written
+  its first version the client runs while it steps through the backlog (the file records the
+  versions written during the phase, the scored groups still waiting after it, and the trainer
+  child's CPU and niceness).
 The client asks for `rlproxy@base`, so the versions the trainer publishes meanwhile do not
 change what it measures.
 
@@ -262,11 +264,17 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, work: P
         finally:
             stop(proc)
     if "trainer" in args.servers:
+        # The groups are made with the trainer off (it would train on them as they come, and
+        # be idle by the time the client runs); the same data then serves with it on.
         training = {**COMMON, "RLPROXY_SCORING": "false", **env}
-        proc, url = serve(f"{name}-trainer", training, args, work)
+        proc, url = serve(f"{name}-trainer", {**training, "RLPROXY_TRAIN": "false"}, args, work)
         try:
             out["trainer_server"] = {"env": training, "idle": phase(url, "idle", args, 0)}
             make_groups(url, "train", args.train_groups, rewarded=True)
+        finally:
+            stop(proc)
+        proc, url = serve(f"{name}-trainer", training, args, work)
+        try:
             wait_until("the trainer's first version", lambda: newest(url), args.timeout_s)
             out["trainer_server"]["trainer"] = phase(url, "trainer", args, 8)
             left = stats(url)["groups"]["untrained_scored"]
