@@ -23,7 +23,9 @@ else to do) and then busy:
   rewards) are made; then the same data is served with the trainer on, and once it has written
   its first version the client runs while it steps through the backlog (the file records the
   versions written during the phase, the scored groups still waiting after it, and the trainer
-  child's CPU and niceness).
+  child's CPU and niceness). Versions are written but not published
+  (RLPROXY_PUBLISH_ADAPTERS=false): a loaded adapter sends every forward pass through PEFT, base
+  requests included, which would be counted as the trainer's cost.
 The client asks for `rlproxy@base`, so the versions the trainer publishes meanwhile do not
 change what it measures.
 
@@ -266,7 +268,14 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, work: P
     if "trainer" in args.servers:
         # The groups are made with the trainer off (it would train on them as they come, and
         # be idle by the time the client runs); the same data then serves with it on.
-        training = {**COMMON, "RLPROXY_SCORING": "false", **env}
+        # Versions are written but not loaded: a loaded adapter makes every forward pass go
+        # through PEFT (base requests too), which is not the trainer's CPU this measures.
+        training = {
+            **COMMON,
+            "RLPROXY_SCORING": "false",
+            "RLPROXY_PUBLISH_ADAPTERS": "false",
+            **env,
+        }
         proc, url = serve(f"{name}-trainer", {**training, "RLPROXY_TRAIN": "false"}, args, work)
         try:
             out["trainer_server"] = {"env": training, "idle": phase(url, "idle", args, 0)}
