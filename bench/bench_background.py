@@ -33,7 +33,9 @@ Settings that differ from `rlproxy serve`'s defaults, and why: RLPROXY_SCORING=t
 whether or not a trainer uses the scores), RLPROXY_JUDGE_CHECKS=false (the local 135M judge
 fails its canaries and backs off after about 5 groups, which takes the load away: this bench
 measures a judge that keeps judging), RLPROXY_GROUP_MIN_SIZE=2, RLPROXY_SCORING_INTERVAL_S=1,
-RLPROXY_TRAIN_POLL_S=1 and groups_per_step 2 (the phases start promptly). The file records
+RLPROXY_TRAIN_POLL_S=1 (the phases start promptly), and the trainer's groups_per_step 4 and
+max_staleness 1000 (it steps through the whole backlog made before the phase; the default bound
+would drop the groups more than 4 versions behind). The file records
 them, the commit, the command, and the load average at every phase's start and end.
 """
 
@@ -79,7 +81,9 @@ COMMON = {
     "RLPROXY_GROUP_MIN_SIZE": "2",
     "RLPROXY_SCORING_INTERVAL_S": "1",
     "RLPROXY_TRAIN_POLL_S": "1",
-    "RLPROXY_TRAINER": json.dumps({"groups_per_step": 2}),
+    # Every group made before the phase is trained on (the default staleness bound would drop
+    # those more than 4 versions behind), 4 groups a step.
+    "RLPROXY_TRAINER": json.dumps({"groups_per_step": 4, "max_staleness": 1000}),
     "RLPROXY_TRAIN": "true",
     "RLPROXY_PUBLISH_ADAPTERS": "true",
 }
