@@ -23,7 +23,9 @@ else to do) and then busy:
   rewards) are made; then the same data is served with the trainer on, and once it has written
   its first version the client runs while it steps through the backlog (the file records the
   versions written during the phase, the scored groups still waiting after it, and the trainer
-  child's CPU and niceness). Versions are written but not published
+  child's CPU and niceness); once it has trained the whole backlog and idled for a minute, the
+  same server is measured idle again, and the trainer phase is compared with that (two servers'
+  idle rates differed by up to 20 % in one run). Versions are written but not published
   (RLPROXY_PUBLISH_ADAPTERS=false): a loaded adapter sends every forward pass through PEFT, base
   requests included, which would be counted as the trainer's cost.
 The client asks for `rlproxy@base`, so the versions the trainer publishes meanwhile do not
@@ -292,13 +294,17 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, work: P
             out["trainer_server"]["trainer"] = phase(url, "trainer", args, 8)
             left = stats(url)["groups"]["untrained_scored"]
             out["trainer_server"]["trainer"]["scored_groups_left_after"] = left
+            # The same server once the trainer has nothing left: the baseline its phase is
+            # compared with (two servers' idle rates differ by up to 20 % in one run).
+            wait_until("the backlog trained", lambda: trained_out(url), args.timeout_s)
+            out["trainer_server"]["idle_after"] = phase(url, "idle", args, 0)
         finally:
             stop(proc)
     out["ratios"] = {}
     for server, busy in (("judge_server", "judge"), ("trainer_server", "trainer")):
         if server not in out:
             continue
-        idle, loaded = out[server]["idle"], out[server][busy]
+        idle, loaded = out[server].get("idle_after", out[server]["idle"]), out[server][busy]
         if idle["tokens_per_s_median"] and loaded["tokens_per_s_median"]:
             out["ratios"][f"{busy}_tokens_per_s_vs_idle"] = round(
                 loaded["tokens_per_s_median"] / idle["tokens_per_s_median"], 3
@@ -312,6 +318,13 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, work: P
 
 def judge_state(url: str) -> str | None:
     return ((stats(url).get("background") or {}).get("judge") or {}).get("state")
+
+
+def trained_out(url: str) -> bool:
+    """No scored group waits and the trainer child has been nearly idle for the last minute."""
+    now = stats(url)
+    cpu = ((now.get("background") or {}).get("trainer") or {}).get("cpu_cores")
+    return now["groups"]["untrained_scored"] == 0 and cpu is not None and cpu < 0.05
 
 
 def newest(url: str) -> int:
