@@ -481,16 +481,7 @@ class LocalEngine:
         positions = [i for i, row in enumerate(self._rows) if not row.job.foreground]
         if not positions:
             return
-        if self.prefix_cache.enabled:
-            self._cache_rows(positions)
-        paused = [self._rows[i] for i in positions]
-        keep = [i for i in range(len(self._rows)) if i not in set(positions)]
-        if not keep:
-            self._rows, self._batch = [], None
-        else:
-            assert self._batch is not None
-            order = self._batch.keep(keep)
-            self._rows = [self._rows[i] for i in order]
+        paused = self._leave_batch(positions)
         for row in paused:
             row.context = row.prompt_ids + row.completion_ids
             row.prefix = ()
@@ -968,18 +959,28 @@ class LocalEngine:
         if not finished:
             return
         done = {id(rows[b]) for b in finished}
-        keep = [i for i, row in enumerate(self._rows) if id(row) not in done]
-        if len(keep) == len(self._rows):
+        positions = [i for i, row in enumerate(self._rows) if id(row) in done]
+        if not positions:
             return
+        self._leave_batch(positions)
+        self._unload_unused()
+
+    def _leave_batch(self, positions: list[int]) -> list[_Row]:
+        """Take the rows at `positions` out of the running batch (and their cache rows), their
+        KV kept in the prefix cache (finished rows, and paused ones to resume from); return
+        them."""
         if self.prefix_cache.enabled:
-            self._cache_rows([i for i, row in enumerate(self._rows) if id(row) in done])
+            self._cache_rows(positions)
+        leaving = set(positions)
+        gone = [self._rows[i] for i in positions]
+        keep = [i for i in range(len(self._rows)) if i not in leaving]
         if not keep:
             self._rows, self._batch = [], None
         else:
             assert self._batch is not None
             order = self._batch.keep(keep)
             self._rows = [self._rows[i] for i in order]
-        self._unload_unused()
+        return gone
 
     def _cache_rows(self, positions: list[int]) -> None:
         """Store the KV of the batch rows at `positions` (prompt and generated tokens)."""

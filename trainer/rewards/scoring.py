@@ -50,6 +50,7 @@ from typing import Any, Literal
 from storage.group_ops import DEFAULT_LEASE_S, FormResult
 from storage.grouping import SignatureGrouper
 from storage.records import GroupDetail, JudgeCheckRecord, JudgeOutcome, ScoreRecord
+from storage.stats import JudgeWork
 from storage.store import Store
 from trainer.rewards.judge_checks import (
     JudgeChecker,
@@ -302,21 +303,31 @@ class Scorer:
             RECOVERY_TRIES,
         )
 
-    def status(self) -> dict[str, Any]:
-        """What background judging is doing and what it cost in the last hour."""
+    def work_last_hour(self) -> JudgeWork:
+        """The groups this scorer judged in the last hour, their judge calls and time."""
         now = self.clock()
         while self._judged and self._judged[0][0] < now - HOUR_S:
             self._judged.popleft()
-        recent = [j for j in self._judged if j[0] >= now - 600]
+        return JudgeWork(
+            since=now - HOUR_S,
+            groups=len(self._judged),
+            calls=sum(calls for _, _, calls in self._judged),
+            seconds=round(sum(s for _, s, _ in self._judged), 1),
+        )
+
+    def status(self) -> dict[str, Any]:
+        """What background judging is doing and what it cost in the last hour."""
+        work = self.work_last_hour()
+        recent = [j for j in self._judged if j[0] >= self.clock() - 600]
         return {
             "state": self.state,
             "reason": self.reason,
             "retry_at": self.retry_at,
             "retry_s": self.config.retry_s,
-            "groups_last_hour": len(self._judged),
-            "judge_calls_last_hour": sum(calls for _, _, calls in self._judged),
+            "groups_last_hour": work.groups,
+            "judge_calls_last_hour": work.calls,
             "judge_calls_per_minute": round(sum(calls for _, _, calls in recent) / 10, 2),
-            "judge_seconds_last_hour": round(sum(s for _, s, _ in self._judged), 1),
+            "judge_seconds_last_hour": work.seconds,
         }
 
     async def _score_claimed(self, group_id: str) -> GroupDetail | None:

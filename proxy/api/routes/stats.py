@@ -42,7 +42,6 @@ from proxy.api.auth import Caller
 from proxy.api.deps import Registry, RuntimeDep, SettingsDep, StoreDep, TrainerDep
 from proxy.telemetry.metrics import StaleGroups
 from proxy.telemetry.waiting import why_not_training
-from storage.stats import JudgeWork
 
 router = APIRouter(prefix="/rl/stats")
 
@@ -78,7 +77,7 @@ async def stats(
     newest = await store.latest_adapter(registry.policy)
     stale = StaleGroups.from_step(newest.metrics if newest is not None else None)
     background = runtime.background.report() if runtime.background is not None else None
-    judged = _judge_work(background, now)
+    judged = runtime.scorer.work_last_hour() if runtime.scorer is not None else None
     return {
         "object": "rl.stats",
         "now": now,
@@ -124,19 +123,6 @@ async def stats(
             else {**asdict(stale), "dropped_share": stale.dropped_share},
         },
     }
-
-
-def _judge_work(background: dict[str, Any] | None, now: float) -> JudgeWork | None:
-    """The judge's last hour as this server's scorer counted it (no query)."""
-    judge = None if background is None else background.get("judge")
-    if not judge:
-        return None
-    return JudgeWork(
-        since=now - 3600,
-        groups=judge["groups_last_hour"],
-        calls=judge["judge_calls_last_hour"],
-        seconds=judge["judge_seconds_last_hour"],
-    )
 
 
 def _trainer_state(status: dict[str, Any]) -> dict[str, Any]:
