@@ -1,7 +1,7 @@
 """A stand-in judge of known quality: a test fixture for measuring rlproxy, NOT a judge.
 
 It never reads what a trajectory means. It answers RULER's request (`POST /v1/chat/completions`
-as OpenAI's Chat Completions, the prompt `trainer.rewards.ruler.build_judge_messages` writes) in
+as OpenAI's Chat Completions, the prompt `trainer.scoring.ruler.build_judge_messages` writes) in
 RULER's documented reply format, `{"scores": [{"trajectory_id", "explanation", "score"}]}`, with
 scores made from each member's *true* reward plus stated noise, so that a benchmark can measure
 how rlproxy does with a judge that orders pairs correctly a known share of the time.

@@ -49,12 +49,12 @@ from proxy.telemetry.metrics import Metrics, Sources
 from proxy.telemetry.telemetry import Telemetry, open_telemetry
 from storage.grouping import SignatureGrouper
 from storage.store import Store
-from trainer.rewards.grouping import Grouping
-from trainer.rewards.judge_checks import JudgeChecksConfig
-from trainer.rewards.litellm_judge import LiteLLMJudge
-from trainer.rewards.local_judge import ChatComplete, LocalJudge
-from trainer.rewards.ruler import DEFAULT_RUBRIC, Judge
-from trainer.rewards.scoring import Scorer, ScoresWanted, ScoringConfig
+from trainer.scoring.grouping import Grouping
+from trainer.scoring.judge_checks import JudgeChecksConfig
+from trainer.scoring.litellm_judge import LiteLLMJudge
+from trainer.scoring.local_judge import ChatComplete, LocalJudge
+from trainer.scoring.ruler import DEFAULT_RUBRIC, Judge
+from trainer.scoring.scoring import Scorer, ScoresWanted, ScoringConfig
 
 logger = logging.getLogger(__name__)
 

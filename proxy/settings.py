@@ -457,7 +457,7 @@ class Settings(BaseSettings):
     )
 
     # --- judge checks ---------------------------------------------------------------------
-    # Keeping the judge honest (trainer/rewards/judge_checks.py): canaries, self-agreement,
+    # Keeping the judge honest (trainer/scoring/judge_checks.py): canaries, self-agreement,
     # agreement with the environment, a gate on training, a drift alarm. Figures: GET /rl/judge.
     judge_checks: bool = Field(
         True, description="Run the judge checks below (false: judge as before, no checks)."

@@ -4,7 +4,7 @@ A check row (`JudgeCheckRecord`) is written in the same transaction as the group
 group is never visible as "scored" with its gate decision still to come: when the gate holds the
 scores, the group goes straight to "held" (with `hold_reason`), a status the trainer's read of
 scored groups never selects. What the checks mean and how the gate decides is
-`trainer.rewards.judge_checks`; this module only stores and reads. Reads are bounded: the newest
+`trainer.scoring.judge_checks`; this module only stores and reads. Reads are bounded: the newest
 N rows of one judge and rubric (index `ix_judge_checks_judge`), of one owner
 (`ix_judge_checks_owner`) or of the table (primary key). Callers go through `storage.store.Store`.
 """

@@ -421,7 +421,7 @@ class JudgeOutcome:
 
 @dataclass
 class JudgeCheckRecord:
-    """One judging's checks of its judge (`trainer.rewards.judge_checks`); a row of
+    """One judging's checks of its judge (`trainer.scoring.judge_checks`); a row of
     `judge_checks`. None where a check did not run or is undefined (a constant ranking)."""
 
     group_id: str

@@ -24,7 +24,7 @@ from proxy.runtime import Runtime, Served
 from proxy.settings import Settings
 from proxy.telemetry.telemetry import Telemetry
 from storage.store import Store
-from trainer.rewards.scoring import Scorer
+from trainer.scoring.scoring import Scorer
 
 RUNTIME_KEY = "runtime"
 

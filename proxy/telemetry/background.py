@@ -2,7 +2,7 @@
 
 Serving comes first: the local judge's requests run on the engine only while no user's request
 runs or waits (`proxy.engines.local`), the trainer child runs at a lower CPU priority
-(`RLPROXY_TRAINER_NICE`), and a judge that cannot help stops judging (`trainer.rewards.scoring`).
+(`RLPROXY_TRAINER_NICE`), and a judge that cannot help stops judging (`trainer.scoring.scoring`).
 This module reads what each of them is doing and samples, every few seconds, the CPU time of the
 server and of the trainer child (Linux `/proc`) and the engine's time on background rows, so the
 report can say how much of the machine each took over the last minute:

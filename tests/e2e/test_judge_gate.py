@@ -28,7 +28,7 @@ from openai import OpenAI
 from tests.e2e.conftest import Server
 from tests.e2e.fake_judge import FakeJudge, FakeJudgeServer
 from tests.e2e.helpers import own_server
-from trainer.rewards.canaries import REFUSAL
+from trainer.scoring.canaries import REFUSAL
 
 HONEST_AGENT = "You add numbers. Answer with the sum."
 FOOLED_AGENT = "You add numbers. Reply with the total."

@@ -5,7 +5,7 @@ The judge is a paid model that cannot run here. `VersionJudge` follows OpenAI's 
 Completions protocol (https://platform.openai.com/docs/api-reference/chat/create) as
 `tests/e2e/fake_judge.py` does (a `chat.completion` body whose `choices[0].message.content` is
 RULER's JSON, `{"scores": [{"trajectory_id", "explanation", "score"}]}`, the shape
-`trainer/rewards/ruler.py` asks for). Its script is a preference: it finds each member's run tag
+`trainer/scoring/ruler.py` asks for). Its script is a preference: it finds each member's run tag
 in RULER's prompt (`<trajectory id="k">` blocks), reads which adapter version served that run
 from the server's database, and scores the preferred version 0.9, any other 0.1.
 

@@ -41,7 +41,7 @@ from storage.store import Store
 from tests.e2e.conftest import Server
 from tests.e2e.fake_judge import FakeJudge, FakeJudgeServer
 from tests.e2e.helpers import own_server, wait_for
-from trainer.rewards.scoring import EARLY_CANARIES
+from trainer.scoring.scoring import EARLY_CANARIES
 
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs Linux's /proc")
 

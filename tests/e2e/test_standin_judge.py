@@ -25,8 +25,8 @@ from bench.standin_judge import (
     noisy_scores,
     pair_accuracy_of,
 )
-from trainer.rewards.litellm_judge import LiteLLMJudge
-from trainer.rewards.ruler import JudgeGroup, JudgeMember, build_judge_messages, score_group
+from trainer.scoring.litellm_judge import LiteLLMJudge
+from trainer.scoring.ruler import JudgeGroup, JudgeMember, build_judge_messages, score_group
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 

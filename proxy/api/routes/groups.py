@@ -4,7 +4,7 @@
     GET  /rl/groups/{id}            one group: members (conversation, scores, rewards), status
     POST /rl/groups/{id}/score      score it now (or again), with the configured judge
 
-Thin routes over `storage.Store` and `trainer.rewards.scoring.Scorer`.
+Thin routes over `storage.Store` and `trainer.scoring.scoring.Scorer`.
 """
 
 from __future__ import annotations

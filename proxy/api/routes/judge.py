@@ -12,7 +12,7 @@
 
 An inference key sees figures over its own groups' checks; the `gate` of each judge is the one
 training obeys, over every group's checks (a judge's quality, not anyone's data). An admin key
-(or an open server) sees everything. The rule is `trainer.rewards.judge_checks`; this route only
+(or an open server) sees everything. The rule is `trainer.scoring.judge_checks`; this route only
 reads (`storage.judge_checks`, bounded by `window`).
 """
 
@@ -26,7 +26,7 @@ from fastapi import APIRouter, Query
 from proxy.api.auth import Caller
 from proxy.api.deps import SettingsDep, StoreDep
 from proxy.runtime import judge_checks_config
-from trainer.rewards.judge_checks import (
+from trainer.scoring.judge_checks import (
     GateDecision,
     JudgeChecksConfig,
     drift_report,

@@ -1,6 +1,6 @@
 """The scorer keeps its lease while the judge works, and gives up when another replica took the
 group: two stores on one SQLite file play two replicas, and a judge that answers only when told
-(it honours `trainer.rewards.ruler.Judge`: one RULER reply in the documented JSON shape) holds
+(it honours `trainer.scoring.ruler.Judge`: one RULER reply in the documented JSON shape) holds
 the scorer mid-judging as long as the test needs. The lease rules themselves are tested on both
 backends in tests/storage/test_scoring_lease.py.
 
@@ -22,8 +22,8 @@ import pytest
 
 from storage import CallRecord, ChoiceRecord, Store
 from storage.grouping import SignatureGrouper
-from trainer.rewards.ruler import JudgeReply
-from trainer.rewards.scoring import Scorer, ScoringConfig
+from trainer.scoring.ruler import JudgeReply
+from trainer.scoring.scoring import Scorer, ScoringConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

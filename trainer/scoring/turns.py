@@ -1,6 +1,6 @@
 """Per-turn judging: each assistant turn of a member is judged from what came next.
 
-The option beside RULER's whole-episode comparison (`trainer.rewards.ruler.score_group`), chosen
+The option beside RULER's whole-episode comparison (`trainer.scoring.ruler.score_group`), chosen
 with `RLPROXY_JUDGE_MODE=turns`; after OpenClaw-RL's process reward. It suits traffic whose every
 task is new: a member is judged against its own task only, never against the other members.
 
@@ -21,7 +21,7 @@ task is new: a member is judged against its own task only, never against the oth
   weighing the same; a member with no assistant turn scores 0.5. The per-turn verdicts, their
   votes and one explanation each are kept in the member's stored explanation.
 
-Every call is validated and retried once like RULER's (`trainer.rewards.ruler.ask_judge`). A vote
+Every call is validated and retried once like RULER's (`trainer.scoring.ruler.ask_judge`). A vote
 that still fails is dropped and the turn's other votes decide; a turn whose every vote failed, or
 a judge backend that raised, fails the group with the reason. Never raises (except
 CancelledError). A group costs members x turns x votes judge calls (at most `concurrency` at a
@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.rewards.ruler import (
+from trainer.scoring.ruler import (
     Asked,
     Judge,
     JudgeGroup,
@@ -258,7 +258,7 @@ class _GroupFailed(Exception):
 
 @dataclass
 class TurnScoring:
-    """Judges a group turn by turn; a `trainer.rewards.ruler.ScoreGroup`."""
+    """Judges a group turn by turn; a `trainer.scoring.ruler.ScoreGroup`."""
 
     votes: int = DEFAULT_VOTES
     concurrency: int = DEFAULT_CONCURRENCY

@@ -16,7 +16,7 @@ whose judging still fails is reported as failed, with the reason; `score_group` 
     result = await score_group(JudgeGroup(group_id, members, tools), judge)
     if result.status == "scored": ... result.scores ...
 
-The judge is any model litellm can reach (`trainer.rewards.litellm_judge.LiteLLMJudge`), or anything
+The judge is any model litellm can reach (`trainer.scoring.litellm_judge.LiteLLMJudge`), or anything
 else that implements the `Judge` protocol (the local engine, a test's script).
 
 This module does not read or write the database, does not decide which groups are ready to be
@@ -125,7 +125,7 @@ class JudgeResult:
 
 ScoreGroup = Callable[[JudgeGroup, Judge], Awaitable[JudgeResult]]
 """A way of judging a group, never raising: `score_group` (RULER, the whole episodes side by
-side) or `trainer.rewards.turns.TurnScoring` (each assistant turn from what came next)."""
+side) or `trainer.scoring.turns.TurnScoring` (each assistant turn from what came next)."""
 
 
 # ----------------------------------------------------------------------------- prompt

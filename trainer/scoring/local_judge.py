@@ -18,7 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from trainer.rewards.ruler import JudgeError, JudgeReply
+from trainer.scoring.ruler import JudgeError, JudgeReply
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from trainer.rewards.judge_stats import (
+from trainer.scoring.judge_stats import (
     average_ranks,
     kendall_tau_b,
     mean_interval,

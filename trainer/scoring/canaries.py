@@ -15,7 +15,7 @@ member by its position ("1", "2", ...) anyway.
 
 A canary exists only in memory, for the one judge call: it is never written as a group member,
 its score is never written as a member's score, so no read of the trainer can ever return it.
-`trainer.rewards.judge_checks` records how the judge placed it (`JudgeCheckRecord`).
+`trainer.scoring.judge_checks` records how the judge placed it (`JudgeCheckRecord`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from trainer.rewards.ruler import JudgeMember
+from trainer.scoring.ruler import JudgeMember
 
 CanaryKind = Literal["empty", "refusal", "copied", "truncated"]
 KINDS: tuple[CanaryKind, ...] = ("empty", "refusal", "copied", "truncated")

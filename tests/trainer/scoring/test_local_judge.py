@@ -25,8 +25,8 @@ from proxy.chat.grammar import (
     build_tokenizer_info,
     constraint_for_json_schema,
 )
-from trainer.rewards.local_judge import LocalJudge, _as_list_form
-from trainer.rewards.ruler import JudgeGroup, JudgeMember, parse_judge_reply, response_format_for
+from trainer.scoring.local_judge import LocalJudge, _as_list_form
+from trainer.scoring.ruler import JudgeGroup, JudgeMember, parse_judge_reply, response_format_for
 
 
 @pytest.fixture(scope="module")

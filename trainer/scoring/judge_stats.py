@@ -6,7 +6,7 @@
     wilson_interval(18, 20)               # (0.699, 0.972): 95 % Wilson score interval
     mean_interval([0.5, 0.7, 0.9])        # (0.7, low, high): mean ± z standard errors
 
-Nothing here knows about judges or the database; `trainer.rewards.judge_checks` applies these to
+Nothing here knows about judges or the database; `trainer.scoring.judge_checks` applies these to
 stored check rows. Undefined statistics (a constant series, too few values) are None, never NaN.
 """
 

@@ -16,8 +16,8 @@ import jsonschema
 import pytest
 
 from tests.e2e.fake_judge import COMPLETION_TOKENS, PROMPT_TOKENS, FakeJudge, FakeJudgeServer
-from trainer.rewards.litellm_judge import LiteLLMJudge
-from trainer.rewards.ruler import (
+from trainer.scoring.litellm_judge import LiteLLMJudge
+from trainer.scoring.ruler import (
     DEFAULT_RUBRIC,
     JudgeError,
     JudgeGroup,
@@ -412,7 +412,7 @@ async def test_unexpected_exception_fails_without_retry(caplog: pytest.LogCaptur
     result = await score_group(three(), judge)
     assert result.status == "failed" and result.attempts == 1 and len(judge.calls) == 1
     assert result.failure == "judge raised RuntimeError: backend bug"
-    assert any(r.exc_info for r in caplog.records if r.name == "trainer.rewards.ruler")
+    assert any(r.exc_info for r in caplog.records if r.name == "trainer.scoring.ruler")
 
 
 async def test_cancellation_is_not_swallowed() -> None:

@@ -1,8 +1,8 @@
-"""Per-turn judging (`trainer.rewards.turns`): each assistant turn judged from what came next.
+"""Per-turn judging (`trainer.scoring.turns`): each assistant turn judged from what came next.
 
 The prompt, the reply's validation, the vote majority, the mapping of verdicts to a member's
 score, retries, and one group through the scorer and the store with a scripted judge that reads
-the turn it is shown (it honours `trainer.rewards.ruler.Judge`: one reply per call, in the
+the turn it is shown (it honours `trainer.scoring.ruler.Judge`: one reply per call, in the
 documented `{"explanation", "score"}` JSON).
 """
 
@@ -21,8 +21,8 @@ import pytest
 
 from storage import CallRecord, ChoiceRecord, Store
 from storage.grouping import SignatureGrouper
-from trainer.rewards.judge_checks import JudgeChecksConfig
-from trainer.rewards.ruler import (
+from trainer.scoring.judge_checks import JudgeChecksConfig
+from trainer.scoring.ruler import (
     DEFAULT_RUBRIC,
     JudgeError,
     JudgeGroup,
@@ -31,8 +31,8 @@ from trainer.rewards.ruler import (
     JudgeReplyInvalid,
     rubric_hash,
 )
-from trainer.rewards.scoring import Scorer, ScoringConfig
-from trainer.rewards.turns import (
+from trainer.scoring.scoring import Scorer, ScoringConfig
+from trainer.scoring.turns import (
     DEFAULT_TURN_RUBRIC,
     DEFAULT_VOTES,
     TurnScoring,

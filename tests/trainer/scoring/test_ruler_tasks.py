@@ -1,6 +1,6 @@
 """RULER on a group whose members are different tasks (a cohort of one agent's one-off tasks).
 
-The rule (`trainer.rewards.ruler.different_tasks`): a member's task is its messages up to and
+The rule (`trainer.scoring.ruler.different_tasks`): a member's task is its messages up to and
 including the first user message (system prompt, first user message: what the task signature
 hashes) and its tool schemas; a group whose members do not all have the same task gets the
 different-task prompt, every other group today's same-task prompt.
@@ -12,8 +12,8 @@ import copy
 import random
 from typing import Any
 
-from trainer.rewards.canaries import make_canary
-from trainer.rewards.ruler import (
+from trainer.scoring.canaries import make_canary
+from trainer.scoring.ruler import (
     DEFAULT_RUBRIC,
     JudgeGroup,
     JudgeMember,

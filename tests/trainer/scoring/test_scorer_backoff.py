@@ -13,8 +13,8 @@ from typing import Any
 
 from storage.grouping import SignatureGrouper
 from storage.records import JudgeCheckRecord
-from trainer.rewards.judge_checks import JudgeChecksConfig
-from trainer.rewards.scoring import (
+from trainer.scoring.judge_checks import JudgeChecksConfig
+from trainer.scoring.scoring import (
     EARLY_CANARIES,
     FAILURES_IN_A_ROW,
     RECOVERY_TRIES,

@@ -3,8 +3,8 @@
     judge = LiteLLMJudge("openai/o3")                         # key from OPENAI_API_KEY
     judge = LiteLLMJudge("openai/judge", api_base="http://127.0.0.1:9000/v1", api_key="...")
 
-Every litellm/openai/httpx failure becomes a `trainer.rewards.ruler.JudgeError` with a readable
-reason (timeout, unreachable, HTTP status); `trainer.rewards.ruler.score_group` decides about
+Every litellm/openai/httpx failure becomes a `trainer.scoring.ruler.JudgeError` with a readable
+reason (timeout, unreachable, HTTP status); `trainer.scoring.ruler.score_group` decides about
 retries. litellm is imported lazily, with its cost map read locally (never fetched).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from trainer.rewards.ruler import JudgeError, JudgeReply
+from trainer.scoring.ruler import JudgeError, JudgeReply
 
 
 def _litellm() -> Any:

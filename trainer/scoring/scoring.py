@@ -5,12 +5,12 @@
     await scorer.score_next()        # the oldest ready group, scored or marked failed
     await scorer.run(interval_s=5)   # score what is ready, forever (a background task of
                                      #   `rlproxy serve`; its grouping task forms the groups,
-                                     #   scoring on or off: `trainer.rewards.grouping`)
+                                     #   scoring on or off: `trainer.scoring.grouping`)
 
 A group whose members all carry explicit rewards from the environment is marked scored without a
 judge call unless `judge_explicit_groups` is set; RULER's scores and explicit rewards are stored
 side by side, and `Store.get_group(reward_policy=...)` picks which one training uses. The judge
-itself (`trainer.rewards.ruler`) knows nothing of the database; the SQL lives in `storage`.
+itself (`trainer.scoring.ruler`) knows nothing of the database; the SQL lives in `storage`.
 
 Replicas share the database: a claimed group is leased to this scorer's store for
 `ScoringConfig.lease_s`, renewed every third of that while the judge works. Renewing rather than
@@ -52,14 +52,14 @@ from storage.grouping import SignatureGrouper
 from storage.records import GroupDetail, JudgeCheckRecord, JudgeOutcome, ScoreRecord
 from storage.stats import JudgeWork
 from storage.store import Store
-from trainer.rewards.judge_checks import (
+from trainer.scoring.judge_checks import (
     JudgeChecker,
     JudgeChecksConfig,
     agreement_figures,
     canary_figures,
     gate_decision,
 )
-from trainer.rewards.ruler import (
+from trainer.scoring.ruler import (
     DEFAULT_RUBRIC,
     Judge,
     JudgeGroup,
@@ -68,7 +68,7 @@ from trainer.rewards.ruler import (
     rubric_hash,
     score_group,
 )
-from trainer.rewards.turns import DEFAULT_TURN_RUBRIC, DEFAULT_VOTES, TurnScoring
+from trainer.scoring.turns import DEFAULT_TURN_RUBRIC, DEFAULT_VOTES, TurnScoring
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class ScoringConfig:
     `DEFAULT_TURN_RUBRIC`: RULER's speaks of comparing trajectories)."""
     mode: Literal["group", "turns"] = "group"
     """How the judge scores a group: "group", RULER (one call compares the members); "turns",
-    each assistant turn from what came next (`trainer.rewards.turns`)."""
+    each assistant turn from what came next (`trainer.scoring.turns`)."""
     votes: int = DEFAULT_VOTES
     """Judge calls per turn in mode "turns"; the turn's verdict is their majority."""
     rubrics: dict[str, str] = field(default_factory=dict)
@@ -112,7 +112,7 @@ class ScoringConfig:
     lease_s: float = DEFAULT_LEASE_S
     """How long a claim on a group holds without renewal (renewed every third of it)."""
     checks: JudgeChecksConfig | None = None
-    """Canaries, self-agreement and the gate (`trainer.rewards.judge_checks`); None: off."""
+    """Canaries, self-agreement and the gate (`trainer.scoring.judge_checks`); None: off."""
     retry_s: float = 900.0
     """A judge that failed its checks judges one group this often (module docstring)."""
 
@@ -179,7 +179,7 @@ class Scorer:
 
     async def run(self, interval_s: float) -> None:
         """Score every ready group, then sleep; forever, surviving any error. Groups are formed
-        by the grouping task (`trainer.rewards.grouping`), which runs with or without a judge.
+        by the grouping task (`trainer.scoring.grouping`), which runs with or without a judge.
 
         Groups left "scoring" by a scorer that died are taken back once their lease expires
         (`claim_group` takes them); a live replica's group is never taken."""

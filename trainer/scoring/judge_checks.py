@@ -3,7 +3,7 @@
 Every group the judge scores gets one `JudgeCheckRecord`, stored with its scores:
 
 - canary (a share of groups, `canary_share`): one synthetic member known to be bad
-  (`trainer.rewards.canaries`) is judged with the group, never stored as a member. The check
+  (`trainer.scoring.canaries`) is judged with the group, never stored as a member. The check
   passes only when the judge scores it strictly below the median of the real members' scores.
   A tie with the median fails: a judge that cannot rank an empty answer or a refusal below real
   answers has not told them apart (a judge that gives every member and the canary one same
@@ -62,9 +62,9 @@ from typing import Any, Literal
 
 from storage.records import GroupDetail, JudgeCheckRecord
 from storage.store import Store
-from trainer.rewards import judge_stats as st
-from trainer.rewards.canaries import KINDS, final_text, insert_canary
-from trainer.rewards.ruler import (
+from trainer.scoring import judge_stats as st
+from trainer.scoring.canaries import KINDS, final_text, insert_canary
+from trainer.scoring.ruler import (
     Judge,
     JudgeGroup,
     JudgeResult,

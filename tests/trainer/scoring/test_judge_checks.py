@@ -1,6 +1,6 @@
 """Judge checks: canaries, the gate and the drift alarm on hand-made check rows, then the scorer
 with scripted in-process judges on a real SQLite file (each honours
-`trainer.rewards.ruler.Judge`: one RULER reply in the documented JSON shape). The end-to-end
+`trainer.scoring.ruler.Judge`: one RULER reply in the documented JSON shape). The end-to-end
 test through a real server and a judge on loopback is tests/e2e/test_judge_gate.py.
 """
 
@@ -21,10 +21,10 @@ from storage import CallRecord, ChoiceRecord, JudgeCheckRecord, Store
 from storage.grouping import SignatureGrouper
 from trainer.config import TrainerConfig
 from trainer.loop import TrainingLoop
-from trainer.rewards.canaries import REFUSAL, insert_canary, make_canary
-from trainer.rewards.judge_checks import JudgeChecksConfig, drift_report, gate_decision
-from trainer.rewards.ruler import JudgeMember, JudgeReply
-from trainer.rewards.scoring import Scorer, ScoringConfig
+from trainer.scoring.canaries import REFUSAL, insert_canary, make_canary
+from trainer.scoring.judge_checks import JudgeChecksConfig, drift_report, gate_decision
+from trainer.scoring.ruler import JudgeMember, JudgeReply
+from trainer.scoring.scoring import Scorer, ScoringConfig
 
 TASK = [{"role": "user", "content": "What is 17 + 25?"}]
 
