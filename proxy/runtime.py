@@ -40,13 +40,13 @@ from proxy.chat.budget import BudgetRule
 from proxy.chat.request import RequestLimits
 from proxy.chat.service import ChatService
 from proxy.chat.upstream import UpstreamChat
-from proxy.cli.trainer_process import TrainerProcess
 from proxy.engines.base import Engine
 from proxy.redact import Redactor
 from proxy.settings import Settings
 from proxy.telemetry.background import BackgroundWatch
 from proxy.telemetry.metrics import Metrics, Sources
 from proxy.telemetry.telemetry import Telemetry, open_telemetry
+from proxy.trainer_child import TrainerProcess
 from storage.grouping import SignatureGrouper
 from storage.store import Store
 from trainer.scoring.grouping import Grouping

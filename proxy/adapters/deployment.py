@@ -3,7 +3,7 @@
 What the replicas share through the database (`storage.coordination_ops`):
 
 - a lease per job only one of them may run: `trainer:<policy>` (the supervised trainer child,
-  `proxy.cli.trainer_process`) and `publisher:<policy>` (publishing new versions and deciding
+  `proxy.trainer_child`) and `publisher:<policy>` (publishing new versions and deciding
   canaries, `proxy.adapters.publisher`). `LeaseKeeper` takes a lease, renews it while its job
   runs, and gives it up on a clean stop; a replica that dies (SIGKILL) stops renewing and
   another one takes the lease over once it has expired (`RLPROXY_LEASE_S`).

@@ -17,12 +17,12 @@ from proxy.adapters.publisher import Publisher
 from proxy.adapters.registry import ServedModels
 from proxy.chat.service import ChatService
 from proxy.chat.upstream import UpstreamChat
-from proxy.cli.trainer_process import TrainerProcess
 from proxy.engines.base import Engine
 from proxy.errors import StorageUnavailableError
 from proxy.runtime import Runtime, Served
 from proxy.settings import Settings
 from proxy.telemetry.telemetry import Telemetry
+from proxy.trainer_child import TrainerProcess
 from storage.store import Store
 from trainer.scoring.scoring import Scorer
 

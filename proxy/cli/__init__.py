@@ -1,3 +1,3 @@
-"""The `rlproxy` command line: `serve`, `train`, `score`, `export` (`main`), the trainer child
-process `serve` starts (`trainer_process`). Every command builds what it needs with
-`proxy.runtime.open_runtime`."""
+"""The `rlproxy` command line: `serve`, `train`, `score`, `export` (`main`). The top room: nothing
+else in `proxy` imports it. The trainer child `serve` starts is supervised by
+`proxy.trainer_child`. Every command builds what it needs with `proxy.runtime.open_runtime`."""

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 async def train_command(settings: Settings, steps: int | None = None) -> int:
     """Train until stopped (or for `steps` steps); return an exit code."""
-    from proxy.cli.trainer_process import PARENT_PID_ENV, lower_priority, stop_with_parent
+    from proxy.trainer_child import PARENT_PID_ENV, lower_priority, stop_with_parent
 
     if os.environ.get(PARENT_PID_ENV):  # serve's child: serving comes first
         logger.info(
@@ -152,7 +152,7 @@ def _stop_with_server() -> None:
     import threading
     import time
 
-    from proxy.cli.trainer_process import PARENT_PID_ENV
+    from proxy.trainer_child import PARENT_PID_ENV
 
     server = os.environ.get(PARENT_PID_ENV)
     if not server or sys.platform != "linux":

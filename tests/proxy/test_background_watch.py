@@ -1,5 +1,5 @@
 """What background work costs (`proxy.telemetry.background`) and the trainer child's priority
-(`proxy.cli.trainer_process.lower_priority`), read from this machine's real `/proc`."""
+(`proxy.trainer_child.lower_priority`), read from this machine's real `/proc`."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_lower_priority_reaches_threads_started_before_and_after() -> None:
         """
         import os, threading, time
         from pathlib import Path
-        from proxy.cli.trainer_process import lower_priority
+        from proxy.trainer_child import lower_priority
 
         stop = threading.Event()
         early = threading.Thread(target=stop.wait)

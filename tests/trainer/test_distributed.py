@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 import torch
 
-from proxy.cli.trainer_process import TrainerProcess
 from proxy.settings import Settings
+from proxy.trainer_child import TrainerProcess
 from storage import Store
 from tests.trainer.test_trainer_crash import _scored_groups
 from trainer import checkpoints

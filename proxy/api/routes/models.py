@@ -10,7 +10,7 @@ given, or the embedded model) and a version's `parent` is `NAME@base`; `/health`
 no writes (every call is stored before it is answered, so none can be). A 503 is what load
 balancers and orchestrators take out of rotation; the body says why. The trainer child's state
 is reported under "trainer" but never degrades the status: a crashing trainer does not stop
-serving (it is restarted with backoff; see `proxy.cli.trainer_process`).
+serving (it is restarted with backoff; see `proxy.trainer_child`).
 """
 
 from __future__ import annotations

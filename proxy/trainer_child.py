@@ -1,5 +1,9 @@
 """`rlproxy serve` runs the trainer beside it: `rlproxy train` as a child process, supervised.
 
+Both sides of that child live here: the supervisor the runtime starts (`TrainerProcess`) and
+what the child does to itself (`lower_priority`, `stop_with_parent`), so the trainer child
+imports this module without loading the serving stack or the CLI.
+
 On CPU the trainer needs its own copy of the model and its own interpreter, so serving never
 waits on a training step (the GIL and torch's threads would otherwise make every request wait).
 The child gets the server's settings through the environment and shares its database and

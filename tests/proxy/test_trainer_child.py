@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.cli.trainer_process import TrainerProcess, restart_delay
 from proxy.settings import Settings
+from proxy.trainer_child import TrainerProcess, restart_delay
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 
@@ -38,7 +38,7 @@ async def _until(trainer: TrainerProcess, key: str, at_least: int) -> None:
 
 
 def _exit_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "proxy.cli.trainer_process" and "after" in r.msg]
+    return [r for r in caplog.records if r.name == "proxy.trainer_child" and "after" in r.msg]
 
 
 async def test_the_delay_doubles_from_the_first_and_stops_at_the_cap() -> None:
@@ -48,7 +48,7 @@ async def test_the_delay_doubles_from_the_first_and_stops_at_the_cap() -> None:
 async def test_a_crashing_trainer_is_restarted_with_capped_backoff(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="proxy.cli.trainer_process")
+    caplog.set_level(logging.INFO, logger="proxy.trainer_child")
     trainer = TrainerProcess(_settings(tmp_path, CRASH, first_s=0.01, max_s=0.04))
     trainer.start()
     try:
@@ -70,7 +70,7 @@ async def test_a_crashing_trainer_is_restarted_with_capped_backoff(
 async def test_a_healthy_run_resets_the_backoff(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="proxy.cli.trainer_process")
+    caplog.set_level(logging.INFO, logger="proxy.trainer_child")
     # Each run lasts longer than a healthy run, so each exit is the first of a new series.
     slow_crash = [sys.executable, "-c", "import time, sys; time.sleep(0.3); sys.exit(1)"]
     settings = _settings(tmp_path, slow_crash, first_s=0.01, max_s=0.2)
