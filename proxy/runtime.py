@@ -49,12 +49,18 @@ from proxy.telemetry.telemetry import Telemetry, open_telemetry
 from proxy.trainer_child import TrainerProcess
 from storage.grouping import SignatureGrouper
 from storage.store import Store
-from trainer.scoring.grouping import Grouping
-from trainer.scoring.judge_checks import JudgeChecksConfig
-from trainer.scoring.litellm_judge import LiteLLMJudge
-from trainer.scoring.local_judge import ChatComplete, LocalJudge
-from trainer.scoring.ruler import DEFAULT_RUBRIC, Judge
-from trainer.scoring.scoring import Scorer, ScoresWanted, ScoringConfig
+from trainer.scoring import (
+    DEFAULT_RUBRIC,
+    ChatComplete,
+    Grouping,
+    Judge,
+    JudgeChecksConfig,
+    LiteLLMJudge,
+    LocalJudge,
+    Scorer,
+    ScoresWanted,
+    ScoringConfig,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -134,9 +140,10 @@ async def open_runtime(
             rt.scorer = build_scorer(settings, store, judge_complete)
             if serving:
                 rt.scorer.wanted = scores_wanted(settings, store, rt.telemetry)
-        if serving:
-            # Left to the judge only when one runs and is asked to judge rewarded groups too.
-            settle = not (settings.scoring and settings.judge_explicit_groups)
+        if serving or scoring:
+            # Left to the judge when one runs and is asked to judge rewarded groups too, and in
+            # `rlproxy score`, whose scorer marks them scored and lists them with the rest.
+            settle = serving and not (settings.scoring and settings.judge_explicit_groups)
             rt.grouping = Grouping(store, signature_grouper(settings), settle_explicit=settle)
         if rt.telemetry is not None and rt.served is not None:
             _observe(settings, rt, rt.telemetry, rt.served)
@@ -282,7 +289,7 @@ def build_scorer(
         checks=judge_checks_config(settings),
         retry_s=settings.judge_retry_s,
     )
-    return Scorer(store, judge, signature_grouper(settings), config)
+    return Scorer(store, judge, config)
 
 
 NO_TRAINER = (

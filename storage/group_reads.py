@@ -1,9 +1,9 @@
 """The SQL of group reads: pages of groups, and one group with everything its members need.
 
 A member view carries the member's conversation (for the judge), its turns' exact token ids and
-stored logprobs (for training), its judge score, the environment's explicit reward, and the
-reward the reward policy picks. Callers go through `storage.store.Store`; nothing else should
-import this module.
+stored logprobs (for training), its judge score and the environment's explicit reward, side by
+side: which of them trains is the reward policy's choice (`trainer.scoring.rewards`). Callers
+go through `storage.store.Store`; nothing else should import this module.
 """
 
 from __future__ import annotations
@@ -99,9 +99,7 @@ async def list_groups(
     return GroupPage(items=items, next_cursor=next_cursor)
 
 
-async def get_group(
-    conn: AsyncConnection, group_id: str, reward_policy: str = "explicit"
-) -> GroupDetail | None:
+async def get_group(conn: AsyncConnection, group_id: str) -> GroupDetail | None:
     row = (await conn.execute(select(G).where(G.c.id == group_id))).first()
     if row is None:
         return None
@@ -139,7 +137,6 @@ async def get_group(
             messages, tools, turns = await _sample_member(conn, m)
         ruler = scores.get(m.member_id)
         ex = explicit.get(m.trajectory_id) if m.call_id is None else None
-        reward, reward_source = _pick_reward(reward_policy, ex, ruler)
         views.append(
             GroupMemberView(
                 member_id=m.member_id,
@@ -153,24 +150,10 @@ async def get_group(
                 tools=tools,
                 ruler=ruler,
                 explicit_reward=ex,
-                reward=reward,
-                reward_source=reward_source,  # type: ignore[arg-type]
                 turns=turns,
             )
         )
     return GroupDetail(summary=_summary(row), members=views)
-
-
-def _pick_reward(
-    policy: str, explicit: float | None, ruler: ScoreRecord | None
-) -> tuple[float | None, str | None]:
-    order = ("explicit", "ruler") if policy == "explicit" else ("ruler", "explicit")
-    for source in order:
-        if source == "explicit" and explicit is not None:
-            return explicit, "explicit"
-        if source == "ruler" and ruler is not None:
-            return ruler.score, "ruler"
-    return None, None
 
 
 async def _trajectory_member(

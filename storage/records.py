@@ -376,11 +376,25 @@ class GroupMemberView:
     explicit_reward: float | None
     """The latest reward the environment posted for the member's trajectory (trajectory
     members only: an explicit reward rewards the whole trajectory, not a shadow sample)."""
-    reward: float | None
-    """The reward used for training, chosen by the reward policy."""
-    reward_source: Literal["explicit", "ruler"] | None
     turns: list[TrainingTurn]
     """What training sees: the member's assistant turns with their exact token ids."""
+    reward: float | None = None
+    """The reward used for training: set by the reward policy (`trainer.scoring.rewards`),
+    never by storage, which reads `ruler` and `explicit_reward` side by side."""
+    reward_source: Literal["explicit", "ruler"] | None = None
+
+
+@dataclass(frozen=True)
+class PairedMember:
+    """A member of a group that holds two adapter versions' answers (a canary rollout's
+    evidence, `Store.paired_rewards`): the version that served it and both its rewards."""
+
+    version: int
+    """The adapter version that served the member, 0 for the base model."""
+    explicit: float | None
+    """The environment's latest reward for the member's trajectory (trajectory members only)."""
+    judged: float | None
+    """The judge's latest score of the member in this group."""
 
 
 @dataclass

@@ -6,10 +6,10 @@ such group scored since the canary began, `paired_rewards` returns each version'
 rewards; the statistics live in `proxy.adapters.rollout_stats`.
 
 A member's version is the one that served its first call (a trajectory member) or its call (a
-sampled answer), 0 for the base model, as in `storage.stats`. A member's reward follows the
-reward policy: "explicit" takes the environment's latest reward for a trajectory member and
-falls back to the judge's score; "ruler" the other way round. Sampled answers only have judge
-scores. Only calls the policy served count (`POLICY_ENGINES`: the local or the vllm engine).
+sampled answer), 0 for the base model, as in `storage.stats`. Each member comes with the
+environment's latest reward for its trajectory (trajectory members only) and the judge's latest
+score, side by side: which counts is the reward policy's choice (`trainer.scoring.rewards`).
+Only calls the policy served count (`POLICY_ENGINES`: the local or the vllm engine).
 
 Bounded: the newest `limit` groups scored since `since`, each read by its indexed id.
 Callers go through `storage.store.Store`; nothing else should import this module.
@@ -27,18 +27,18 @@ from storage.models import group_members_table as GM
 from storage.models import groups_table as G
 from storage.models import rewards_table as R
 from storage.models import scores_table as S
-from storage.records import POLICY_ENGINES
+from storage.records import POLICY_ENGINES, PairedMember
 from storage.stats import member_call
 
 
 @dataclass(frozen=True)
 class GroupPair:
-    """One scored group holding members of both versions: their rewards, per version."""
+    """One scored group holding members of both versions."""
 
     group_id: str
     scored_at: float
-    old: tuple[float, ...]
-    new: tuple[float, ...]
+    members: tuple[PairedMember, ...]
+    """The group's members served by either version (members of other versions left out)."""
 
 
 async def paired_rewards(
@@ -47,11 +47,10 @@ async def paired_rewards(
     old: int,
     new: int,
     since: float,
-    reward_policy: str = "explicit",
     limit: int = 1000,
 ) -> list[GroupPair]:
     """Scored groups since `since` (oldest first, at most the newest `limit`) that hold members
-    served by `old` and by `new` (0: the base model), with each member's reward."""
+    served by `old` and by `new` (0: the base model), with each member's rewards."""
     groups = (
         await conn.execute(
             select(G.c.id, G.c.scored_at)
@@ -106,16 +105,13 @@ async def paired_rewards(
     scored_at = {g.id: g.scored_at for g in groups}
     out = []
     for group_id, ms in mixed.items():
-        rewards: dict[int, list[float]] = {old: [], new: []}
-        for member_id, trajectory_id, call_id, version in ms:
-            ruler = scores.get((group_id, member_id))
-            ex = explicit.get(trajectory_id) if call_id is None else None
-            first, second = (ex, ruler) if reward_policy == "explicit" else (ruler, ex)
-            value = first if first is not None else second
-            if value is not None:
-                rewards[version].append(float(value))
-        if rewards[old] and rewards[new]:
-            out.append(
-                GroupPair(group_id, scored_at[group_id], tuple(rewards[old]), tuple(rewards[new]))
+        paired = tuple(
+            PairedMember(
+                version=version,
+                explicit=explicit.get(trajectory_id) if call_id is None else None,
+                judged=scores.get((group_id, member_id)),
             )
+            for member_id, trajectory_id, call_id, version in ms
+        )
+        out.append(GroupPair(group_id, scored_at[group_id], paired))
     return sorted(out, key=lambda p: (p.scored_at, p.group_id))

@@ -391,16 +391,13 @@ class Store:
                 owner=owner,
             )
 
-    async def get_group(
-        self, group_id: str, *, reward_policy: str = "explicit"
-    ) -> GroupDetail | None:
-        """A group with its members' conversations, token ids, scores and rewards.
+    async def get_group(self, group_id: str) -> GroupDetail | None:
+        """A group with its members' conversations, token ids, judge scores and posted rewards.
 
-        `reward_policy` picks each member's training reward: "explicit" (the environment's
-        reward when there is one, else the judge's score) or "ruler" (the other way round).
-        """
+        Members' `reward` is left unset: which reward trains is the reward policy's choice
+        (`trainer.scoring.rewards.read_group`)."""
         async with self._engines.read.connect() as conn:
-            return await group_reads.get_group(conn, group_id, reward_policy)
+            return await group_reads.get_group(conn, group_id)
 
     async def group_ids_of_trajectory(self, trajectory_id: str) -> list[str]:
         async with self._engines.read.connect() as conn:
@@ -502,15 +499,12 @@ class Store:
         async with self._engines.read.connect() as conn:
             return await coordination_ops.live_replicas(conn, policy, since)
 
-    async def paired_rewards(
-        self, *, old: int, new: int, since: float, reward_policy: str = "explicit"
-    ) -> list[rollout.GroupPair]:
+    async def paired_rewards(self, *, old: int, new: int, since: float) -> list[rollout.GroupPair]:
         """Scored groups since `since` holding members of adapter versions `old` and `new` (0:
-        the base model), with each member's reward (a canary rollout's evidence)."""
+        the base model), with each member's posted reward and judge score (a canary rollout's
+        evidence; `trainer.scoring.rewards.version_rewards` picks by the reward policy)."""
         async with self._engines.read.connect() as conn:
-            return await rollout.paired_rewards(
-                conn, old=old, new=new, since=since, reward_policy=reward_policy
-            )
+            return await rollout.paired_rewards(conn, old=old, new=new, since=since)
 
     async def trajectory_of_completion(self, completion_id: str) -> str | None:
         """The trajectory of the call that returned this `chatcmpl-...` id, if any."""

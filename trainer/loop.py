@@ -54,6 +54,7 @@ from trainer.distributed import OutOfStep
 from trainer.grpo import TrainingExample, group_advantages, leave_one_out_advantages
 from trainer.packing import pack_turns, turns_in
 from trainer.peft_backend import PeftTrainer
+from trainer.scoring import read_group
 from trainer.staleness import group_staleness, lineage, staleness_weight
 
 logger = logging.getLogger(__name__)
@@ -286,7 +287,7 @@ class TrainingLoop:
                 status="scored", untrained=True, oldest_first=True, limit=50, cursor=cursor
             )
             for summary in page.items:
-                group = await self.store.get_group(summary.id, reward_policy=self.reward_policy)
+                group = await read_group(self.store, summary.id, self.reward_policy)
                 try:
                     examples = None if group is None else self.examples(group)
                 except ValueError as exc:  # the group's own data (its rewards): skip it alone

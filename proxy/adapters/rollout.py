@@ -9,7 +9,8 @@ What it does, in order (driven by `proxy.adapters.publisher.Publisher.check`):
    state ("canary", the baseline it is compared with, when it began) to the adapters table.
 2. `evaluate()`: read the groups scored since the canary began that hold members of both
    versions (`Store.paired_rewards`: the judge compared them side by side; explicit rewards
-   count through the reward policy) and run the stated test (`proxy.adapters.rollout_stats`).
+   count through the reward policy, `trainer.scoring.rewards`) and run the stated test
+   (`proxy.adapters.rollout_stats`).
    - promote: the version becomes active (the registry's canary ends);
    - roll back: the canary ends, the previous version serves everything again, the version is
      marked rejected with the figures in its error and rollout state; the publisher never
@@ -44,6 +45,7 @@ from typing import Any
 from proxy.adapters.manager import AdapterManager
 from proxy.adapters.rollout_stats import Comparison, RolloutTest, compare
 from storage.store import Store
+from trainer.scoring import version_rewards
 
 logger = logging.getLogger(__name__)
 
@@ -178,13 +180,10 @@ class Rollout:
         if canary is None or canary.version != trial.version:
             await self._finish(trial, "abandoned", None, "the active version was changed by hand")
             return None
-        pairs = await self.store.paired_rewards(
-            old=trial.baseline or 0,
-            new=trial.version,
-            since=trial.started_at,
-            reward_policy=self.config.reward_policy,
-        )
-        result = compare([(list(p.old), list(p.new)) for p in pairs], self.config.test)
+        old, new = trial.baseline or 0, trial.version
+        pairs = await self.store.paired_rewards(old=old, new=new, since=trial.started_at)
+        evidence = [version_rewards(p.members, old, new, self.config.reward_policy) for p in pairs]
+        result = compare([(o, n) for o, n in evidence if o and n], self.config.test)
         figures = result.to_dict()
         if result.decision in ("promote", "roll_back"):
             promote = result.decision == "promote"

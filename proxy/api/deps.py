@@ -24,7 +24,7 @@ from proxy.settings import Settings
 from proxy.telemetry.telemetry import Telemetry
 from proxy.trainer_child import TrainerProcess
 from storage.store import Store
-from trainer.scoring.scoring import Scorer
+from trainer.scoring import Scorer
 
 RUNTIME_KEY = "runtime"
 

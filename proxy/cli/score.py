@@ -1,7 +1,7 @@
 """`rlproxy score`: form groups and score them now, then print what the judge said.
 
-Groups are formed first in every case (closed trajectories join their groups), then either the
-one group asked for or every ready group is scored.
+Groups are formed first in every case, as serving forms them (`trainer.scoring.Grouping`), then
+either the one group asked for or every ready group is scored.
 
 Runs against the database directly (no server needed). With no judge model configured it loads
 the local model and judges with it, as the server does.
@@ -22,11 +22,11 @@ async def score_command(settings: Settings, group_id: str | None, out: TextIO = 
     from proxy.runtime import open_runtime
 
     async with open_runtime(settings, scoring=True) as rt:
-        store, scorer = rt.store, rt.scorer
-        assert scorer is not None
+        store, scorer, grouping = rt.store, rt.scorer, rt.grouping
+        assert scorer is not None and grouping is not None
         await store.release_scoring()
         scored: list[GroupDetail] = []
-        formed = await scorer.form()
+        formed = (await grouping.step()).formed
         print(
             f"rlproxy score: {formed.assigned} trajectories grouped, "
             f"{len(formed.ready)} groups became ready",

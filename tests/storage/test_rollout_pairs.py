@@ -1,5 +1,6 @@
 """A canary rollout's evidence (`Store.paired_rewards`) on both backends: scored groups that hold
-members of both versions, each member's reward by the reward policy."""
+members of both versions, each member's posted reward and judge score side by side (the reward
+policy's choice between them is `trainer.scoring.rewards`, tested in tests/trainer/scoring)."""
 
 from __future__ import annotations
 
@@ -55,15 +56,17 @@ async def test_only_groups_holding_both_versions_count(store: Store, make_call: 
 
     (pair,) = await store.paired_rewards(old=0, new=3, since=since)
     assert pair.group_id == mixed
-    assert sorted(pair.old) == pytest.approx([0.2, 0.4]) and pair.new == pytest.approx((0.9,))
+    by_version = sorted((m.version, m.judged) for m in pair.members)
+    assert by_version == [(0, pytest.approx(0.2)), (0, pytest.approx(0.4)), (3, pytest.approx(0.9))]
     assert await store.paired_rewards(old=0, new=3, since=time.time() + 60) == []
     assert [p.group_id for p in await store.paired_rewards(old=0, new=2, since=since)] != [mixed]
 
 
-async def test_explicit_rewards_count_by_the_reward_policy(store: Store, make_call: Any) -> None:
+async def test_explicit_rewards_and_judge_scores_come_side_by_side(
+    store: Store, make_call: Any
+) -> None:
     since = time.time() - 1
     await _scored_group(store, make_call, "env", [(1, 0.9, 0.0), (2, 0.1, 1.0)])
-    (explicit,) = await store.paired_rewards(old=1, new=2, since=since)
-    assert (explicit.old, explicit.new) == ((0.0,), (1.0,))
-    (ruler,) = await store.paired_rewards(old=1, new=2, since=since, reward_policy="ruler")
-    assert (ruler.old, ruler.new) == ((0.9,), (0.1,))
+    (pair,) = await store.paired_rewards(old=1, new=2, since=since)
+    members = sorted((m.version, m.explicit, m.judged) for m in pair.members)
+    assert members == [(1, 0.0, pytest.approx(0.9)), (2, 1.0, pytest.approx(0.1))]

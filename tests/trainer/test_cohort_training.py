@@ -16,6 +16,7 @@ from tests.trainer.test_staleness import RecordingTrainer
 from trainer.config import TrainerConfig
 from trainer.grpo import group_advantages
 from trainer.loop import TrainingLoop
+from trainer.scoring import read_group
 
 REWARDS = [1.0, 0.0, 0.1, 0.0]
 
@@ -60,7 +61,7 @@ async def _advantages(
     await store.form_groups(grouper)
     await store.form_groups(grouper, now=time.time() + 61)
     (group_id,) = (await store.form_groups(grouper, now=time.time() + 62)).ready
-    group = await store.get_group(group_id)
+    group = await read_group(store, group_id, "explicit")
     assert group is not None
     assert await store.claim_group(group_id) == group_id
     await store.finish_scoring(

@@ -64,6 +64,7 @@ from storage.records import GroupDetail, JudgeCheckRecord
 from storage.store import Store
 from trainer.scoring import judge_stats as st
 from trainer.scoring.canaries import KINDS, final_text, insert_canary
+from trainer.scoring.rewards import pick_reward
 from trainer.scoring.ruler import (
     Judge,
     JudgeGroup,
@@ -395,13 +396,6 @@ def _delta(a: float | None, b: float | None) -> float | None:
 # ----------------------------------------------------------------------------- judging
 
 
-def member_reward(
-    policy: str, explicit: float | None, ruler: float | None
-) -> float | None:  # the same pick as storage's `reward_policy`
-    first, second = (explicit, ruler) if policy == "explicit" else (ruler, explicit)
-    return first if first is not None else second
-
-
 class JudgeChecker:
     """Runs the checks around RULER's judging of one group and applies the gate.
 
@@ -592,7 +586,7 @@ class JudgeChecker:
         rewards = [
             r
             for m in detail.members
-            if (r := member_reward(policy, m.explicit_reward, real.get(m.member_id))) is not None
+            if (r := pick_reward(policy, m.explicit_reward, real.get(m.member_id))[0]) is not None
         ]
         check.mean_reward = _mean(rewards)
         lengths = [

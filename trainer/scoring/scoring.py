@@ -1,16 +1,17 @@
 """Scoring ready groups: claim one, ask RULER, store the scores. Never crashes the caller.
 
-    scorer = Scorer(store, judge, grouper, ScoringConfig())
-    await scorer.form()              # closed trajectories -> groups; ready ones marked
+    scorer = Scorer(store, judge, ScoringConfig())
     await scorer.score_next()        # the oldest ready group, scored or marked failed
     await scorer.run(interval_s=5)   # score what is ready, forever (a background task of
-                                     #   `rlproxy serve`; its grouping task forms the groups,
-                                     #   scoring on or off: `trainer.scoring.grouping`)
+                                     #   `rlproxy serve`)
+
+Groups are formed by `trainer.scoring.grouping.Grouping` (serving's grouping task, scoring on or
+off, and `rlproxy score`); the scorer only judges groups that are ready.
 
 A group whose members all carry explicit rewards from the environment is marked scored without a
 judge call unless `judge_explicit_groups` is set; RULER's scores and explicit rewards are stored
-side by side, and `Store.get_group(reward_policy=...)` picks which one training uses. The judge
-itself (`trainer.scoring.ruler`) knows nothing of the database; the SQL lives in `storage`.
+side by side, and the reward policy (`trainer.scoring.rewards`) picks which one training uses.
+The judge itself (`trainer.scoring.ruler`) knows nothing of the database; the SQL is `storage`'s.
 
 Replicas share the database: a claimed group is leased to this scorer's store for
 `ScoringConfig.lease_s`, renewed every third of that while the judge works. Renewing rather than
@@ -47,8 +48,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from storage.group_ops import DEFAULT_LEASE_S, FormResult
-from storage.grouping import SignatureGrouper
+from storage.group_ops import DEFAULT_LEASE_S
 from storage.records import GroupDetail, JudgeCheckRecord, JudgeOutcome, ScoreRecord
 from storage.stats import JudgeWork
 from storage.store import Store
@@ -59,6 +59,7 @@ from trainer.scoring.judge_checks import (
     canary_figures,
     gate_decision,
 )
+from trainer.scoring.rewards import read_group
 from trainer.scoring.ruler import (
     DEFAULT_RUBRIC,
     Judge,
@@ -136,7 +137,6 @@ class Scorer:
         self,
         store: Store,
         judge: Judge,
-        grouper: SignatureGrouper,
         config: ScoringConfig | None = None,
         *,
         on_scored: ScoredListener | None = None,
@@ -145,7 +145,6 @@ class Scorer:
     ) -> None:
         self.store = store
         self.judge = judge
-        self.grouper = grouper
         self.config = config or ScoringConfig()
         self.on_scored = on_scored
         self.wanted = wanted
@@ -160,9 +159,6 @@ class Scorer:
         self._passed_tries = 0  # tries passed in a row
         self._failed_in_a_row: list[str] = []  # why the latest groups' judging failed
         self._judged: deque[tuple[float, float, int]] = deque()  # (at, seconds, calls), 1 h
-
-    async def form(self) -> FormResult:
-        return await self.store.form_groups(self.grouper)
 
     async def score_next(self) -> GroupDetail | None:
         """Score the oldest ready group; None when none is ready."""
@@ -370,7 +366,7 @@ class Scorer:
             logger.info("group %s scored by %s", group_id, outcome.judge_model)
         if stored and outcome is not None and outcome.check is not None:
             await self._watch_drift()
-        detail = await self.store.get_group(group_id, reward_policy=self.config.reward_policy)
+        detail = await read_group(self.store, group_id, self.config.reward_policy)
         if stored and outcome is not None and detail is not None:
             self._tell(detail, outcome)
         return detail

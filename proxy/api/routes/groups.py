@@ -4,7 +4,7 @@
     GET  /rl/groups/{id}            one group: members (conversation, scores, rewards), status
     POST /rl/groups/{id}/score      score it now (or again), with the configured judge
 
-Thin routes over `storage.Store` and `trainer.scoring.scoring.Scorer`.
+Thin routes over `storage.Store` and the scoring room (`trainer.scoring`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from proxy.api.body import TextJSONRoute
 from proxy.api.deps import ScorerDep, SettingsDep, StoreDep
 from proxy.errors import InvalidRequestError, NotFoundError
 from storage.records import GroupDetail, GroupMemberView, GroupSummary
+from trainer.scoring import read_group
 
 router = APIRouter(prefix="/rl/groups", route_class=TextJSONRoute)
 
@@ -57,7 +58,7 @@ async def list_groups(
 async def get_group(
     group_id: str, store: StoreDep, settings: SettingsDep, caller: Caller
 ) -> dict[str, Any]:
-    group = await store.get_group(group_id, reward_policy=settings.reward_policy)
+    group = await read_group(store, group_id, settings.reward_policy)
     if group is None or not caller.may_see(group.summary.owner_key_id):
         raise _not_found(group_id)
     return detail_json(group)

@@ -25,8 +25,7 @@ from fastapi import APIRouter, Query
 
 from proxy.api.auth import Caller
 from proxy.api.deps import SettingsDep, StoreDep
-from proxy.runtime import judge_checks_config
-from trainer.scoring.judge_checks import (
+from trainer.scoring import (
     GateDecision,
     JudgeChecksConfig,
     drift_report,
@@ -44,7 +43,7 @@ async def judge(
     window: Annotated[int, Query(ge=1, le=10_000)] = 200,
 ) -> dict[str, Any]:
     owner = caller.visible_owner()
-    configured = judge_checks_config(settings)
+    configured = settings.judge_checks.config()
     config = configured or JudgeChecksConfig()
     visible = await store.newest_judge_checks(limit=window, owner=owner)
     pairs = sorted({(c.judge_model, c.rubric_hash) for c in visible})

@@ -317,7 +317,7 @@ def _scorer(store: Store, judge: RuleJudge, **checks: Any) -> Scorer:
     """A scorer with checks; unless `checks` says otherwise it does not hold a judge for want of
     checks (the tests of front-loading and the default hold say so)."""
     config = JudgeChecksConfig(seed=3, **{"hold_unchecked": False, **checks})
-    return Scorer(store, judge, SignatureGrouper(min_size=3), ScoringConfig(checks=config))
+    return Scorer(store, judge, ScoringConfig(checks=config))
 
 
 async def _trainers_read(store: Store) -> list[tuple[str, list[str]]]:
@@ -518,7 +518,6 @@ async def test_agreement_with_the_environment_is_kept(store: Store) -> None:
     scorer = Scorer(
         store,
         judge,
-        SignatureGrouper(min_size=3),
         ScoringConfig(
             judge_explicit_groups=True,
             checks=JudgeChecksConfig(canary_share=0.0, position_share=0.0),

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from storage.grouping import SignatureGrouper
 from storage.records import JudgeCheckRecord
 from trainer.scoring.judge_checks import JudgeChecksConfig
 from trainer.scoring.scoring import (
@@ -42,7 +41,7 @@ class NoJudge:
 
 def scorer(clock: Clock, wanted: Any = None) -> Scorer:
     config = ScoringConfig(checks=JudgeChecksConfig(), retry_s=RETRY_S)
-    return Scorer(None, NoJudge(), SignatureGrouper(), config, wanted=wanted, clock=clock)  # type: ignore[arg-type]
+    return Scorer(None, NoJudge(), config, wanted=wanted, clock=clock)  # type: ignore[arg-type]
 
 
 def check(passed: bool, at: float) -> JudgeCheckRecord:

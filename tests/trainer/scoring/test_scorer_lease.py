@@ -90,7 +90,7 @@ async def test_the_lease_is_renewed_while_the_judge_works(
 ) -> None:
     a, _, gid = replicas
     judge = HeldJudge()
-    scorer = Scorer(a, judge, SignatureGrouper(), ScoringConfig(lease_s=0.3))
+    scorer = Scorer(a, judge, ScoringConfig(lease_s=0.3))
     scoring = asyncio.create_task(scorer.score(gid))
     await judge.called.wait()
     owner, first = _lease(tmp_path, gid)
@@ -112,7 +112,7 @@ async def test_a_scorer_that_lost_its_claim_stops_and_writes_nothing(
 ) -> None:
     a, b, gid = replicas
     judge = HeldJudge()
-    scorer = Scorer(a, judge, SignatureGrouper(), ScoringConfig(lease_s=0.3))
+    scorer = Scorer(a, judge, ScoringConfig(lease_s=0.3))
     scoring = asyncio.create_task(scorer.score(gid))
     await judge.called.wait()
     # Replica B decides A's lease ran out (as it would after A stalled) and takes the group.

@@ -413,7 +413,7 @@ async def _ready_group(store: Store) -> str:
 @pytest.mark.asyncio(loop_scope="session")
 async def test_the_scorer_judges_turns_and_stores_scores_with_the_verdicts(store: Store) -> None:
     judge = TurnJudge(right_answers)
-    scorer = Scorer(store, judge, SignatureGrouper(min_size=2), ScoringConfig(mode="turns"))
+    scorer = Scorer(store, judge, ScoringConfig(mode="turns"))
     gid = await _ready_group(store)
     detail = await scorer.score(gid)
     assert detail is not None and detail.summary.status == "scored"
@@ -438,7 +438,7 @@ async def test_turns_mode_runs_under_the_judge_checks(store: Store) -> None:
     # hold_unchecked off: one group cannot make a judge proven (test_judge_checks.py tests that)
     checks = JudgeChecksConfig(seed=3, canary_share=1.0, position_share=0.0, hold_unchecked=False)
     config = ScoringConfig(mode="turns", votes=1, checks=checks)
-    scorer = Scorer(store, judge, SignatureGrouper(min_size=2), config)
+    scorer = Scorer(store, judge, config)
     gid = await _ready_group(store)
     detail = await scorer.score(gid)
     assert detail is not None and detail.summary.status == "scored"
