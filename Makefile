@@ -125,7 +125,7 @@ test-coding-agents: setup
 	$(BIN)/python -m pytest -q -m coding_agents tests/e2e/test_coding_agents.py
 
 # Every suite, one after another: what CI runs, then the slow, fuzz and deploy suites it leaves
-# out for time (about 90 min more on 2 cores; test-deploy needs root and podman).
+# out for time (the fuzz suite alone takes about 10 min; test-deploy needs root and podman).
 test-all: setup
 	$(MAKE) lint test test-scale test-vllm test-coding-agents test-slow test-fuzz test-deploy
 
