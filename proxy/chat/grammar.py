@@ -4,16 +4,16 @@ What it is: factories that turn a request's `response_format` / `tools` + `tool_
 `Grammar` (validated, immutable, shareable by all rows and samples of a request), and the
 `RowConstraint` the engine's decode loop drives for one row:
 
-    info = build_tokenizer_info(tokenizer)              # once per engine (~0.6 s)
     grammar = constraint_for_tools(tools, ToolChoice("required"))  # None = unconstrained
-    row = grammar.new_row(info)                         # per batch row
-    bitmask = allocate_bitmask(batch_size, info)        # (B, ceil(V/32)) int32, all allowed
+    row = grammar.new_row(info)                         # per batch row (info: the engine's)
     each step:  row.fill_bitmask(bitmask, i)            # for each constrained row i
-                apply_bitmask(logits, bitmask, rows)    # logits (B, V) -> -inf where banned
-                sample; row.consume(token); if row.is_stopped(): finish the row ("stop")
+                (the engine masks the logits, samples)
+                row.consume(token); if row.is_stopped(): finish the row ("stop")
 
-What it is not: it does not sample, batch or tokenize prompts, and it knows nothing of HTTP.
-Errors in a request's schema raise `GrammarError` (a ValueError: the server answers 400).
+What it is not: it does not sample, batch, tokenize prompts or mask logits (llguidance's view of
+the tokenizer, the bitmask and applying it are the engine's: `proxy.engines.token_mask`), and it
+knows nothing of HTTP. Errors in a request's schema raise `GrammarError` (a ValueError: the
+server answers 400).
 
 Why llguidance (see DESIGN.md, "Engine facts"): per-row matchers, "free text or a tool call" in
 one grammar, sub-millisecond compiles, one small wheel with no dependencies.
@@ -47,7 +47,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import llguidance
-import llguidance.hf
 import llguidance.torch
 import torch
 from llguidance import LLMatcher
@@ -55,6 +54,7 @@ from llguidance import LLMatcher
 from proxy.chat.prompt import ChatFormatError, normalize_tool, tool_parameters
 from proxy.chat.tool_formats import HERMES, ToolFormat
 from proxy.chat.tool_parser import CLOSE_TAG, OPEN_TAG
+from proxy.engines.token_mask import GrammarError
 
 # JSON layout inside every grammar: no free whitespace, json.dumps separators.
 JSON_OPTIONS: dict[str, Any] = {
@@ -62,10 +62,6 @@ JSON_OPTIONS: dict[str, Any] = {
     "item_separator": ", ",
     "key_separator": ": ",
 }
-
-
-class GrammarError(ValueError):
-    """A schema, tool list or tool_choice that cannot be turned into a grammar (HTTP 400)."""
 
 
 # How deeply a JSON schema may nest (objects and arrays). llguidance refuses schemas a little
@@ -109,57 +105,6 @@ _LIMIT_MARKS = ("too many",)
 
 class TokenRejectedError(RuntimeError):
     """The engine fed a token the grammar does not allow: a bug in applying the bitmask."""
-
-
-def build_tokenizer_info(tokenizer: Any, n_vocab: int | None = None) -> llguidance.LLTokenizer:
-    """llguidance's view of the tokenizer (~0.6 s; build once per engine).
-
-    `n_vocab` overrides the vocabulary size, e.g. with the model's logits width when the
-    embedding matrix is padded beyond the tokenizer's vocabulary.
-    """
-    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab)
-
-
-def allocate_bitmask(batch_size: int, info: llguidance.LLTokenizer) -> torch.Tensor:
-    """A (B, ceil(V/32)) int32 bitmask with every token allowed (bit set = allowed)."""
-    return torch.full((batch_size, (info.vocab_size + 31) // 32), -1, dtype=torch.int32)
-
-
-# Byte value -> its 8 bits as additive logit biases (0 = allowed, -inf = banned), lowest bit first:
-# (256, 8). Viewing the int32 words as bytes assumes a little-endian machine (x86, ARM).
-_BYTE_BIAS = torch.where(
-    ((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1).bool(), 0.0, float("-inf")
-)
-
-
-def apply_bitmask(
-    logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None
-) -> None:
-    """Set banned tokens' logits to -inf, in place.
-
-    logits (B, V) float; bitmask (B, W) int32 with 32 tokens per word, bit set = allowed. `rows`,
-    if given, limits the masking to those rows (unconstrained rows stay untouched). V and 32*W
-    need not agree: tokens beyond the bitmask (a padded embedding) are banned, bits beyond V are
-    ignored. Cost on CPU: about 1 ms for 8 x 49152 (one table lookup and one add).
-    """
-    if rows is not None:
-        if not rows:
-            return
-        index = torch.as_tensor(list(rows), dtype=torch.long, device=logits.device)
-        sub = logits.index_select(0, index)
-        apply_bitmask(sub, bitmask.index_select(0, index.to(bitmask.device)))
-        logits.index_copy_(0, index, sub)
-        return
-    batch, vocab = logits.shape
-    table = _BYTE_BIAS.to(device=logits.device, dtype=logits.dtype)
-    words = bitmask.to(logits.device).contiguous()
-    bias = table[words.view(torch.uint8).int()].reshape(batch, -1)  # (B, 32*W)
-    width = bias.shape[1]
-    if width >= vocab:
-        logits.add_(bias[:, :vocab])
-    else:
-        logits[:, :width].add_(bias)
-        logits[:, width:] = float("-inf")
 
 
 @dataclass(frozen=True)
@@ -243,20 +188,6 @@ class RowConstraint:
     def is_accepting(self) -> bool:
         """The output so far is a complete match (EOS is allowed now)."""
         return self.matcher.is_accepting()
-
-    apply_bitmask = staticmethod(apply_bitmask)
-
-
-def fill_bitmasks(
-    executor: llguidance.LLExecutor,
-    rows: Sequence[tuple[RowConstraint, int]],
-    bitmask: torch.Tensor,
-) -> None:
-    """Fill several rows' masks in parallel on llguidance's thread pool (one call per step)."""
-    if rows:
-        llguidance.torch.fill_next_token_bitmask_par(
-            executor, [(rc.matcher, row) for rc, row in rows], bitmask
-        )
 
 
 # -- factories --

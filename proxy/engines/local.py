@@ -62,6 +62,12 @@ from proxy.engines.loader import LoadedModel
 from proxy.engines.prefill_plan import prefill_costs, prefill_groups, worth_reusing
 from proxy.engines.prefix_cache import Hit, KVSpan, PrefixCache, head_of
 from proxy.engines.sampling import RowSampler
+from proxy.engines.token_mask import (
+    GrammarError,
+    allocate_bitmask,
+    apply_bitmask,
+    build_tokenizer_info,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -698,8 +704,6 @@ class LocalEngine:
         if compiled is None:
             return None
         if self._grammar_info is None:
-            from proxy.chat.grammar import build_tokenizer_info
-
             self._grammar_info = build_tokenizer_info(self.tokenizer, n_vocab=self.vocab_size)
         return compiled.new_row(self._grammar_info)
 
@@ -846,8 +850,6 @@ class LocalEngine:
         failed: dict[int, BaseException] = {}  # id(job) -> why: a failing row fails its job only
         constrained = [b for b, row in enumerate(rows) if row.constraint is not None]
         if constrained:
-            from proxy.chat.grammar import allocate_bitmask, apply_bitmask
-
             info: Any = self._grammar_info  # built by _new_constraint for these rows
             bitmask = allocate_bitmask(len(rows), info)
             for b in constrained:
@@ -1084,8 +1086,6 @@ def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
 
 def _failure(what: str, exc: BaseException) -> EngineError:
     """The error one request fails with: its own input (a grammar it cannot follow) or not."""
-    from proxy.chat.grammar import GrammarError
-
     if isinstance(exc, GrammarError):
         return RequestInputError(f"{what}: {exc}")
     return EngineError(f"{what}: {exc}")

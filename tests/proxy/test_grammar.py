@@ -14,21 +14,22 @@ from transformers import DynamicCache
 from proxy.chat import grammar
 from proxy.chat.grammar import (
     Grammar,
-    GrammarError,
     RowConstraint,
     TokenRejectedError,
     ToolChoice,
-    allocate_bitmask,
-    apply_bitmask,
-    build_tokenizer_info,
     constraint_for_json_object,
     constraint_for_json_schema,
     constraint_for_request,
     constraint_for_tools,
-    fill_bitmasks,
 )
 from proxy.chat.prompt import ChatTemplate
 from proxy.chat.tool_parser import parse_complete
+from proxy.engines.token_mask import (
+    GrammarError,
+    allocate_bitmask,
+    apply_bitmask,
+    build_tokenizer_info,
+)
 
 WEATHER_PARAMS = {
     "type": "object",
@@ -347,35 +348,6 @@ def test_bad_requests_raise_grammar_error(call, message) -> None:
     assert isinstance(info.value, ValueError)
 
 
-def test_apply_bitmask_handles_vocab_size_mismatch() -> None:
-    bitmask = torch.zeros(2, 2, dtype=torch.int32)  # 64 token slots, all banned...
-    bitmask[0, 0] = 1 << 3  # ...except token 3 in row 0
-    bitmask[1, 1] = -(1 << 31)  # ...and token 63 in row 1 (the sign bit)
-    wide = torch.zeros(2, 70)  # logits wider than the bitmask: the extra tokens are banned
-    apply_bitmask(wide, bitmask)
-    assert torch.isfinite(wide[0]).nonzero().flatten().tolist() == [3]
-    assert torch.isfinite(wide[1]).nonzero().flatten().tolist() == [63]
-    narrow = torch.zeros(2, 40)  # logits narrower: bits past V are ignored
-    apply_bitmask(narrow, bitmask)
-    assert torch.isfinite(narrow[0]).nonzero().flatten().tolist() == [3]
-    assert not torch.isfinite(narrow[1]).any()
-    only_row_1 = torch.zeros(2, 64)
-    apply_bitmask(only_row_1, bitmask, rows=[1])
-    assert torch.isfinite(only_row_1[0]).all()
-    assert torch.isfinite(only_row_1[1]).nonzero().flatten().tolist() == [63]
-
-
-def test_parallel_fill_matches_per_row_fill(tokenizer, info) -> None:
-    grammars = [constraint_for_json_object(), constraint_for_tools(TOOLS, ToolChoice("auto"))]
-    rows = [g.new_row(info) for g in grammars]
-    one = allocate_bitmask(3, info)
-    par = allocate_bitmask(3, info)
-    for i, row in enumerate(rows):
-        row.fill_bitmask(one, i * 2)
-    fill_bitmasks(llguidance.LLExecutor(), [(row, i * 2) for i, row in enumerate(rows)], par)
-    assert torch.equal(one, par)
-
-
 def test_a_repeated_tool_call_stops_the_row(tokenizer) -> None:
     """The small model loops on `required`; the row ends once a call repeats an earlier one."""
     tools = [
@@ -387,7 +359,7 @@ def test_a_repeated_tool_call_stops_the_row(tokenizer) -> None:
             },
         }
     ]
-    info = grammar.build_tokenizer_info(tokenizer)
+    info = build_tokenizer_info(tokenizer)
     row = grammar.constraint_for_tools(tools, grammar.ToolChoice("required")).new_row(info)
     one = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     for token in tokenizer.encode(one, add_special_tokens=False):

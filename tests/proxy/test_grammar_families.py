@@ -13,11 +13,11 @@ from proxy.chat.grammar import (
     RowConstraint,
     TokenRejectedError,
     ToolChoice,
-    build_tokenizer_info,
     constraint_for_request,
     constraint_for_tools,
 )
 from proxy.chat.tool_formats import LLAMA3_JSON
+from proxy.engines.token_mask import build_tokenizer_info
 
 WEATHER = {
     "type": "function",

@@ -19,12 +19,8 @@ import pytest
 import torch
 from llguidance import LLMatcher
 
-from proxy.chat.grammar import (
-    allocate_bitmask,
-    apply_bitmask,
-    build_tokenizer_info,
-    constraint_for_json_schema,
-)
+from proxy.chat.grammar import constraint_for_json_schema
+from proxy.engines.token_mask import allocate_bitmask, apply_bitmask, build_tokenizer_info
 from trainer.scoring.local_judge import LocalJudge, _as_list_form
 from trainer.scoring.ruler import JudgeGroup, JudgeMember, parse_judge_reply, response_format_for
 
