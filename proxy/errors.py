@@ -81,6 +81,11 @@ class ContextLengthError(InvalidRequestError):
         self.at_least = at_least
 
 
+LONGER_CONTEXT = "serve a base model with a longer context (RLPROXY_BASE_MODEL)"
+"""What to do about a prompt this model's context cannot hold, besides shortening it (every
+protocol's refusal says it)."""
+
+
 class NotFoundError(APIError):
     status_code = 404
     type = "invalid_request_error"

@@ -28,15 +28,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from proxy.errors import ContextLengthError
+from proxy.errors import LONGER_CONTEXT, ContextLengthError
 
 BudgetMode = Literal["fit", "strict"]
 HEADER = "X-RLProxy-Output-Budget"
 """The response header that says the budget used and the one asked for (`header_value`)."""
 RECORD_KEY = "output_budget"
 """Key in a stored call's `params`: `{"requested": M or None, "used": N}`."""
-LONGER_CONTEXT = "serve a base model with a longer context (RLPROXY_BASE_MODEL)"
-"""What to do about a prompt this model's context cannot hold, besides shortening it."""
 
 
 @dataclass(frozen=True)

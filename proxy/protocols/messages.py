@@ -39,8 +39,7 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictFloat, StrictInt, ValidationError
 
-from proxy.chat.budget import LONGER_CONTEXT
-from proxy.errors import ContextLengthError, InvalidRequestError
+from proxy.errors import LONGER_CONTEXT, ContextLengthError, InvalidRequestError
 from proxy.protocols.chat import ChatCompletionRequest, OpenAIModel
 
 _NOT_SUPPORTED = {
