@@ -14,7 +14,7 @@
     │                             server can take the request now)
     ├── StorageUnavailableError   503 server_error, code "storage_unavailable" (the database
     │                             takes no writes: a call could not be stored, so none is made)
-    └── UpstreamError             the provider's status (proxy.engines.upstream)
+    └── UpstreamError             the provider's status (proxy.engines.upstream_errors)
 
 Errors are raised anywhere below the routes (this module imports nothing of rlproxy, so chat,
 engines, adapters and protocols all may) and rendered only at the HTTP edge (`proxy.api.app`;

@@ -12,7 +12,7 @@ server sent: the JSON body, or each server-sent event's `data` parsed, in order,
 `data: [DONE]` or the end of the body (https://html.spec.whatwg.org/multipage/server-sent-events.html:
 lines, `data:` fields joined by newlines, an empty line ends an event, `:` lines are comments).
 
-Errors are `proxy.engines.upstream.UpstreamError`s in OpenAI's shape, scrubbed of credentials
+Errors are `proxy.engines.upstream_errors.UpstreamError`s in OpenAI's shape, scrubbed of credentials
 (`status_error`, shared with the litellm path): a provider's 4xx keeps its status, a provider's
 5xx or broken body is a 502 (503 stays 503), an unreachable server a 502, a timeout a 504. An
 error event inside a stream (`data: {"error": ...}`) ends the stream with that error.
@@ -37,7 +37,7 @@ from proxy.engines.http_streams import (
     json_bytes,
     lines_of,
 )
-from proxy.engines.upstream import UpstreamError, status_error
+from proxy.engines.upstream_errors import UpstreamError, status_error
 
 DONE = "[DONE]"
 USER_AGENT = "rlproxy"

@@ -12,10 +12,10 @@ as the server sends them); every other provider, or a target with `via: litellm`
 litellm, which exists to translate those protocols. Both paths hand back plain OpenAI dicts.
 
 Provider failures become OpenAI-shaped errors (`UpstreamError`; `to_api_error` for litellm's
-exceptions, `status_error` for a provider's status and error body): a provider 4xx keeps its
-status, an unreachable provider is a 502, a timeout a 504, scrubbed of credentials first
-(`proxy.redact`): a provider that echoes the key it was sent must not hand the server's key to a
-client, the database or a log.
+exceptions, `proxy.engines.upstream_errors.status_error` for a provider's status and error
+body): a provider 4xx keeps its status, an unreachable provider is a 502, a timeout a 504,
+scrubbed of credentials first (`proxy.redact`): a provider that echoes the key it was sent must
+not hand the server's key to a client, the database or a log.
 
 Unlike the token-level engines (`base.Engine`), this one speaks messages: providers return no
 token ids, so its calls are stored but cannot be trained on. Re-framing responses and recording
@@ -30,6 +30,7 @@ import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
+from proxy.engines.upstream_errors import UpstreamError, status_error
 from proxy.errors import APIError, ServerError
 from proxy.protocols.chat import ChatCompletionRequest
 from proxy.redact import Redactor
@@ -42,15 +43,6 @@ logger = logging.getLogger(__name__)
 
 # Request fields that are rlproxy's own business or set here, never forwarded to the provider.
 _NOT_FORWARDED = {"model", "messages", "stream", "stream_options", "metadata", "rlproxy"}
-
-
-class UpstreamError(APIError):
-    """An error of the provider (or of reaching it), with the status the client should see."""
-
-    def __init__(self, message: str, status_code: int, type: str, **kw: Any) -> None:
-        super().__init__(message, **kw)
-        self.status_code = status_code
-        self.type = type
 
 
 def _litellm() -> Any:
@@ -223,28 +215,3 @@ def to_api_error(exc: Exception, redact: Callable[[str], str] | None = None) -> 
             code="upstream_unreachable",
         )
     return status_error(status if isinstance(status, int) else 502, detail, redact)
-
-
-def status_error(
-    status: int, detail: Mapping[str, Any], redact: Callable[[str], str]
-) -> UpstreamError:
-    """A provider's HTTP status and error object (`{"message", "type", "param", "code"}`) as the
-    client's error: a 4xx keeps its status and fields, anything else is the provider's failure
-    (a 502; a 503 stays a 503). Every text passes through `redact`."""
-    clean = {k: redact(v) if isinstance(v, str) else v for k, v in detail.items()}
-    message = str(clean.get("message") or f"HTTP {status}")
-    if 400 <= status < 500:
-        kind = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
-        return UpstreamError(
-            message,
-            status,
-            str(clean.get("type") or kind.get(status, "invalid_request_error")),
-            param=clean.get("param") if isinstance(clean.get("param"), str) else None,
-            code=str(clean["code"]) if clean.get("code") is not None else None,
-        )
-    return UpstreamError(
-        f"The upstream provider failed: {message}",
-        503 if status == 503 else 502,
-        "server_error",
-        code="upstream_error",
-    )

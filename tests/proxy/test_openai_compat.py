@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 import pytest
 
 from proxy.engines.openai_compat import OpenAICompatClient
-from proxy.engines.upstream import UpstreamError
+from proxy.engines.upstream_errors import UpstreamError
 
 
 def _chunk(content: str) -> dict:
