@@ -1,9 +1,11 @@
 """Writes the settings reference (docs/reference/settings.md) from the code, so it cannot drift.
 
-The page is built from the one `Settings` class in `proxy/settings.py` (every field: its
-`RLPROXY_` variable, type, default and description, grouped under the `# --- section ---`
-comments of the class body) and from `TrainerConfig` in `trainer/config.py` (the fields of the
-`RLPROXY_TRAINER` JSON object). It imports those two modules only: no app, no model.
+The page is built from the settings classes in `proxy/settings.py`: `Settings`' own fields
+(each one's `RLPROXY_` variable, type, default and description, grouped under the
+`# --- section ---` comments of the class body), then one section per concern (`CONCERNS`, each
+variable named by the concern's `env_prefix` or the field's alias), and from `TrainerConfig` in
+`trainer/config.py` (the fields of the `RLPROXY_TRAINER` JSON object). It imports those two
+modules only: no app, no model.
 
     python docs/gen_settings.py           # rewrite the page
     python docs/gen_settings.py --check   # exit 1 if the committed page differs (make docs-check)
@@ -27,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "reference" / "settings.md"
 sys.path.insert(0, str(ROOT))
 
-from proxy.settings import Settings, UpstreamTarget  # noqa: E402
+from proxy.settings import CONCERNS, Concern, Settings, UpstreamTarget, known_variables  # noqa: E402
 from trainer.config import TrainerConfig  # noqa: E402
 
 SECTION = re.compile(r"^\s*# --- (.+?) -+\s*$")
@@ -44,8 +46,10 @@ Every setting of `rlproxy serve` (and of `rlproxy train`, `score`, `export`, `st
 the same class) is an environment variable with the prefix `RLPROXY_`; the command-line flags of
 `rlproxy serve` (`--host`, `--port`, `--data-dir`, `--model-name`, `--no-train`,
 `--insecure-no-auth`) win over them. Lists and objects are JSON, e.g.
-`RLPROXY_ALIASES='["gpt-4o-mini"]'`. Values outside the stated bounds stop the server at start
-with a message naming the variable.
+`RLPROXY_ALIASES='["gpt-4o-mini"]'`. Values outside the stated bounds, and keys of
+`RLPROXY_TRAINER` that `TrainerConfig` does not know, stop the server at start with a message
+naming the variable. An `RLPROXY_` variable that is none of these (nor one of the container's,
+compose's or the tests' own) is named in a warning at start, with the nearest known name.
 
 Variables rlproxy reads that are not settings: `OTEL_EXPORTER_OTLP_*`, `OTEL_SERVICE_NAME`,
 `OTEL_BSP_*`, `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT`, `LANGFUSE_PUBLIC_KEY`,
@@ -61,7 +65,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail if the page is stale")
     args = parser.parse_args()
-    undocumented = [n for n, f in Settings.model_fields.items() if not f.description]
+    undocumented = [
+        f"{cls.__name__}.{n}"
+        for cls in (Settings, *CONCERNS.values())
+        for n, f in cls.model_fields.items()
+        if not f.description and n not in CONCERNS
+    ]
     if undocumented:
         print(f"settings without a description: {', '.join(undocumented)}", file=sys.stderr)
         return 1
@@ -75,42 +84,61 @@ def main() -> int:
                 file=sys.stderr,
             )
             return 1
-        print(f"{PAGE.relative_to(ROOT)} is up to date ({len(Settings.model_fields)} settings)")
+        print(f"{PAGE.relative_to(ROOT)} is up to date ({len(known_variables())} settings)")
         return 0
     PAGE.parent.mkdir(parents=True, exist_ok=True)
     PAGE.write_text(text)
-    print(f"wrote {PAGE.relative_to(ROOT)} ({len(Settings.model_fields)} settings)")
+    print(f"wrote {PAGE.relative_to(ROOT)} ({len(known_variables())} settings)")
     return 0
 
 
 def render() -> str:
     parts = [INTRO]
+    own = Settings.env_names()
     for title, names in settings_sections():
         parts.append(f"## {title}\n")
-        rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
-        for name in names:
-            info = Settings.model_fields[name]
-            kind = type_name(info.annotation) + bounds(info.metadata)
-            rows.append(
-                f"| `RLPROXY_{name.upper()}` | {cell(setting_default(info))} "
-                f"| {cell(info.description or '')} *{cell(kind)}* |"
-            )
-        parts.append("\n".join(rows) + "\n")
+        parts.append(table(Settings, {name: own[name] for name in names}))
+    for attr, concern in CONCERNS.items():
+        parts.append(f"## {concern.title}\n")
+        parts.append(
+            f"{concern_intro(concern)} In code: `settings.{attr}` (`{concern.__name__}`).\n"
+        )
+        parts.append(table(concern, concern.env_names()))
     parts.append(upstream_section())
     parts.append(trainer_section())
     return "\n".join(parts)
 
 
+def table(cls: type[Settings] | type[Concern], variables: dict[str, str]) -> str:
+    """One row per field: its variable, default, description and type."""
+    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    for name, variable in variables.items():
+        info = cls.model_fields[name]
+        kind = type_name(info.annotation) + bounds(info.metadata)
+        rows.append(
+            f"| `{variable}` | {cell(setting_default(info))} "
+            f"| {cell(info.description or '')} *{cell(kind)}* |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def concern_intro(concern: type[Concern]) -> str:
+    """The concern's docstring as one paragraph."""
+    return " ".join(inspect.getdoc(concern).split()) if concern.__doc__ else ""
+
+
 def settings_sections() -> list[tuple[str, list[str]]]:
-    """Fields in declaration order, under the `# --- name ---` comments of the class body."""
+    """`Settings`' own fields in declaration order, under the `# --- name ---` comments of the
+    class body."""
+    own = Settings.env_names()
     sections: list[tuple[str, list[str]]] = [("Serving", [])]
     for line in inspect.getsource(Settings).splitlines():
         if m := SECTION.match(line):
             sections.append((heading(m.group(1)), []))
-        elif (m := FIELD.match(line)) and m.group(1) in Settings.model_fields:
+        elif (m := FIELD.match(line)) and m.group(1) in own:
             sections[-1][1].append(m.group(1))
     listed = [n for _, names in sections for n in names]
-    missing = set(Settings.model_fields) - set(listed)
+    missing = set(own) - set(listed)
     if missing:  # a field the source scan did not see must still be documented
         sections.append(("Other", sorted(missing)))
     return [(title, names) for title, names in sections if names]
@@ -158,6 +186,8 @@ def trainer_section() -> str:
 
 
 def setting_default(info: Any) -> str:
+    if info.annotation is TrainerConfig:
+        return "`{}`"  # its fields' defaults are the trainer section's table
     if info.default_factory is not None:
         return show(info.default_factory())
     return show(info.default)
@@ -188,6 +218,8 @@ def type_name(tp: Any) -> str:
         return f"{origin.__name__}[{inner}]"
     if tp is Any:
         return "any"
+    if tp is TrainerConfig:
+        return "object (below)"
     return getattr(tp, "__name__", str(tp))
 
 

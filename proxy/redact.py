@@ -108,8 +108,8 @@ class Redactor:
     def for_settings(cls, settings: Settings, environ: Mapping[str, str] = os.environ) -> Redactor:
         """Every key the settings point at, plus the database password if the URL has one."""
         names = [t.api_key_env for t in settings.upstream_models.values() if t.api_key_env]
-        if settings.judge_api_key_env:
-            names.append(settings.judge_api_key_env)
+        if settings.judge.api_key_env:
+            names.append(settings.judge.api_key_env)
         password = make_url(settings.resolved_database_url).password
         return cls.from_environ(names, environ, [str(password)] if password else [])
 

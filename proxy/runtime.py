@@ -1,16 +1,17 @@
 """The one runtime builder: settings in, the store, engine, services and scorer a process needs.
 
-    async with open_runtime(settings) as rt:                 # export, train: the store
+    async with open_runtime(settings) as rt:                 # export, status, keys: the store
     async with open_runtime(settings, scoring=True) as rt:   # score: + the scorer (and the local
                                                              #   engine when it is the judge)
     async with open_runtime(settings, serving=True) as rt:   # serve: + engine, chat, adapters,
                                                              #   background tasks, trainer child,
                                                              #   telemetry (proxy.telemetry)
 
-Every command opens the store the same way (one URL, one retry window), builds the judge the same
-way and stops what it started in reverse order. `rlproxy serve` puts the runtime on the app in
-its lifespan; routes reach it only through `proxy.api.deps`. This module imports no HTTP code:
-the trainer process may use it.
+Every command opens the store the same way (`proxy.database.open_store`: one URL, one retry
+window), builds the judge the same way and stops what it started in reverse order. `rlproxy
+serve` puts the runtime on the app in its lifespan; routes reach it only through
+`proxy.api.deps`. This module imports no HTTP code. `rlproxy train` does not open it: the trainer
+child opens the store alone and never loads the serving stack.
 """
 
 from __future__ import annotations
@@ -34,12 +35,10 @@ from proxy.adapters.deployment import (
 from proxy.adapters.manager import AdapterManager
 from proxy.adapters.publisher import Publisher
 from proxy.adapters.registry import ServedModels
-from proxy.adapters.rollout import RolloutConfig
-from proxy.adapters.rollout_stats import RolloutTest
 from proxy.chat.budget import BudgetRule
-from proxy.chat.request import RequestLimits
 from proxy.chat.service import ChatService
 from proxy.chat.upstream import UpstreamChat
+from proxy.database import open_store
 from proxy.engines.base import Engine
 from proxy.redact import Redactor
 from proxy.settings import Settings
@@ -47,19 +46,15 @@ from proxy.telemetry.background import BackgroundWatch
 from proxy.telemetry.metrics import Metrics, Sources
 from proxy.telemetry.telemetry import Telemetry, open_telemetry
 from proxy.trainer_child import TrainerProcess
-from storage.grouping import SignatureGrouper
 from storage.store import Store
 from trainer.scoring import (
-    DEFAULT_RUBRIC,
     ChatComplete,
     Grouping,
     Judge,
-    JudgeChecksConfig,
     LiteLLMJudge,
     LocalJudge,
     Scorer,
     ScoresWanted,
-    ScoringConfig,
 )
 
 logger = logging.getLogger(__name__)
@@ -113,7 +108,7 @@ async def open_runtime(
         stack.push_async_callback(store.close)
         rt = Runtime(settings, store, redact=redact)
         engine: Any = None
-        if serving or (scoring and not settings.judge_model):
+        if serving or (scoring and not settings.judge.model):
             engine = await stack.enter_async_context(policy_engine(settings))
         if serving:  # closed after the background tasks stop, so their last scores still go out
             rt.telemetry = await stack.enter_async_context(
@@ -124,7 +119,7 @@ async def open_runtime(
             rt.served = await _serve(settings, store, engine, stack, redact, rt.telemetry)
         if serving or scoring:
             judge_complete = None
-            if not settings.judge_model:
+            if not settings.judge.model:
                 registry = rt.served.registry if rt.served else ServedModels(settings.model_name)
                 # The judge's own service: it has no record sink, so judge calls never become
                 # calls (nor training data); its requests give way to users' (serving first).
@@ -143,26 +138,13 @@ async def open_runtime(
         if serving or scoring:
             # Left to the judge when one runs and is asked to judge rewarded groups too, and in
             # `rlproxy score`, whose scorer marks them scored and lists them with the rest.
-            settle = serving and not (settings.scoring and settings.judge_explicit_groups)
-            rt.grouping = Grouping(store, signature_grouper(settings), settle_explicit=settle)
+            settle = serving and not (settings.judge.scoring and settings.judge.explicit_groups)
+            rt.grouping = Grouping(store, settings.groups.grouper(), settle_explicit=settle)
         if rt.telemetry is not None and rt.served is not None:
             _observe(settings, rt, rt.telemetry, rt.served)
         if serving:
             _start_background(settings, rt)
         yield rt
-
-
-async def open_store(settings: Settings, redact: Redactor) -> Store:
-    """The store every command uses; `redact` scrubs error texts and params before writing."""
-    url = settings.resolved_database_url
-    store = await Store.open(
-        url,
-        retry_window_s=settings.retry_window_s,
-        probe_interval_s=settings.storage_probe_s,
-        redact=redact,
-    )
-    logger.info("storing every call in %s (%s)", _redact(url), store.dialect)
-    return store
 
 
 @asynccontextmanager
@@ -181,18 +163,18 @@ async def vllm_engine(settings: Settings) -> AsyncIterator[Any]:
 
     tokenizer, stops = await asyncio.to_thread(policy_tokenizer, settings)
     path_map = None
-    if settings.vllm_data_dir:
-        path_map = (str(settings.data_dir.resolve()), settings.vllm_data_dir)
+    if settings.vllm.data_dir:
+        path_map = (str(settings.data_dir.resolve()), settings.vllm.data_dir)
     engine = VLLMEngine(
-        settings.vllm_urls,
+        settings.vllm.urls,
         tokenizer,
         policy=settings.model_name,
-        served_model=settings.vllm_model,
+        served_model=settings.vllm.model,
         path_map=path_map,
-        timeout_s=settings.vllm_timeout_s,
-        health_interval_s=settings.vllm_health_interval_s,
-        affinity=settings.vllm_affinity,
-        affinity_slack=settings.vllm_affinity_slack,
+        timeout_s=settings.vllm.timeout_s,
+        health_interval_s=settings.vllm.health_interval_s,
+        affinity=settings.vllm.affinity,
+        affinity_slack=settings.vllm.affinity_slack,
         stop_ids=stops,
         # vLLM must serve this model: RLPROXY_BASE_MODEL as given, the folder rlproxy reads.
         base_models=tuple(n for n in (settings.base_model, tokenizer.name_or_path) if n),
@@ -257,15 +239,15 @@ def build_scorer(
 ) -> Scorer:
     """RULER's scorer with the configured judge (the local model when none is configured)."""
     judge: Judge
-    if settings.judge_model:
-        key_env = settings.judge_api_key_env
+    if settings.judge.model:
+        key_env = settings.judge.api_key_env
         judge = LiteLLMJudge(
-            settings.judge_model,
-            api_base=settings.judge_api_base,
+            settings.judge.model,
+            api_base=settings.judge.api_base,
             api_key=os.environ.get(key_env) if key_env else None,
-            timeout_s=settings.judge_timeout_s,
+            timeout_s=settings.judge.timeout_s,
         )
-        logger.info("RULER judge: %s", settings.judge_model)
+        logger.info("RULER judge: %s", settings.judge.model)
     else:
         if judge_complete is None:
             raise ValueError("no judge model is configured and no local model to judge with")
@@ -278,18 +260,7 @@ def build_scorer(
             "judges one group every RLPROXY_JUDGE_RETRY_S",
             judge.model,
         )
-    config = ScoringConfig(
-        rubric=settings.judge_rubric or DEFAULT_RUBRIC,
-        rubrics=dict(settings.judge_rubrics),
-        mode=settings.judge_mode,
-        votes=settings.judge_votes,
-        judge_explicit_groups=settings.judge_explicit_groups,
-        reward_policy=settings.reward_policy,
-        lease_s=settings.scoring_lease_s,
-        checks=judge_checks_config(settings),
-        retry_s=settings.judge_retry_s,
-    )
-    return Scorer(store, judge, config)
+    return Scorer(store, judge, settings.scoring_config())
 
 
 NO_TRAINER = (
@@ -306,7 +277,7 @@ def scores_wanted(
     trainer here or a scores reader (Langfuse); else, with `auto`, a trainer elsewhere on the
     database (the trainer lease of a replica, or a running `rlproxy train`'s announcement)."""
     scores_read = telemetry is not None and telemetry.scores is not None
-    if settings.scoring is True or settings.train or scores_read:
+    if settings.judge.scoring is True or settings.trainer.enabled or scores_read:
         return None
     names = (trainer_lease_name(settings.model_name), trainer_presence_name(settings.model_name))
 
@@ -319,38 +290,6 @@ def scores_wanted(
         return NO_TRAINER
 
     return why_not
-
-
-def signature_grouper(settings: Settings) -> SignatureGrouper:
-    """Which group a closed trajectory joins and when a group is ready (RLPROXY_GROUP_*)."""
-    return SignatureGrouper(
-        min_size=settings.group_min_size,
-        max_size=settings.group_max_size,
-        window_s=settings.group_window_s,
-        cohort=settings.group_cohort,
-        alone_s=settings.group_alone_s,
-    )
-
-
-def judge_checks_config(settings: Settings) -> JudgeChecksConfig | None:
-    """The judge checks of the `# --- judge checks` settings; None when they are off."""
-    if not settings.judge_checks:
-        return None
-    return JudgeChecksConfig(
-        canary_share=settings.judge_canary_share,
-        position_share=settings.judge_position_share,
-        gate=settings.judge_gate,
-        min_checks=settings.judge_gate_min_checks,
-        min_canary_pass=settings.judge_gate_min_canary_pass,
-        min_self_tau=settings.judge_gate_min_self_tau,
-        window=settings.judge_gate_window,
-        hold_unchecked=settings.judge_gate_hold_unchecked,
-        hold_undecided=settings.judge_gate_hold_undecided,
-        drift_window=settings.judge_drift_window,
-        drift_reward_rise=settings.judge_drift_reward_rise,
-        drift_canary_drop=settings.judge_drift_canary_drop,
-        drift_length_ratio=settings.judge_drift_length_ratio,
-    )
 
 
 async def _serve(
@@ -387,23 +326,19 @@ async def _serve(
         engine,
         registry,
         engine.tokenizer,
-        max_n=settings.max_n,
+        max_n=settings.limits.max_n,
         budget=BudgetRule(settings.output_budget, settings.resolved_default_max_tokens),
         record=record,
-        shadow_samples=settings.shadow_samples,
-        shadow_turns=settings.shadow_turns,
-        limits=RequestLimits(
-            max_messages=settings.max_messages,
-            max_schema_depth=settings.max_schema_depth,
-            max_schema_nodes=settings.max_schema_nodes,
-        ),
-        max_queued_rows=settings.max_queued_rows,
+        shadow_samples=settings.groups.shadow_samples,
+        shadow_turns=settings.groups.shadow_turns,
+        limits=settings.limits.request_limits(),
+        max_queued_rows=settings.limits.max_queued_rows,
         tool_format=settings.tool_format,
     )
     publisher = Publisher(
         adapters,
         store,
-        rollout_config(settings),
+        settings.rollout_config(),
         replica_id=replica_id,
         lease_s=settings.lease_s,
         shared=shared,
@@ -412,7 +347,7 @@ async def _serve(
     if settings.publish_adapters:
         await served.publisher.check()  # a restart serves the newest good version
         stack.push_async_callback(served.publisher.leave)
-    if settings.train:
+    if settings.trainer.enabled:
         lease = LeaseKeeper(
             store, trainer_lease_name(settings.model_name), replica_id, settings.lease_s
         )
@@ -438,7 +373,7 @@ def _observe(settings: Settings, rt: Runtime, telemetry: Telemetry, served: Serv
     """Metrics read the serving parts at scrape time and hear every commit; scored groups reach
     telemetry (judge figures, Langfuse scores)."""
     sources = Sources(rt.store, served.engine, served.registry, served.adapters)
-    telemetry.metrics.watch(sources, cache_s=settings.metrics_cache_s)
+    telemetry.metrics.watch(sources, cache_s=settings.telemetry.metrics_cache_s)
     rt.store.observe_commits(telemetry.metrics.observe_commit)
     if rt.scorer is not None:
         rt.scorer.on_scored = telemetry.group_scored
@@ -447,9 +382,9 @@ def _observe(settings: Settings, rt: Runtime, telemetry: Telemetry, served: Serv
 def _start_background(settings: Settings, rt: Runtime) -> None:
     rt.tasks.append(asyncio.create_task(close_idle_trajectories(rt.store, settings)))
     if rt.grouping is not None:  # whether scoring is on or not: grouping needs no judge
-        rt.tasks.append(asyncio.create_task(rt.grouping.run(settings.scoring_interval_s)))
-    if settings.scoring and rt.scorer is not None:
-        rt.tasks.append(asyncio.create_task(rt.scorer.run(settings.scoring_interval_s)))
+        rt.tasks.append(asyncio.create_task(rt.grouping.run(settings.judge.scoring_interval_s)))
+    if settings.judge.scoring and rt.scorer is not None:
+        rt.tasks.append(asyncio.create_task(rt.scorer.run(settings.judge.scoring_interval_s)))
     if settings.publish_adapters and rt.served is not None:
         rt.tasks.append(asyncio.create_task(rt.served.publisher.run(settings.adapter_poll_s)))
     if rt.served is not None:
@@ -458,29 +393,13 @@ def _start_background(settings: Settings, rt: Runtime) -> None:
 
 
 def watch_background(settings: Settings, rt: Runtime, served: Served) -> BackgroundWatch:
-    trainer, scorer = served.trainer, rt.scorer if settings.scoring else None
+    trainer, scorer = served.trainer, rt.scorer if settings.judge.scoring else None
     # The local engine reports its background rows; an engine without any (vLLM) reports None.
     engine_background = getattr(served.engine, "background_health", lambda: None)
     return BackgroundWatch(
         engine_background=engine_background,
         trainer_pid=lambda: None if trainer is None else trainer.status().get("pid"),
         judge=lambda: None if scorer is None else scorer.status(),
-    )
-
-
-def rollout_config(settings: Settings) -> RolloutConfig | None:
-    """The canary rollout's configuration; None when it is off (RLPROXY_ROLLOUT)."""
-    if not settings.rollout:
-        return None
-    return RolloutConfig(
-        share=settings.rollout_share,
-        test=RolloutTest(
-            margin=settings.rollout_margin,
-            alpha=settings.rollout_alpha,
-            min_groups=settings.rollout_min_groups,
-            max_groups=settings.rollout_max_groups,
-        ),
-        reward_policy=settings.reward_policy,
     )
 
 
@@ -501,10 +420,3 @@ async def _cancel(tasks: list[asyncio.Task[Any]]) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _redact(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    if "@" in rest:
-        rest = "***@" + rest.split("@", 1)[1]
-    return scheme + sep + rest

@@ -108,7 +108,7 @@ class TrainerProcess:
         self.lease = lease
         self.redact = redact
         self.healthy_run_s = (
-            max(HEALTHY_RUN_S, settings.trainer_restart_max_s)
+            max(HEALTHY_RUN_S, settings.trainer.restart_max_s)
             if healthy_run_s is None
             else healthy_run_s
         )
@@ -120,10 +120,10 @@ class TrainerProcess:
             self._status.lease = {"name": lease.name, "replica": lease.holder, "held": False}
 
     def command(self) -> list[str]:
-        if self.settings.trainer_command:
-            return list(self.settings.trainer_command)
-        if self.settings.trainer_processes > 1:  # data-parallel: trainer.distributed
-            n = str(self.settings.trainer_processes)
+        if self.settings.trainer.command:
+            return list(self.settings.trainer.command)
+        if self.settings.trainer.processes > 1:  # data-parallel: trainer.distributed
+            n = str(self.settings.trainer.processes)
             launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
             return [*launcher, "--nproc-per-node", n, "-m", "proxy.cli", "train"]
         return [sys.executable, "-m", "proxy.cli", "train"]
@@ -136,8 +136,8 @@ class TrainerProcess:
             "RLPROXY_MODEL_NAME": s.model_name,
             "RLPROXY_DATABASE_URL": s.resolved_database_url,
         }
-        env["RLPROXY_TRAIN_THREADS"] = str(s.train_threads or 1)
-        env["RLPROXY_TRAINER_NICE"] = str(s.trainer_nice)  # the child lowers its own priority
+        env["RLPROXY_TRAIN_THREADS"] = str(s.trainer.threads or 1)
+        env["RLPROXY_TRAINER_NICE"] = str(s.trainer.nice)  # the child lowers its own priority
         env[PARENT_PID_ENV] = str(os.getpid())  # the child stops when this process dies
         if s.model_dir is not None:
             env["RLPROXY_MODEL_DIR"] = str(s.model_dir)
@@ -215,7 +215,7 @@ class TrainerProcess:
             if ran_s >= self.healthy_run_s:
                 st.exits_in_a_row = 0  # it was healthy: a new failure starts from the short delay
             st.exits_in_a_row += 1
-            delay = restart_delay(st.exits_in_a_row, s.trainer_restart_s, s.trainer_restart_max_s)
+            delay = restart_delay(st.exits_in_a_row, s.trainer.restart_s, s.trainer.restart_max_s)
             st.state, st.pid = "restarting", None
             st.last_exit_code, st.last_exit_at, st.last_error = code, time.time(), error
             st.restart_delay_s, st.next_restart_at = delay, time.time() + delay

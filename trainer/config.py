@@ -8,6 +8,7 @@ belong to the background loop, not here.
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -428,13 +429,17 @@ class TrainerConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainerConfig:
-        """The inverse of `to_dict`; unknown keys are an error, so a typo does not pass silently."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        """The inverse of `to_dict`; an unknown key is an error naming the nearest known one, so
+        a typo does not pass silently."""
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(known))
         if unknown:
-            raise ValueError(
-                f"unknown trainer config fields {unknown}; known fields: {sorted(known)}"
-            )
+            named = []
+            for key in unknown:
+                near = difflib.get_close_matches(key, known, n=1)
+                named.append(f"{key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+            word = "field" if len(named) == 1 else "fields"
+            raise ValueError(f"unknown trainer config {word} {', '.join(named)}")
         return cls(**data)
 
 

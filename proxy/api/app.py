@@ -51,10 +51,10 @@ def create_app(settings: Settings) -> FastAPI:
     keys = KeyRing(refresh_s=settings.key_refresh_s)
     metrics = Metrics()  # this app's own registry
     shared_rate = None
-    if settings.redis_url and settings.caller_requests_per_minute:
+    if settings.limits.redis_url and settings.limits.caller_requests_per_minute:
         shared_rate = RedisTokenBucket(
-            settings.redis_url,
-            settings.caller_requests_per_minute,
+            settings.limits.redis_url,
+            settings.limits.caller_requests_per_minute,
             on_error=metrics.caller_limit_redis_errors.inc,
         )
 
@@ -103,13 +103,13 @@ def create_app(settings: Settings) -> FastAPI:
     # answer), body size, auth, then limits (which need the caller the auth middleware found).
     app.add_middleware(
         CallerLimitsMiddleware,
-        per_minute=settings.caller_requests_per_minute,
-        concurrency=settings.caller_concurrency,
-        by_address=settings.caller_address_limits,
+        per_minute=settings.limits.caller_requests_per_minute,
+        concurrency=settings.limits.caller_concurrency,
+        by_address=settings.limits.caller_address_limits,
         rate=shared_rate,
     )
-    app.add_middleware(AuthMiddleware, keys=keys, metrics=settings.metrics_auth)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(AuthMiddleware, keys=keys, metrics=settings.telemetry.metrics_auth)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.limits.max_body_bytes)
     app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
     app.add_middleware(AnthropicErrorsMiddleware)  # sees every error, knows the request id
     app.add_middleware(RequestIdMiddleware)

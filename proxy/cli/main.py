@@ -23,13 +23,17 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
+
+from pydantic import ValidationError
 
 from proxy.redact import Redactor, install_log_redaction
-from proxy.settings import Settings
+from proxy.settings import Settings, TrainerSettings, error_lines, unknown_variables
 
 if TYPE_CHECKING:
     from proxy.cli.vllm_cpu import VLLMServer
+
+logger = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--database-url", help="database URL (RLPROXY_DATABASE_URL)")
     args = parser.parse_args(argv)
 
-    overrides = {
+    overrides: dict[str, Any] = {
         k: v
         for k, v in {
             "host": getattr(args, "host", None),
@@ -120,17 +124,25 @@ def main(argv: list[str] | None = None) -> int:
             "data_dir": args.data_dir,
             "model_name": getattr(args, "model_name", None),
             "database_url": getattr(args, "database_url", None),
-            "train": getattr(args, "train", None),
             "insecure_no_auth": getattr(args, "insecure_no_auth", None),
         }.items()
         if v is not None
     }
-    settings = Settings(**overrides)
+    try:
+        if (train_flag := getattr(args, "train", None)) is not None:
+            overrides["trainer"] = TrainerSettings(enabled=train_flag)
+        settings = Settings(**overrides)
+    except ValidationError as e:  # a value out of bounds, a misspelt RLPROXY_TRAINER key
+        for line in error_lines(e):
+            print(f"rlproxy {args.command}: {line}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=settings.log_level.upper() if args.command in ("serve", "train") else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    for line in unknown_variables(os.environ):  # warned, not refused: tools share the prefix
+        logger.warning("%s", line)
     # Every record, whichever logger or handler (uvicorn's, litellm's): no credential in a log.
     install_log_redaction(Redactor.for_settings(settings))
     if args.command == "serve":
@@ -194,7 +206,7 @@ def _serve(settings: Settings) -> None:
         port=settings.port,
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=5,
-        http=http_protocol(settings.header_timeout_s),  # closes slowloris connections
+        http=http_protocol(settings.limits.header_timeout_s),  # closes slowloris connections
         # The caller's address keys the per-caller limits without API keys: believe
         # X-Forwarded-For only from proxies the operator names.
         proxy_headers=bool(settings.trusted_proxies),
@@ -207,15 +219,15 @@ def _with_vllm_cpu(settings: Settings) -> tuple[Settings, VLLMServer]:
     the vllm engine in front of it (proxy/cli/vllm_cpu.py)."""
     from proxy.cli.vllm_cpu import start_for_serve
     from proxy.engines.loader import resolve_model_dir
-    from trainer.config import TrainerConfig
 
-    if settings.engine == "vllm" and settings.vllm_urls:
+    if settings.engine == "vllm" and settings.vllm.urls:
         raise SystemExit("rlproxy serve: --vllm-cpu starts its own vLLM; unset RLPROXY_VLLM_URLS")
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     model = resolve_model_dir(settings.base_model, settings.model_dir or settings.data_dir)
-    rank = TrainerConfig(**settings.trainer).lora_rank
+    rank = settings.trainer.config.lora_rank
     server = start_for_serve(model.resolve(), settings.data_dir, lora_rank=rank)
-    return settings.model_copy(update={"engine": "vllm", "vllm_urls": [server.url]}), server
+    vllm = settings.vllm.model_copy(update={"urls": [server.url]})
+    return settings.model_copy(update={"engine": "vllm", "vllm": vllm}), server
 
 
 def exit_now(code: int) -> NoReturn:

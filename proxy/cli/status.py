@@ -87,8 +87,8 @@ def build_report(
             else {"version": last_active.version, "at": last_active.activated_at},
         },
         "trainer": {
-            "runs_beside_serve": settings.train,
-            "groups_per_step": int(settings.trainer.get("groups_per_step", 4)),
+            "runs_beside_serve": settings.trainer.enabled,
+            "groups_per_step": settings.trainer.config.groups_per_step,
             "untrained_scored_groups": queue.untrained_scored,
             "newest_version": None
             if newest is None
@@ -100,8 +100,8 @@ def build_report(
             },
         },
         "judge": {
-            "model": settings.judge_model or f"{settings.model_name} (the local base model)",
-            "background_scoring": settings.scoring,
+            "model": settings.judge.model or f"{settings.model_name} (the local base model)",
+            "background_scoring": settings.judge.scoring,
             "pipeline": queue.counts,
             "last_scored": None if queue.last_scored is None else asdict(queue.last_scored),
             "last_failed": None if queue.last_failed is None else asdict(queue.last_failed),

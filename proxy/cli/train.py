@@ -26,6 +26,8 @@ from pathlib import Path
 
 from proxy.adapters.deployment import PRESENCE_TTL_S, trainer_presence_name
 from proxy.cli.progress import progress
+from proxy.database import open_store
+from proxy.redact import Redactor
 from proxy.settings import Settings
 from storage.store import Store
 from trainer import distributed
@@ -41,22 +43,20 @@ async def train_command(settings: Settings, steps: int | None = None) -> int:
 
     if os.environ.get(PARENT_PID_ENV):  # serve's child: serving comes first
         logger.info(
-            "trainer niceness %d (RLPROXY_TRAINER_NICE)", lower_priority(settings.trainer_nice)
+            "trainer niceness %d (RLPROXY_TRAINER_NICE)", lower_priority(settings.trainer.nice)
         )
     if distributed.launched():
         _stop_with_server()  # our parent is torchrun; the server is its parent
     else:
         stop_with_parent()
     from proxy.engines.loader import resolve_model_dir
-    from proxy.runtime import open_runtime
     from trainer.backends import open_trainer
-    from trainer.config import TrainerConfig
 
-    if settings.train_threads is not None:
+    if settings.trainer.threads is not None:
         import torch
 
-        torch.set_num_threads(settings.train_threads)
-    config = TrainerConfig(**settings.trainer)
+        torch.set_num_threads(settings.trainer.threads)
+    config = settings.trainer.config
     collective = await asyncio.to_thread(distributed.from_env)  # None: one process
     device = None if collective is None else str(collective.device)
 
@@ -81,7 +81,10 @@ async def train_command(settings: Settings, steps: int | None = None) -> int:
             collective.close()
         return 0
     model_dir = await asyncio.to_thread(model_dir_)
-    async with open_runtime(settings) as rt, AsyncExitStack() as stack:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    store = await open_store(settings, Redactor.for_settings(settings))
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(store.close)
         if collective is not None:
             stack.callback(collective.close)
             stack.callback(_stop_followers, collective)
@@ -95,19 +98,19 @@ async def train_command(settings: Settings, steps: int | None = None) -> int:
         if wandb is not None:
             stack.callback(wandb.close)
         loop = TrainingLoop(
-            rt.store,
+            store,
             trainer,
             settings.checkpoints_dir,
             policy=settings.model_name,
             reward_policy=settings.reward_policy,
-            poll_s=settings.train_poll_s,
+            poll_s=settings.trainer.poll_s,
             step_hooks=[wandb] if wandb is not None else [],
         )
         await loop.resume()
         logger.info("training %s into %s", settings.model_name, settings.checkpoints_dir)
-        present = asyncio.create_task(_announce(rt.store, settings))
+        present = asyncio.create_task(_announce(store, settings))
         stack.push_async_callback(_cancelled, present)
-        task = asyncio.create_task(_train(loop, steps, settings.train_poll_s))
+        task = asyncio.create_task(_train(loop, steps, settings.trainer.poll_s))
         stop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             stop.add_signal_handler(sig, task.cancel)
@@ -123,7 +126,7 @@ async def _announce(store: Store, settings: Settings) -> None:
     long as it does: servers with no trainer of their own judge groups only while one does."""
     name = trainer_presence_name(settings.model_name)
     holder = f"{socket.gethostname()}:{os.getpid()}"
-    ttl = max(PRESENCE_TTL_S, 3 * settings.train_poll_s)
+    ttl = max(PRESENCE_TTL_S, 3 * settings.trainer.poll_s)
     try:
         while True:
             try:  # held by another trainer of the policy: it says the same

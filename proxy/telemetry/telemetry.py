@@ -174,7 +174,7 @@ class Telemetry:
 def capture_content(settings: Settings, environ: Mapping[str, str]) -> bool:
     """RLPROXY_TELEMETRY_CAPTURE_CONTENT, or OpenTelemetry's own switch for GenAI content."""
     value = environ.get(CAPTURE_VARIABLE, "").strip().lower()
-    return settings.telemetry_capture_content or value in (
+    return settings.telemetry.capture_content or value in (
         "true",
         "1",
         "span_only",

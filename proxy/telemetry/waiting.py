@@ -35,11 +35,11 @@ def why_not_training(
     `judge`: what the judge did in the last hour (the local judge's cost is stated with it)."""
     now = time.time() if now is None else now
     out: list[Advice] = []
-    if not settings.train:
+    if not settings.trainer.enabled:
         waits = (
             " Its judge waits for one: with RLPROXY_SCORING=auto ready groups are judged only "
             "while a trainer (here, on another replica, or `rlproxy train`) uses the scores."
-            if settings.scoring == "auto"
+            if settings.judge.scoring == "auto"
             else ""
         )
         out.append(
@@ -50,7 +50,7 @@ def why_not_training(
         )
     if waiting.alone:
         waited = _for(now, waiting.alone_since)
-        if not settings.group_cohort:
+        if not settings.groups.cohort:
             out.append(
                 Advice(
                     f"{_n(waiting.alone)} wait{_s(waiting.alone, 's', '')} alone in their task's "
@@ -66,7 +66,7 @@ def why_not_training(
                 Advice(
                     f"{_n(waiting.alone)} wait{_s(waiting.alone, 's', '')} for another run of "
                     f"their task{waited}.",
-                    f"Nothing to do: after RLPROXY_GROUP_ALONE_S ({settings.group_alone_s:g} s) "
+                    f"Nothing to do: after RLPROXY_GROUP_ALONE_S ({settings.groups.alone_s:g} s) "
                     "each joins its agent's cohort.",
                 )
             )
@@ -84,16 +84,16 @@ def why_not_training(
         out.append(
             Advice(
                 f"{_n(waiting.small)} {_s(waiting.small, 'is', 'are')} in groups below "
-                f"RLPROXY_GROUP_MIN_SIZE ({settings.group_min_size}) members"
+                f"RLPROXY_GROUP_MIN_SIZE ({settings.groups.min_size}) members"
                 f"{_for(now, waiting.small_since)}.",
-                f"A group is ready at {settings.group_min_size} members, or with 2 after "
-                f"RLPROXY_GROUP_WINDOW_S ({settings.group_window_s:g} s); lower either to train "
+                f"A group is ready at {settings.groups.min_size} members, or with 2 after "
+                f"RLPROXY_GROUP_WINDOW_S ({settings.groups.window_s:g} s); lower either to train "
                 "sooner.",
             )
         )
     if waiting.unrewarded_ready:
         groups = f"{waiting.unrewarded_ready} ready group{_s(waiting.unrewarded_ready, '', 's')}"
-        if settings.scoring is False:
+        if settings.judge.scoring is False:
             out.append(
                 Advice(
                     f"{groups} {_s(waiting.unrewarded_ready, 'has', 'have')} members with no "
@@ -102,7 +102,7 @@ def why_not_training(
                     "RLPROXY_SCORING on with a judge (RLPROXY_JUDGE_MODEL).",
                 )
             )
-        elif not settings.judge_model:
+        elif not settings.judge.model:
             out.append(
                 Advice(
                     f"{groups} wait for the judge, and the judge is the local base model: a "
@@ -124,7 +124,8 @@ def why_not_training(
             Advice(
                 f"{waiting.held} group{_s(waiting.held, ' is', 's are')} held: the judge failed "
                 "its checks, or has not had enough of them yet (its first "
-                f"{settings.judge_gate_min_checks} groups), so its scores are not trained on.",
+                f"{settings.judge_checks.gate_min_checks} groups), so its scores are not trained "
+                "on.",
                 "See GET /rl/judge for which. A judge not proven yet needs no change: its held "
                 "groups are judged again once it passes. A failing one: use a better judge "
                 "(RLPROXY_JUDGE_MODEL) or post rewards.",

@@ -194,9 +194,9 @@ async def test_the_default_limits_serve_a_batch_of_50_a_second_without_keys_for_
     clock, app = FakeClock(), Reply()
     limited = CallerLimitsMiddleware(
         app,
-        per_minute=settings.caller_requests_per_minute,
-        concurrency=settings.caller_concurrency,
-        by_address=settings.caller_address_limits,
+        per_minute=settings.limits.caller_requests_per_minute,
+        concurrency=settings.limits.caller_concurrency,
+        by_address=settings.limits.caller_address_limits,
         clock=clock,
     )
     statuses = Counter()
@@ -211,8 +211,8 @@ async def test_the_default_per_key_rate_serves_50_a_second_and_refuses_a_runaway
     clock = FakeClock()
     limited = CallerLimitsMiddleware(
         Reply(),
-        per_minute=settings.caller_requests_per_minute,
-        concurrency=settings.caller_concurrency,
+        per_minute=settings.limits.caller_requests_per_minute,
+        concurrency=settings.limits.caller_concurrency,
         clock=clock,
     )
     key = Principal("key-a", "inference")

@@ -83,7 +83,7 @@ def test_for_settings_covers_upstream_judge_and_database_password(
     monkeypatch.setenv("MY_JUDGE", "judge-key-31415926")
     settings = Settings(
         upstream_models={"teacher": {"model": "openai/x", "api_key_env": "MY_UPSTREAM"}},
-        judge_api_key_env="MY_JUDGE",
+        judge={"api_key_env": "MY_JUDGE"},
         database_url="postgresql+asyncpg://rl:db-pass-2718@127.0.0.1/test",
     )
     redact = Redactor.for_settings(settings)

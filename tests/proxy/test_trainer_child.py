@@ -26,9 +26,7 @@ CRASH = [sys.executable, "-c", "import sys; print('trainer boom: bad config'); s
 def _settings(tmp_path: Path, command: list[str], first_s: float, max_s: float) -> Settings:
     return Settings(
         data_dir=tmp_path,
-        trainer_command=command,
-        trainer_restart_s=first_s,
-        trainer_restart_max_s=max_s,
+        trainer={"command": command, "restart_s": first_s, "restart_max_s": max_s},
     )
 
 

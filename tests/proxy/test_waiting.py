@@ -20,7 +20,9 @@ def test_tasks_asked_once_with_cohorts_off_are_told_what_would_train_them(
     tmp_path: Path,
 ) -> None:
     """The issue's finding: 40 questions asked once, groups forming forever, no word why."""
-    (reason,) = _reasons(Waiting(alone=40, alone_since=NOW - 300), tmp_path, group_cohort=False)
+    (reason,) = _reasons(
+        Waiting(alone=40, alone_since=NOW - 300), tmp_path, groups={"cohort": False}
+    )
     assert "40 trajectories wait alone in their task's group (the oldest for 5 min)" in reason
     assert "RLPROXY_GROUP_COHORT=true" in reason and "X-RLProxy-Group" in reason
 
@@ -33,18 +35,18 @@ def test_with_cohorts_on_a_lone_task_is_told_when_it_moves(tmp_path: Path) -> No
 
 
 def test_ready_groups_without_rewards_name_the_missing_judge_or_reward(tmp_path: Path) -> None:
-    (off,) = _reasons(Waiting(unrewarded_ready=3), tmp_path, scoring=False)
+    (off,) = _reasons(Waiting(unrewarded_ready=3), tmp_path, judge={"scoring": False})
     assert "3 ready groups have members with no reward" in off and "/reward" in off
     (local,) = _reasons(Waiting(unrewarded_ready=1), tmp_path)
     assert "the local base model" in local and "RLPROXY_JUDGE_MODEL" in local
-    assert _reasons(Waiting(unrewarded_ready=1), tmp_path, judge_model="openai/o3") == []
+    assert _reasons(Waiting(unrewarded_ready=1), tmp_path, judge={"model": "openai/o3"}) == []
 
 
 def test_small_groups_skipped_and_held_groups_each_say_what_to_change(tmp_path: Path) -> None:
     reasons = _reasons(
         Waiting(small=3, small_since=NOW - 3600, equal_rewards=5, held=2, alone_cohort=1),
         tmp_path,
-        train=False,
+        trainer={"enabled": False},
     )
     assert len(reasons) == 5
     assert reasons[0].startswith("This server runs no trainer")

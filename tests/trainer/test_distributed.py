@@ -234,7 +234,7 @@ async def test_a_rank_failing_mid_step_stops_every_rank(
 def test_the_supervisor_runs_torchrun_for_several_processes(tmp_path: Path) -> None:
     one = TrainerProcess(Settings(data_dir=tmp_path)).command()
     assert one[1:] == ["-m", "proxy.cli", "train"]
-    two = TrainerProcess(Settings(data_dir=tmp_path, trainer_processes=2)).command()
+    two = TrainerProcess(Settings(data_dir=tmp_path, trainer={"processes": 2})).command()
     assert two[1:] == [
         *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"),
         *("-m", "proxy.cli", "train"),
@@ -242,7 +242,7 @@ def test_the_supervisor_runs_torchrun_for_several_processes(tmp_path: Path) -> N
     mine = ["nice", "rlproxy", "train"]
     assert (
         TrainerProcess(
-            Settings(data_dir=tmp_path, trainer_processes=2, trainer_command=mine)
+            Settings(data_dir=tmp_path, trainer={"processes": 2, "command": mine})
         ).command()
         == mine
     )
@@ -267,7 +267,7 @@ async def test_serve_supervisor_starts_the_trainer_data_parallel(
     monkeypatch.setenv("RLPROXY_TRAIN_POLL_S", "0.5")  # the child gets this environment
     monkeypatch.setenv("RLPROXY_TRAINER", json.dumps({"groups_per_step": 2}))
     settings = Settings(
-        data_dir=data, model_dir=model_data_dir, trainer_processes=2, train_threads=1
+        data_dir=data, model_dir=model_data_dir, trainer={"processes": 2, "threads": 1}
     )
     supervisor = TrainerProcess(settings)
     supervisor.start()

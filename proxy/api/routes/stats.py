@@ -102,10 +102,10 @@ async def stats(
             ],
         },
         "judge": {
-            "model": settings.judge_model or f"{settings.model_name} (local base model)",
-            "local": not settings.judge_model,
-            "scoring": settings.scoring,
-            "judges_explicit_groups": settings.judge_explicit_groups,
+            "model": settings.judge.model or f"{settings.model_name} (local base model)",
+            "local": not settings.judge.model,
+            "scoring": settings.judge.scoring,
+            "judges_explicit_groups": settings.judge.explicit_groups,
         },
         "background": background,
         "trainer": {
