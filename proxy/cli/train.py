@@ -5,7 +5,8 @@ the database (Postgres) and the checkpoint folder with the servers. It resumes f
 complete checkpoint, then trains whenever enough scored groups wait. SIGTERM stops it between
 steps or mid-step; a killed step leaves no checkpoint behind. With `--steps N` on a terminal it
 draws a progress bar; with `WANDB_PROJECT` set it logs each step's metrics to Weights & Biases
-(`trainer.wandb_log`).
+(`trainer.wandb_log`). It opens the store alone (`proxy.database`): the serving stack
+(`proxy.runtime`, the engines' generation, the chat services) is never loaded here.
 
 Data-parallel: under `torchrun --nproc-per-node N -m proxy.cli train` (or `accelerate launch`)
 rank 0 does all of the above and the other ranks only train their share of each step
