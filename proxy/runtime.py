@@ -35,7 +35,9 @@ from proxy.adapters.deployment import (
 from proxy.adapters.manager import AdapterManager
 from proxy.adapters.publisher import Publisher
 from proxy.adapters.registry import ServedModels
+from proxy.adapters.rollout import rollout_config
 from proxy.chat.budget import BudgetRule
+from proxy.chat.request import RequestLimits
 from proxy.chat.service import ChatService
 from proxy.chat.upstream import UpstreamChat
 from proxy.database import open_store
@@ -331,14 +333,14 @@ async def _serve(
         record=record,
         shadow_samples=settings.groups.shadow_samples,
         shadow_turns=settings.groups.shadow_turns,
-        limits=settings.limits.request_limits(),
+        limits=RequestLimits(**settings.limits.request_bounds()),
         max_queued_rows=settings.limits.max_queued_rows,
         tool_format=settings.tool_format,
     )
     publisher = Publisher(
         adapters,
         store,
-        settings.rollout_config(),
+        rollout_config(settings.rollout, settings.reward_policy),
         replica_id=replica_id,
         lease_s=settings.lease_s,
         shared=shared,

@@ -6,7 +6,10 @@ model) and one sub-model per concern: `judge`, `judge_checks`, `groups`, `rollou
 `validation_alias` where a variable's name does not share the prefix), so every variable has one
 name, e.g. `RLPROXY_PORT=9000`, `RLPROXY_JUDGE_MODEL=openai/o3` (`settings.judge.model`),
 `RLPROXY_ALIASES='["gpt-4o-mini"]'`. Each concern builds the typed configuration of the part it
-sets (`JudgeChecksSettings.config`, `GroupSettings.grouper`, ...), in one place.
+sets (`JudgeChecksSettings.config`, `GroupSettings.grouper`, ...), in one place. The canary
+rollout's is built in its own room (`proxy.adapters.rollout.rollout_config`) and the request
+limits from `LimitSettings.request_bounds`: proxy.engines imports this module and may import
+neither room.
 
 Built by the app factory or the CLI, never at import time; a value out of bounds, or a key of
 `RLPROXY_TRAINER` that `TrainerConfig` does not know, stops the build (`error_lines` words it by
@@ -33,11 +36,8 @@ from pydantic_settings import (
 from trainer.config import TrainerConfig
 
 if TYPE_CHECKING:
-    from proxy.adapters.rollout import RolloutConfig
-    from proxy.chat.request import RequestLimits
     from storage.grouping import SignatureGrouper
-    from trainer.scoring.judge_checks import JudgeChecksConfig
-    from trainer.scoring.scoring import ScoringConfig
+    from trainer.scoring import JudgeChecksConfig, ScoringConfig
 
 EMBEDDED_DEFAULT_MAX_TOKENS = 512
 """The budget of a request that sends none on the embedded SmolLM2-135M (`default_max_tokens`)."""
@@ -195,7 +195,7 @@ class JudgeSettings(Concern):
 
     def scoring_config(self, checks: JudgeChecksConfig | None, reward_policy: str) -> ScoringConfig:
         """The scorer's configuration: this judge, the judge checks and the reward policy."""
-        from trainer.scoring.scoring import DEFAULT_RUBRIC, ScoringConfig
+        from trainer.scoring import DEFAULT_RUBRIC, ScoringConfig
 
         return ScoringConfig(
             rubric=self.rubric or DEFAULT_RUBRIC,
@@ -302,7 +302,7 @@ class JudgeChecksSettings(Concern):
 
     def config(self) -> JudgeChecksConfig | None:
         """The judge checks' configuration; None when they are off."""
-        from trainer.scoring.judge_checks import JudgeChecksConfig
+        from trainer.scoring import JudgeChecksConfig
 
         if not self.enabled:
             return None
@@ -447,24 +447,6 @@ class RolloutSettings(Concern):
             )
         return self
 
-    def config(self, reward_policy: str) -> RolloutConfig | None:
-        """The canary rollout's configuration; None when it is off."""
-        from proxy.adapters.rollout import RolloutConfig
-        from proxy.adapters.rollout_stats import RolloutTest
-
-        if not self.enabled:
-            return None
-        return RolloutConfig(
-            share=self.share,
-            test=RolloutTest(
-                margin=self.margin,
-                alpha=self.alpha,
-                min_groups=self.min_groups,
-                max_groups=self.max_groups,
-            ),
-            reward_policy=reward_policy,
-        )
-
 
 class VLLMSettings(Concern):
     """The policy's tokens from vLLM servers instead of the embedded model, with
@@ -586,15 +568,13 @@ class LimitSettings(Concern):
         "(slowloris). Idle keep-alive connections are uvicorn's (5 s).",
     )
 
-    def request_limits(self) -> RequestLimits:
-        """The bounds on a request's shape that request validation checks."""
-        from proxy.chat.request import RequestLimits
-
-        return RequestLimits(
-            max_messages=self.max_messages,
-            max_schema_depth=self.max_schema_depth,
-            max_schema_nodes=self.max_schema_nodes,
-        )
+    def request_bounds(self) -> dict[str, int]:
+        """The bounds on a request's shape, as `proxy.chat.request.RequestLimits`' fields."""
+        return {
+            "max_messages": self.max_messages,
+            "max_schema_depth": self.max_schema_depth,
+            "max_schema_nodes": self.max_schema_nodes,
+        }
 
 
 class TelemetrySettings(Concern):
@@ -1021,10 +1001,6 @@ class Settings(BaseSettings):
     def scoring_config(self) -> ScoringConfig:
         """The scorer's configuration (RLPROXY_JUDGE_*, the judge checks, RLPROXY_REWARD_POLICY)."""
         return self.judge.scoring_config(self.judge_checks.config(), self.reward_policy)
-
-    def rollout_config(self) -> RolloutConfig | None:
-        """The canary rollout's configuration; None when it is off (RLPROXY_ROLLOUT)."""
-        return self.rollout.config(self.reward_policy)
 
 
 def env_name(cls: type[BaseSettings], name: str, info: FieldInfo) -> str:

@@ -40,12 +40,15 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from proxy.adapters.manager import AdapterManager
 from proxy.adapters.rollout_stats import Comparison, RolloutTest, compare
 from storage.store import Store
 from trainer.scoring import version_rewards
+
+if TYPE_CHECKING:
+    from proxy.settings import RolloutSettings
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,23 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.share < 1.0:
             raise ValueError("the canary share must be between 0 and 1 (exclusive)")
+
+
+def rollout_config(settings: RolloutSettings, reward_policy: str) -> RolloutConfig | None:
+    """The canary rollout's configuration from its settings (RLPROXY_ROLLOUT_*); None when it
+    is off (RLPROXY_ROLLOUT)."""
+    if not settings.enabled:
+        return None
+    return RolloutConfig(
+        share=settings.share,
+        test=RolloutTest(
+            margin=settings.margin,
+            alpha=settings.alpha,
+            min_groups=settings.min_groups,
+            max_groups=settings.max_groups,
+        ),
+        reward_policy=reward_policy,
+    )
 
 
 @dataclass
