@@ -32,6 +32,14 @@ Explicit ids win: a call with `explicit_trajectory_id` appends to that trajector
 if it was closed: the agent said where the call belongs) or creates it. Closed trajectories are
 never continued implicitly; the store only offers open ones.
 
+The same canonical chain names a conversation outside storage too: `opening_hash` (the chain
+of the messages through the first assistant message, which every later turn repeats) is the key
+a canary rollout draws a conversation's adapter version by (`proxy.adapters.registry`), so
+"this call continues that conversation" has one definition. `task_signature` is a different
+fact, "the same task": every run of one task shares it (grouping's key, and the replica
+affinity of `proxy.chat.affinity`, where runs of one task sharing a server is the point).
+`agent_signature` is coarser still: one agent across its tasks.
+
 This module is pure: no I/O, no SQL. The store (`storage.write_ops`) calls `PrefixLinker` inside
 its write transaction, with the open trajectories the call's hashes point at; the rule decides,
 and the store writes what it decided.
@@ -151,18 +159,23 @@ def _hashes(
     return h, prefixes
 
 
-def messages_hash(messages: Sequence[dict[str, Any]]) -> str:
-    """Chained hash of a message list (equal lists in canonical form hash equal)."""
-    return _hashes(messages)[0]
-
-
-def assistant_prefix_hashes(messages: Sequence[dict[str, Any]]) -> dict[str, int]:
-    """Hash of every prefix that ends with an assistant message -> its length."""
-    return _hashes(messages)[1]
+def opening_hash(messages: Sequence[dict[str, Any]]) -> str | None:
+    """The chained hash of `messages` up to and including the first assistant message: what
+    every turn of one conversation repeats, in the linker's canonical form, so a client's own
+    shape of an answer (no `refusal`, other call ids, re-dumped arguments) keys as the answer
+    the server gave. The unkeyed chain: the shortest of `PrefixLinker.keys`' prefix hashes for
+    a call without an owner. None while there is no assistant message (a first turn)."""
+    h = _SEED
+    for m in messages:
+        h = _chain(h, m)
+        if m.get("role") == "assistant":
+            return h
+    return None
 
 
 def task_signature(messages: Sequence[dict[str, Any]], tools: Sequence[Any] | None) -> str:
-    """Hash of the system prompt(s), the first user message and the tool schemas."""
+    """Hash of the system prompt(s), the first user message and the tool schemas: "the same
+    task", which every run of it shares (not "the same conversation": see `opening_hash`)."""
     head: list[dict[str, Any]] = []
     for m in messages:
         head.append(canonical_message(m))

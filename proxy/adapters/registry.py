@@ -13,7 +13,8 @@ versions per call: the canary for a share of the traffic, the active version for
 (`route`). Which one is a stable hash of the conversation (`canary_draw`: blake2b of its key,
 keyed by the policy and the canary's version), so every replica, before and after a restart,
 sends a conversation to the same version. A conversation's key is its explicit trajectory id,
-else its opening up to the first answer; a first turn without an id has no key yet and draws at
+else its opening up to the first answer (`conversation_key`, hashed as the trajectory linker
+hashes it); a first turn without an id has no key yet and draws at
 random, and the replica that served it keeps the conversation on that draw (`StickyRoutes`);
 on another replica its later turns follow the hash (send a trajectory id to have every turn
 agree everywhere). Pins (`NAME@N`, `NAME@base`) are never split.
@@ -25,7 +26,6 @@ The registry only maps names to versions; loading weights is the engine's job, a
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 import threading
 import time
@@ -35,6 +35,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from proxy.errors import ModelNotFoundError
+from storage.linking import opening_hash
 
 
 def parse_version(suffix: str) -> int | None:
@@ -68,18 +69,14 @@ def conversation_key(
     messages: list[dict[str, Any]], trajectory_id: str | None = None
 ) -> str | None:
     """What stays the same on every turn of one conversation: an explicit trajectory id, else
-    the messages up to and including the first assistant message (its text and tool calls, as
-    the client sends them back). None for a first turn that has no answer yet: it draws, and
-    `remember` keys its answer."""
+    its opening up to and including the first answer (`storage.linking.opening_hash`, the
+    trajectory linker's canonical chain, so a conversation the store links as one draws as
+    one). None for a first turn that has no answer yet: it draws, and `remember` keys its
+    answer."""
     if trajectory_id:
         return f"t:{trajectory_id}"
-    opening = []
-    for m in messages:
-        opening.append(_message_text(m))
-        if m.get("role") == "assistant":
-            digest = hashlib.sha256(json.dumps(opening, ensure_ascii=False).encode()).hexdigest()
-            return f"m:{digest}"
-    return None
+    opening = opening_hash(messages)
+    return None if opening is None else f"m:{opening}"
 
 
 def canary_draw(key: str, policy: str, canary_version: int) -> float:
@@ -90,18 +87,6 @@ def canary_draw(key: str, policy: str, canary_version: int) -> float:
         secret = hashlib.blake2b(secret).digest()  # (cutting it would drop the version)
     digest = hashlib.blake2b(key.encode(), digest_size=8, key=secret).digest()
     return int.from_bytes(digest, "big") / 2.0**64
-
-
-def _message_text(m: dict[str, Any]) -> list[Any]:
-    content = m.get("content")
-    if isinstance(content, list):
-        content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
-    calls = [
-        [c.get("function", {}).get("name"), c.get("function", {}).get("arguments")]
-        for c in m.get("tool_calls") or []
-        if isinstance(c, dict)
-    ]
-    return [m.get("role"), content or "", calls]
 
 
 class StickyRoutes:

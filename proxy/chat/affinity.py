@@ -1,6 +1,6 @@
 """Which conversation a call belongs to, as a key an engine with several servers routes by.
 
-    key = affinity_key(call, messages)     # "trajectory:...", "session:..." or "task:..."
+    key = affinity_key(call, dumped)       # "trajectory:...", "session:..." or "task:..."
 
 Agents resend the whole history on every turn. A server with a prefix cache (vLLM's) prefills
 only what is new when it saw the previous turn, so every turn of one conversation should reach
@@ -17,6 +17,12 @@ the same server (`proxy.engines.vllm_replicas.ReplicaPool.pick`). The key, first
    history repeats it, and conversations that start differently differ. Runs of one task (a
    group's attempts) share it, which suits a prefix cache too: they share that prefix.
 
+This is not the canary's conversation key (`proxy.adapters.registry.conversation_key`), though
+both start from the explicit trajectory id: that one must tell two runs of one task apart (each
+draws its version on its own) and keys a conversation by its opening through the first answer
+(`storage.linking.opening_hash`); this one wants runs of one task together, and a session
+header is as good as an id to it.
+
 A key is never stored and carries no text: headers and ids are hashed as well. Nothing here
 speaks to an engine; the engine decides what a key means, and computes it only when it routes
 by one (`GenerationRequest.affinity` is this function, not yet called).
@@ -25,9 +31,8 @@ by one (`GenerationRequest.affinity` is this function, not yet called).
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 
-from proxy.chat.record import CallInfo
+from proxy.chat.record import CallInfo, RequestDump
 from storage.linking import task_signature
 
 SESSION_HEADERS = (
@@ -40,8 +45,9 @@ SESSION_HEADERS = (
 """Session headers, lower case, in the order they are looked for."""
 
 
-def affinity_key(call: CallInfo, messages: list[dict[str, Any]]) -> str:
-    """The key that keeps `call`'s conversation on one server (see the module docstring)."""
+def affinity_key(call: CallInfo, dumped: RequestDump) -> str:
+    """The key that keeps `call`'s conversation on one server (see the module docstring);
+    `dumped` is `call.request` as validation dumped it."""
     trajectory = call.explicit_trajectory_id
     if trajectory:
         return "trajectory:" + _digest(trajectory)
@@ -49,8 +55,7 @@ def affinity_key(call: CallInfo, messages: list[dict[str, Any]]) -> str:
         value = call.headers.get(header)
         if value:
             return "session:" + _digest(f"{header}={value}")
-    tools = [t.model_dump(exclude_none=True) for t in call.request.tools or []]
-    return "task:" + task_signature(messages, tools)
+    return "task:" + task_signature(dumped.messages, dumped.tools)
 
 
 def _digest(text: str) -> str:

@@ -29,6 +29,38 @@ GROUP_HEADER = "x-rlproxy-group"
 RETRY_HEADER = "x-stainless-retry-count"
 
 
+@dataclass(frozen=True)
+class RequestDump:
+    """A chat request as plain JSON values, dumped once (`model_dump(exclude_none=True,
+    by_alias=True)`): validation, the prompt, the grammar, routing keys and the call record all
+    read this one form."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    """None when the request has none (an empty list too)."""
+    fields: dict[str, Any]
+    """Every other top-level field by its wire name, unknown ones included."""
+    unknown: frozenset[str] = frozenset()
+    """The top-level fields rlproxy does not know (`ChatCompletionRequest.unknown_fields`)."""
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest) -> RequestDump:
+        fields = req.model_dump(exclude_none=True, by_alias=True)
+        messages = fields.pop("messages")
+        tools = fields.pop("tools", None) or None
+        return cls(messages, tools, fields, frozenset(req.unknown_fields()))
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The request's known parameters, as stored; messages, tools and model have columns
+        of their own.
+
+        Top-level fields rlproxy does not know are not stored (they are logged by name when
+        the request is validated): a client's junk, or a key it put in the body, never reaches
+        the database."""
+        return {k: v for k, v in self.fields.items() if k != "model" and k not in self.unknown}
+
+
 @dataclass
 class CallInfo:
     """A call as it arrived: everything its record needs before the answer exists."""
@@ -95,8 +127,7 @@ def call_record(
     response: dict[str, Any] | None = None,
     usage: dict[str, Any] | None = None,
     error: str | None = None,
-    messages: list[dict[str, Any]] | None = None,
-    tools: list[dict[str, Any]] | None = None,
+    dumped: RequestDump | None = None,
     prompt_token_ids: list[int] | None = None,
     adapter_version: int | None = None,
     shadow_samples: Sequence[ChoiceRecord] = (),
@@ -106,18 +137,16 @@ def call_record(
 ) -> CallRecord:
     """The record of one finished (or failed, or abandoned) call.
 
-    `messages` and `tools` default to the request's, as the client sent them. `output_budget`
+    `dumped`: the request as validation dumped it (`PreparedChat.dumped`); dumped here when
+    not given (the upstream service validates nothing). `output_budget`
     (the policy's calls) is stored as `params["output_budget"]`, `{"requested", "used"}`,
     beside the request's own `max_tokens` / `max_completion_tokens` (what was asked for, as
     ever).
     """
     req, headers = call.request, call.headers
     latency = time.monotonic() - call.started
-    if messages is None:
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-    if tools is None and req.tools:
-        tools = [t.model_dump(exclude_none=True) for t in req.tools]
-    params = request_params(req)
+    dumped = dumped or RequestDump.of(req)
+    params = dumped.params
     if logprobs_after_grammar:
         params[LOGPROBS_AFTER_GRAMMAR] = True
     if output_budget is not None:
@@ -133,8 +162,8 @@ def call_record(
         model_requested=req.model,
         adapter_version=adapter_version,
         engine=engine,
-        request_messages=messages,
-        tools=tools,
+        request_messages=dumped.messages,
+        tools=dumped.tools,
         params=params,
         response=response,
         choices=list(choices),
@@ -155,20 +184,6 @@ def call_record(
         protocol=call.protocol,
         retrievable=call.retrievable,
     )
-
-
-def request_params(req: ChatCompletionRequest) -> dict[str, Any]:
-    """The request's known parameters; messages, tools and model have columns of their own.
-
-    Top-level fields rlproxy does not know are not stored (they are logged by name when the
-    request is validated): a client's junk, or a key it put in the body, never reaches the
-    database."""
-    params: dict[str, Any] = req.model_dump(
-        exclude_none=True,
-        by_alias=True,
-        exclude={"messages", "tools", "model", *req.unknown_fields()},
-    )
-    return params
 
 
 def explicit_id(

@@ -25,7 +25,7 @@ from proxy.chat import grammar
 from proxy.chat.budget import DEFAULT_RULE, BudgetRule, OutputBudget, prompt_too_long
 from proxy.chat.grammar import ToolChoice, json_shape
 from proxy.chat.prompt import ChatTemplate
-from proxy.chat.record import CallInfo
+from proxy.chat.record import CallInfo, RequestDump
 from proxy.chat.tool_formats import HERMES, ToolFormat
 from proxy.engines.base import SamplingParams
 from proxy.errors import InvalidRequestError
@@ -58,8 +58,8 @@ class PreparedChat:
 
     call: CallInfo
     resolved: Resolved
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
+    dumped: RequestDump
+    """The request as plain JSON, dumped once; the call record stores this form."""
     parse_tools: bool
     prompt_ids: list[int]
     params: SamplingParams
@@ -72,6 +72,14 @@ class PreparedChat:
     @property
     def request(self) -> ChatCompletionRequest:
         return self.call.request
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return self.dumped.messages
+
+    @property
+    def tools(self) -> list[dict[str, Any]] | None:
+        return self.dumped.tools
 
     @property
     def request_id(self) -> str:
@@ -124,8 +132,7 @@ def prepare_chat(
     return PreparedChat(
         call=call,
         resolved=rendered.resolved,
-        messages=rendered.messages,
-        tools=rendered.tools,
+        dumped=rendered.dumped,
         parse_tools=rendered.parse_tools,
         prompt_ids=prompt_ids,
         params=params,
@@ -157,8 +164,7 @@ class RenderedChat:
     """A validated request's prompt text and what was read from the request to render it."""
 
     resolved: Resolved
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
+    dumped: RequestDump
     parse_tools: bool
     grammar: grammar.Grammar | None
     text: str
@@ -174,7 +180,7 @@ def render_chat(
 ) -> RenderedChat:
     """Validate `call.request` (every 4xx but the context's) and render its prompt text."""
     req, request_id = call.request, call.request_id
-    check_shape(req, limits)
+    dumped = check_shape(req, limits)
     if req.unknown_fields():
         logger.info("request %s: ignoring unknown fields %s", request_id, req.unknown_fields())
     resolved = registry.resolve(req.model, protocol=call.protocol)
@@ -204,13 +210,12 @@ def render_chat(
             "Invalid value for 'top_logprobs': you must set 'logprobs' to true.",
             param="top_logprobs",
         )
-    messages = [m.model_dump(exclude_none=True) for m in req.messages]
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    tools = dumped.tools
     choice = tool_choice(req, tools)
-    constraint = grammar_for(req, tools, choice, template.tool_format)
+    constraint = grammar_for(req, dumped, choice, template.tool_format)
     rendered_tools = tools if choice.kind != "none" else None
     try:
-        text = template.render(messages, rendered_tools)
+        text = template.render(dumped.messages, rendered_tools)
         text.encode("utf-8")  # a lone surrogate ("\ud800") is valid JSON but not text
     except UnicodeEncodeError as exc:
         raise InvalidRequestError(
@@ -222,20 +227,22 @@ def render_chat(
         raise InvalidRequestError(str(exc), param="messages") from exc
     return RenderedChat(
         resolved=resolved,
-        messages=messages,
-        tools=tools,
+        dumped=dumped,
         parse_tools=choice.kind != "none",
         grammar=constraint,
         text=text,
     )
 
 
-def check_shape(req: ChatCompletionRequest, limits: RequestLimits) -> None:
-    """Refuse a request whose size alone is too much (400), before any work that grows with it."""
+def check_shape(req: ChatCompletionRequest, limits: RequestLimits) -> RequestDump:
+    """Refuse a request whose size alone is too much (400), before any work that grows with it;
+    the request dumped once (after its lengths are known to be bounded), which every later step
+    reads."""
     stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
     _at_most("messages", len(req.messages), limits.max_messages)
     _at_most("stop", len(stops), MAX_STOP)
     _at_most("tools", len(req.tools or []), MAX_TOOLS)
+    dumped = RequestDump.of(req)
     schemas = [
         (f"tools[{i}].function.parameters", tool.function.parameters)
         for i, tool in enumerate(req.tools or [])
@@ -246,7 +253,7 @@ def check_shape(req: ChatCompletionRequest, limits: RequestLimits) -> None:
         schemas.append(("response_format.json_schema.schema", fmt.json_schema.schema_))
     # Every other parameter is stored as JSON: bound its nesting too (OpenAI's `metadata` is a
     # flat map; nothing rlproxy knows nests more than a few levels).
-    params = req.model_dump(exclude={"messages", "tools", "response_format"}, exclude_none=True)
+    params = {k: v for k, v in dumped.fields.items() if k != "response_format"}
     for param, value in params.items():
         depth, _ = json_shape(value)
         if depth > limits.max_schema_depth:
@@ -273,6 +280,7 @@ def check_shape(req: ChatCompletionRequest, limits: RequestLimits) -> None:
             "(RLPROXY_MAX_SCHEMA_NODES).",
             param="tools" if req.tools else "response_format",
         )
+    return dumped
 
 
 def _at_most(param: str, length: int, limit: int) -> None:
@@ -310,11 +318,11 @@ def tool_choice(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) 
 
 def grammar_for(
     req: ChatCompletionRequest,
-    tools: list[dict[str, Any]] | None,
+    dumped: RequestDump,
     choice: ToolChoice,
     tool_format: ToolFormat = HERMES,
 ) -> grammar.Grammar | None:
-    fmt = req.response_format
+    fmt, tools = req.response_format, dumped.tools
     constrains_tools = bool(tools) and choice.kind != "none"
     if (
         not constrains_tools
@@ -329,7 +337,7 @@ def grammar_for(
         )
     try:
         return grammar.constraint_for_request(
-            fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else None,
+            dumped.fields.get("response_format"),
             tools,
             choice,
             parallel_tool_calls=req.parallel_tool_calls is not False,

@@ -261,7 +261,7 @@ class ChatService:
             grammar=prep.grammar,
             request_id=prep.request_id,
             background=self.background,
-            affinity=partial(affinity_key, prep.call, prep.messages),
+            affinity=partial(affinity_key, prep.call, prep.dumped),
         )
 
     def _shadow_outcomes(
@@ -493,8 +493,7 @@ class ChatService:
             response=body,
             usage=self._usage(prep, outcomes) if outcomes else None,
             error=error,
-            messages=prep.messages,
-            tools=prep.tools,
+            dumped=prep.dumped,
             prompt_token_ids=prep.prompt_ids,
             adapter_version=prep.resolved.version,
             shadow_samples=shadow or [],

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.chat.affinity import SESSION_HEADERS, affinity_key
-from proxy.chat.record import CallInfo
+from proxy.chat.record import CallInfo, RequestDump
 from proxy.protocols.chat import ChatCompletionRequest
 from storage.linking import task_signature
 
@@ -22,7 +22,8 @@ def call(messages: list[dict[str, Any]], headers: dict[str, str] | None = None, 
 
 
 def key(messages: list[dict[str, Any]], headers: dict[str, str] | None = None, **body: Any) -> str:
-    return affinity_key(call(messages, headers, **body), messages)
+    info = call(messages, headers, **body)
+    return affinity_key(info, RequestDump.of(info.request))
 
 
 def conversation(first: str, turns: int) -> list[list[dict[str, Any]]]:

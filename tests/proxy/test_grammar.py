@@ -23,7 +23,7 @@ from proxy.chat.grammar import (
     constraint_for_tools,
 )
 from proxy.chat.prompt import ChatTemplate
-from proxy.chat.tool_parser import parse_complete
+from proxy.chat.tool_formats import HERMES
 from proxy.engines.token_mask import (
     GrammarError,
     allocate_bitmask,
@@ -185,7 +185,7 @@ def generate(
 
 def assert_valid_calls(row: Row, *, allowed: set[str], exactly: int | None = None) -> list[dict]:
     """The row's calls parse and, if the row finished, validate against their tools' schemas."""
-    content, calls = parse_complete(row.text, tool_names=allowed)
+    content, calls = HERMES.parse_complete(row.text, tool_names=allowed)
     assert "<tool_call>" not in (content or ""), row.text
     complete = calls if row.stopped else calls[:-1]
     for call in complete:
@@ -239,7 +239,7 @@ def test_json_schema_output_validates(outputs) -> None:
 def test_required_single_call_is_one_valid_call(outputs) -> None:
     for row in outputs["required_one"]:
         assert_valid_calls(row, allowed=ALL_TOOLS, exactly=1)
-        assert parse_complete(row.text)[0] is None  # nothing but the call
+        assert HERMES.parse_complete(row.text)[0] is None  # nothing but the call
 
 
 def test_required_parallel_calls_are_valid(outputs) -> None:
@@ -384,6 +384,7 @@ def test_objects_without_additional_properties_are_closed() -> None:
 
 def test_a_tool_named_auto_is_forced_when_named() -> None:
     """tool_choice is typed: naming a tool called "auto" forces that call, it is not the mode."""
+    from proxy.chat.record import RequestDump
     from proxy.chat.request import grammar_for, tool_choice
     from proxy.protocols.chat import ChatCompletionRequest
 
@@ -396,8 +397,8 @@ def test_a_tool_named_auto_is_forced_when_named() -> None:
             "tool_choice": {"type": "function", "function": {"name": "auto"}},
         }
     )
-    dumped = [t.model_dump(exclude_none=True) for t in req.tools or []]
-    choice = tool_choice(req, dumped)
+    dumped = RequestDump.of(req)
+    choice = tool_choice(req, dumped.tools)
     assert choice == ToolChoice("function", "auto")
     forced = grammar_for(req, dumped, choice)
     free = grammar_for(req, dumped, ToolChoice("auto"))

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from proxy.chat.record import CallInfo, call_record, explicit_id, retry_count
+from proxy.chat.record import CallInfo, RequestDump, call_record, explicit_id, retry_count
 from proxy.chat.upstream import NO_TOKEN_IDS, StreamAccumulator
 from proxy.engines.upstream import UpstreamEngine, to_api_error
 from proxy.errors import ServerError
@@ -167,3 +167,40 @@ def test_unknown_top_level_fields_are_not_stored() -> None:
     req = _request(temperature=0.3, api_key="sk-in-the-body", junk="x" * 100_000)
     params = call_record(CallInfo(req, "req_1"), engine="local", status="completed").params
     assert params == {"temperature": 0.3}
+
+
+def test_the_request_dumped_once_stores_what_each_part_dumped_alone_gives() -> None:
+    """`RequestDump` is one `model_dump` of the whole request; the stored messages, tools and
+    params are what dumping each part on its own gives (aliases such as `response_format`'s
+    `schema` by their wire name, nulls left out, unknown top-level fields not stored)."""
+    tool = {
+        "type": "function",
+        "function": {"name": "f", "description": None, "parameters": {"type": "object"}},
+        "x-extra": 1,
+    }
+    req = _request(
+        messages=[
+            {"role": "system", "content": "s", "name": None},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}], "x-part": {"a": [1]}},
+        ],
+        tools=[tool],
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "n", "schema": {"type": "object"}, "strict": None},
+        },
+        temperature=0.5,
+        metadata={"trajectory_id": "t"},
+        junk={"deep": [1]},
+    )
+    dumped = RequestDump.of(req)
+    assert dumped.messages == [m.model_dump(exclude_none=True) for m in req.messages]
+    assert dumped.tools == [t.model_dump(exclude_none=True) for t in req.tools or []]
+    assert dumped.params == req.model_dump(
+        exclude_none=True, by_alias=True, exclude={"messages", "tools", "model", "junk"}
+    )
+    assert dumped.params["response_format"]["json_schema"]["schema"] == {"type": "object"}
+    assert "junk" in dumped.fields and "junk" not in dumped.params
+    record = call_record(CallInfo(req, "req_1"), engine="local", status="completed")
+    assert record.request_messages == dumped.messages and record.tools == dumped.tools
+    assert record.params == dumped.params
+    assert RequestDump.of(_request(tools=[])).tools is None  # no tools, as before

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from proxy.adapters.registry import Resolved, ServedModels, canary_draw, conversation_key
+from storage.linking import PrefixLinker
+from storage.records import CallRecord, ChoiceRecord
 from trainer import checkpoints
 
 
@@ -101,6 +103,25 @@ def test_tool_calls_key_the_same_as_the_client_sends_them_back() -> None:
     user = {"role": "user", "content": [{"type": "text", "text": "go"}]}
     user_plain = {"role": "user", "content": "go"}
     assert conversation_key([user, ours]) == conversation_key([user_plain, theirs])
+
+
+def test_the_conversation_key_is_the_opening_the_trajectory_linker_continues_from() -> None:
+    """A conversation the store links as one trajectory draws as one: the key of a later turn
+    is the linker's hash of the first turn's request and the answer it got."""
+    first = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    record = CallRecord(
+        id="c",
+        created_at=1.0,
+        finished_at=2.0,
+        model_requested="rlproxy",
+        engine="local",
+        request_messages=first,
+        choices=[ChoiceRecord(0, {"role": "assistant", "content": "a", "refusal": None})],
+        status="completed",
+    )
+    answered = PrefixLinker().keys(record).next_prefix_hash
+    later = [*first, {"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}]
+    assert conversation_key(later) == f"m:{answered}"
 
 
 def test_activation_ends_the_canary_and_forgets_the_conversations() -> None:

@@ -11,9 +11,8 @@ from storage.linking import (
     DISCONNECT_GRACE_S,
     PrefixLinker,
     agent_signature,
-    assistant_prefix_hashes,
     canonical_message,
-    messages_hash,
+    opening_hash,
     task_signature,
 )
 from storage.records import CallRecord, ChoiceRecord, TrajectoryState
@@ -33,6 +32,11 @@ def _call(messages: list[dict[str, Any]], answer: str | None = "ok", **kw: Any) 
     }
     fields.update(kw)
     return CallRecord(**fields)
+
+
+def _request_hash(messages: list[dict[str, Any]]) -> str:
+    """The chained hash of `messages` as the linker computes it for an unkeyed call."""
+    return PrefixLinker().keys(_call(messages)).request_hash
 
 
 def _state(tid: str, **kw: Any) -> TrajectoryState:
@@ -104,7 +108,7 @@ def _state(tid: str, **kw: Any) -> TrajectoryState:
 )
 def test_cosmetic_differences_canonicalise_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert canonical_message(a) == canonical_message(b)
-    assert messages_hash([a]) == messages_hash([b])
+    assert _request_hash([a]) == _request_hash([b])
 
 
 @pytest.mark.parametrize(
@@ -133,7 +137,7 @@ def test_cosmetic_differences_canonicalise_equal(a: dict[str, Any], b: dict[str,
     ],
 )
 def test_real_differences_hash_differently(a: dict[str, Any], b: dict[str, Any]) -> None:
-    assert messages_hash([a]) != messages_hash([b])
+    assert _request_hash([a]) != _request_hash([b])
 
 
 def test_prefix_hashes_chain_to_next_prefix_hash() -> None:
@@ -143,10 +147,75 @@ def test_prefix_hashes_chain_to_next_prefix_hash() -> None:
     history = [*msgs, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
     second = linker.keys(_call(history, "a2"))
     assert second.prefix_hashes == {first.next_prefix_hash: 3}
-    assert first.request_hash == messages_hash(msgs)
-    assert assistant_prefix_hashes(msgs) == {}
+    assert first.prefix_hashes == {}  # no assistant message yet
     # An error (no answer) has no continuation point.
     assert linker.keys(_call(msgs, None)).next_prefix_hash is None
+
+
+def test_stored_hashes_are_computed_as_before() -> None:
+    """The hashes a database holds (request, prefix and next-prefix hashes, keyed and unkeyed;
+    the task and agent signatures) are pinned: a change to the canonical form or the chain
+    would stop stored trajectories from linking and groups from forming, unless the store
+    migrates."""
+    msgs = [
+        {"role": "system", "content": "Be  brief."},
+        {"role": "user", "content": "q"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "f", "arguments": '{"b": 1, "a": 2}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "r"},
+        {"role": "user", "content": "q2"},
+    ]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    unkeyed = PrefixLinker().keys(_call(msgs, "done", tools=tools))
+    assert unkeyed.prefix_hashes == {
+        "7cfd3242bbc669c0751fe922cef29b805c8de565974bf6debea5e4c727ef5926": 3
+    }
+    assert unkeyed.request_hash == (
+        "d3e8ae00d09ce06fcd6d1d78de6f0fc42d726612cf21eba8de36385e70f595af"
+    )
+    assert unkeyed.next_prefix_hash == (
+        "10d83ed937c42e14f64a49bd0ab0f819323ac0c846b40faa8d826874f6ea26fc"
+    )
+    assert unkeyed.task_signature == (
+        "42006facbfc4deb948e7e0f98c8e218d539dfb091e1870856e6e6bf764f14286"
+    )
+    keyed = PrefixLinker().keys(_call(msgs, "done", tools=tools, owner_key_id="k1"))
+    assert keyed.request_hash == (
+        "840b3eb765df76c32eead1d26135c8175ef0361cf6ddfd17e8b20f8865fc3c9a"
+    )
+    assert keyed.next_prefix_hash == (
+        "2010b6dcc2145a77aa294a1d0c84a2c8115dd0b2a0050bab7da30b1ee0d45410"
+    )
+    assert agent_signature(msgs, tools) == (
+        "f3caaaaba030f7bb382d359bf9cf861d204b4c9ff40563b48a2ddcd3a86fcb40"
+    )
+
+
+def test_the_opening_hash_is_the_first_answer_prefix_the_linker_continues_from() -> None:
+    """`opening_hash` (the canary's conversation key) is the linker's own chain: the prefix
+    hash through the first assistant message, which is the first turn's `next_prefix_hash`
+    for an unkeyed call; every later turn repeats it."""
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    assert opening_hash(msgs) is None  # a first turn has no answer yet
+    first = PrefixLinker().keys(_call(msgs, "a1"))
+    turn2 = [*msgs, {"role": "assistant", "content": " a1 ", "refusal": None}]
+    turn2 += [{"role": "user", "content": "q2"}]
+    assert opening_hash(turn2) == first.next_prefix_hash
+    turn3 = [*turn2, {"role": "assistant", "content": "a2"}, {"role": "user", "content": "q3"}]
+    assert opening_hash(turn3) == opening_hash(turn2)
+    second = PrefixLinker().keys(_call(turn3, "a3"))
+    assert opening_hash(turn3) == min(second.prefix_hashes, key=second.prefix_hashes.__getitem__)
+    keyed = PrefixLinker().keys(_call(msgs, "a1", owner_key_id="k1"))
+    assert keyed.next_prefix_hash != first.next_prefix_hash  # keys chain apart; the opening not
 
 
 def test_task_signature_covers_system_first_user_and_tools() -> None:
