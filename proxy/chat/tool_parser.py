@@ -9,9 +9,10 @@ other family's parser, `proxy.chat.tool_parser_llama3`, emits the same events an
     <tool_call>{"name": "get_time", "arguments": {}}</tool_call>
 
 `ToolCallStreamParser` turns text deltas into events (`TextDelta`, `ToolCallStart`,
-`ToolCallArgsDelta`); `parse_complete` turns a whole text into `(content, tool_calls)` in
-OpenAI's shape. Both apply the same rules, so any split of a text into deltas yields the same
-content and calls as `parse_complete`:
+`ToolCallArgsDelta`) and, once finished, holds the whole output's `content` and `tool_calls` in
+OpenAI's shape (`ToolFormat.parse_complete` feeds a whole text at once). The rules are the same
+however the text arrives, so any split of a text into deltas yields the same content and calls
+as the whole text:
 
 - Text that might be the start of `<tool_call>` is held back until it is known not to be; a
   partial tag never leaks into the content. Whitespace right before `<tool_call>` and right after
@@ -36,7 +37,7 @@ import json
 import re
 import secrets
 import string
-from collections.abc import Collection, Iterable
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -401,33 +402,3 @@ def canonical_args(arguments: str) -> str:
         return json.dumps(json.loads(arguments), sort_keys=True)
     except ValueError:
         return arguments
-
-
-def parse_complete(
-    text: str, tool_names: Collection[str] | None = None
-) -> tuple[str | None, list[dict[str, Any]]]:
-    """Content and OpenAI tool calls of a whole model output (same rules as streaming).
-
-    Content is None when there are calls and no text, as in OpenAI's responses.
-    """
-    parser = ToolCallStreamParser(tool_names)
-    parser.feed(text)
-    parser.finish()
-    return parser.content, parser.tool_calls
-
-
-def collect(events: Iterable[Event]) -> tuple[str | None, list[dict[str, Any]]]:
-    """Fold a stream of events into (content, tool_calls), as a streaming client would."""
-    text: list[str] = []
-    calls: list[dict[str, Any]] = []
-    for ev in events:
-        if isinstance(ev, TextDelta):
-            text.append(ev.text)
-        elif isinstance(ev, ToolCallStart):
-            calls.append(
-                {"id": ev.id, "type": "function", "function": {"name": ev.name, "arguments": ""}}
-            )
-        else:
-            calls[ev.index]["function"]["arguments"] += ev.fragment
-    content = "".join(text)
-    return (content if content or not calls else None), calls

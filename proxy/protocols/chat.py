@@ -17,7 +17,6 @@ imports here, so every room may use them.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, model_validator
@@ -219,7 +218,3 @@ def chunk(
     if include_usage_field:
         body["usage"] = usage_
     return body
-
-
-def now() -> int:
-    return int(time.time())

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from proxy.chat.prompt import ChatFormatError, ChatTemplate, UnsupportedContentError
-from proxy.chat.tool_parser import parse_complete
+from proxy.chat.tool_formats import HERMES
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -151,7 +151,7 @@ def test_assistant_tool_calls_and_results_round_trip(render) -> None:
         '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
     )
     # What the parser reads back from that turn is what the client sent.
-    content, calls = parse_complete(assistant)
+    content, calls = HERMES.parse_complete(assistant)
     assert content == "Checking."
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
         ("get_weather", args),

@@ -8,15 +8,17 @@ import re
 
 import pytest
 
+from proxy.chat.tool_formats import HERMES
 from proxy.chat.tool_parser import (
     TextDelta,
     ToolCallArgsDelta,
     ToolCallStart,
     ToolCallStreamParser,
-    collect,
     new_call_id,
-    parse_complete,
 )
+from tests.proxy.tool_events import collect
+
+parse_complete = HERMES.parse_complete  # a whole output, as the chat service parses it
 
 CALL_W = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 CALL_T = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'

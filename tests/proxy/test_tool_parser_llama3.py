@@ -9,8 +9,9 @@ import random
 import pytest
 
 from proxy.chat.tool_formats import FORMATS, LLAMA3_JSON
-from proxy.chat.tool_parser import TextDelta, collect
+from proxy.chat.tool_parser import TextDelta
 from proxy.chat.tool_parser_llama3 import Llama3JsonStreamParser, parse_complete
+from tests.proxy.tool_events import collect
 
 CALL_W = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 CALL_T = '{"name": "get_time", "arguments": {}}'
