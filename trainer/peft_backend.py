@@ -189,7 +189,13 @@ class PeftTrainer:
             # row's tensors still reuse the heap (fresh pages for each cost up to 1.3x the CPU
             # time of a short step at 64 KiB) while a long pass's activations of several MB
             # get pages of their own.
-            _glibc("mallopt", M_MMAP_THRESHOLD, config.mmap_threshold)
+            set_mmap_threshold(config.mmap_threshold)
+        if config.release_memory != "off" and _glibc("malloc_trim", 0) is None:
+            logger.warning(
+                "release_memory %r: malloc_trim is not available (the C library is not glibc), "
+                "so freed heap pages are not handed back after each step",
+                config.release_memory,
+            )
         with self._rng(config.seed):  # the LoRA A init is random: make it reproducible
             self.model: PeftModel = self._load_model()
         # Padding is masked out of attention and loss, so any id does; the model's own is tidiest.
@@ -375,6 +381,8 @@ class PeftTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.model.eval()
             if self.config.release_memory != "off":
+                # 1 or 0 says only whether pages went back; a missing malloc_trim was warned
+                # about when the trainer started.
                 _glibc("malloc_trim", 0)
         self.step += 1
 
@@ -745,10 +753,39 @@ M_MMAP_THRESHOLD = -3
 """mallopt's parameter number for the mmap threshold (glibc's malloc.h)."""
 
 
-def _glibc(function: str, *args: int) -> None:
-    """Call glibc's `function` (malloc_trim, mallopt); nothing where the C library is another."""
+def set_mmap_threshold(size: int) -> bool:
+    """Give every allocation of `size` bytes or more pages of its own, returned to the system
+    when freed (glibc's `mallopt(M_MMAP_THRESHOLD, size)`, which also stops glibc from raising
+    the threshold as large blocks are freed). Process-wide. True when it took effect; otherwise
+    a warning says so and the heap keeps glibc's defaults."""
+    return mallopt(M_MMAP_THRESHOLD, size, "M_MMAP_THRESHOLD")
+
+
+def mallopt(param: int, value: int, name: str) -> bool:
+    """glibc's `mallopt(param, value)` (`name`: the parameter's name in malloc.h, for the log).
+    True when glibc took the setting (mallopt returns 1); a warning naming the setting that did
+    not take effect when it refused it (0) or the C library has no mallopt (not glibc)."""
+    result = _glibc("mallopt", param, value)
+    if result == 1:
+        logger.info("glibc malloc: %s set to %d", name, value)
+        return True
+    if result is None:
+        logger.warning(
+            "mallopt(%s, %d) did not take effect: the C library has no mallopt (not glibc)",
+            name,
+            value,
+        )
+    else:
+        logger.warning("mallopt(%s, %d) did not take effect: glibc refused it", name, value)
+    return False
+
+
+def _glibc(function: str, *args: int) -> int | None:
+    """glibc's `function` (mallopt, malloc_trim) called with int arguments: its int result;
+    None where the C library has no such function (it is another)."""
     try:
         call = getattr(ctypes.CDLL(ctypes.util.find_library("c")), function)
     except (OSError, AttributeError, TypeError):
-        return
-    call(*args)
+        return None
+    call.restype = ctypes.c_int
+    return int(call(*args))
