@@ -11,12 +11,14 @@ import asyncio
 import dataclasses
 import json
 import random
+import time
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage import Store, migrations
 from storage.engines import create_engines
@@ -312,6 +314,24 @@ async def test_a_database_migrated_from_whole_prompts_reads_as_before(
     assert [s.record for s in stored] == [as_read(c) for c in trajectories["t-open"][1]]
 
 
+async def _backend_pid(conn: AsyncConnection) -> int:
+    return int((await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one())
+
+
+async def _until_blocked(
+    monitor: AsyncConnection, pid: int, *, by: int, late: asyncio.Task[Any], timeout_s: float = 30
+) -> None:
+    """Wait until Postgres says backend `pid` waits on a lock `by` holds (`pg_blocking_pids`);
+    fail if `late`, the task running on `pid`, finishes first or the wait outlasts
+    `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    query = text("SELECT pg_blocking_pids(:pid)")
+    while by not in (await monitor.execute(query, {"pid": pid})).scalar_one():
+        assert not late.done(), "the second insert finished without waiting on the first"
+        assert time.monotonic() < deadline, f"backend {pid} never waited on backend {by}"
+        await asyncio.sleep(0.02)
+
+
 @pytest.fixture
 async def pg_db() -> AsyncIterator[Database]:
     database = await _postgres_database()
@@ -336,9 +356,11 @@ async def test_replicas_inserting_the_same_new_chunk_at_once_both_commit(pg_db: 
         async with engines.write.connect() as one, engines.write.connect() as two:
             await one.begin()
             await two.begin()
+            first, second = await _backend_pid(one), await _backend_pid(two)
             assert await insert_missing(one, split) == len(set(refs))
             late = asyncio.create_task(insert_missing(two, split))
-            await asyncio.sleep(0.5)
+            async with engines.read.connect() as monitor:
+                await _until_blocked(monitor, second, by=first, late=late)
             assert not late.done()  # waiting on the first transaction's rows
             await one.commit()
             assert await late == len(set(refs))  # it looked before they were committed
