@@ -9,7 +9,7 @@ more JSON objects, separated by `;`, optionally preceded by `<|python_tag|>`:
 (`"arguments"` is accepted in place of `"parameters"`). An answer whose first non-blank
 character is anything else is plain content. `Llama3JsonStreamParser` follows the same rules and
 emits the same events as the Hermes parser (`proxy.chat.tool_parser`), so that any split of a
-text into deltas gives what `parse_complete` gives:
+text into deltas gives what `ToolFormat.parse_complete` gives:
 
 - The arguments end where their JSON value ends, found by following the JSON (strings and
   escapes included), so a `}` or `;` inside a string value never ends a call. Argument fragments
@@ -244,16 +244,6 @@ class Llama3JsonStreamParser:
             else:
                 self._buf = stripped
                 self._state = "text"  # unexpected markup after a call: content
-
-
-def parse_complete(
-    text: str, tool_names: Collection[str] | None = None
-) -> tuple[str | None, list[dict[str, Any]]]:
-    """Content and OpenAI tool calls of a whole output (the streaming rules, in one go)."""
-    parser = Llama3JsonStreamParser(tool_names)
-    parser.feed(text)
-    parser.finish()
-    return parser.content, parser.tool_calls
 
 
 def render_call(name: str, arguments: str) -> str:

@@ -10,8 +10,10 @@ import pytest
 
 from proxy.chat.tool_formats import FORMATS, LLAMA3_JSON
 from proxy.chat.tool_parser import TextDelta
-from proxy.chat.tool_parser_llama3 import Llama3JsonStreamParser, parse_complete
+from proxy.chat.tool_parser_llama3 import Llama3JsonStreamParser
 from tests.proxy.tool_events import collect
+
+parse_complete = LLAMA3_JSON.parse_complete  # a whole output, as the chat service parses it
 
 CALL_W = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 CALL_T = '{"name": "get_time", "arguments": {}}'
