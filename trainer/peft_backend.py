@@ -34,13 +34,10 @@ activations and skips the recomputation). With glibc, allocations of `mmap_thres
 each step (`release_memory`): by default glibc keeps the freed activations of a long row in the
 heap, which is most of a CPU step's resident memory.
 
-Where a step's time went before prompt sharing (torch.profiler over one step of
-bench/bench_grpo_speed.py's work, 8 rows of 64 prompt + 64 completion tokens, on a loaded 2-core
-CPU): about half in matmuls, a third in elementwise ops and their backward (norms, rotary, LoRA
-scaling, activations), 5 % attention, 1.5 % AdamW, 1.3 % the log-softmax over the vocabulary;
-all but the last two grow with the tokens run through the decoder. Sharing the prompt runs 576
-tokens there instead of 1,024; the log-softmax is one fused cross-entropy and AdamW one fused
-kernel.
+A CPU step's time goes mostly to matmuls and elementwise ops (and their backward) that grow
+with the tokens run through the decoder, so the prompt a group's rows share runs once; the
+log-softmax is one fused cross-entropy and AdamW one fused kernel (the step's figures beside
+TRL's: docs/benchmarks/grpo.md).
 
 Data-parallel (`trainer.distributed`, `rlproxy train` under torchrun): given a `collective`,
 rank 0's `train_step` first broadcasts the examples to the other ranks, every rank runs its

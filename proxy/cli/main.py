@@ -233,8 +233,8 @@ def _with_vllm_cpu(settings: Settings) -> tuple[Settings, VLLMServer]:
 def exit_now(code: int) -> NoReturn:
     """End the process without tearing down the interpreter. `rlproxy train` has closed its work
     by then (store closed, checkpoints fsynced); the garbage collector's walk over torch's and
-    transformers' objects at interpreter exit took 8-10 s on CPU after SIGTERM, long enough for
-    `serve` (15 s) or `docker stop` (10 s) to SIGKILL a trainer that had already stopped."""
+    transformers' objects at interpreter exit takes seconds on CPU, long enough for `serve` or
+    `docker stop` to SIGKILL a trainer that had already stopped."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

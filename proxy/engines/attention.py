@@ -5,10 +5,9 @@ transformers' SDPA path lets the kernel handle grouped-query attention (several 
 key/value head, `enable_gqa`) only when there is no mask; with a mask (a batch with left
 padding, a prefill on top of a cached prefix) it first copies every layer's keys and values
 once per query head (`repeat_kv`). On CPU, torch's kernel takes the mask and `enable_gqa`
-together, so the copy is pure cost: 8 rows of 115 new tokens over 3,000 cached positions spend
-45 % of their attention time on it (SmolLM2-135M, 9 query heads over 3 key/value heads, 2
-threads). Decode steps (one query position) and unmasked passes (the causal kernel) keep
-transformers' own path, which is already the faster one there.
+together, so the copy is pure cost, and a large share of the attention time of a prefill on top
+of a long cached prefix (docs/benchmarks/long-session.md). Decode steps (one query position) and
+unmasked passes (the causal kernel) keep transformers' own path, the faster one there.
 
 Nothing here changes what is computed: outputs equal transformers' `sdpa` to float tolerance.
 Not used on CUDA, where a mask with `enable_gqa` sends SDPA to its slowest kernel.

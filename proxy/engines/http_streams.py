@@ -10,10 +10,8 @@ with `drain`. `lines_of` splits raw body pieces into lines as SSE defines them; 
 the request body both send; `PooledSession` is the session, `TRANSPORT_ERRORS` what it raises
 when the server cannot be reached, breaks off or a read times out.
 
-aiohttp, not httpx: a proxy pays its client on every call, and aiohttp's costs a third of httpx's
-CPU (measured on loopback against `bench/bench_overhead.py`'s instant server, 2,000 sequential
-calls: 0.29-0.35 ms per call vs 1.01-1.14; streamed 0.42 vs 1.75; behind the vllm engine, time
-to first token +5.0 -> +2.6 ms over calling the server directly, `bench/bench_vllm.py`).
+aiohttp, not httpx: a proxy pays its client on every call, and aiohttp's costs about a third of
+httpx's CPU per call (the figures: docs/benchmarks/overhead.md, `bench/bench_overhead.py`).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ of `torch.cat`-ing the whole cache into a new tensor), spare columns on the left
 longer than the batch widens it without moving anyone) and spare rows (a newcomer is written
 into them). A row that leaves is replaced by the batch's last row (one row copied) and a
 trimmed column just moves the view. Only when the buffer has no room left is everything copied,
-once, into a larger one. Before it, every join and leave copied the whole batch twice (8 rows
-of 3,000 positions of SmolLM2-135M: 1.1 GB each time, seconds on a 2-core machine).
+once, into a larger one: a join or a leave never copies the whole batch (on long sessions that
+copy ran to a gigabyte a time).
 
 Keys and values handed out are views of the buffer; a tensor put in from outside (a prefix
 cache's past, transformers' own `batch_select_indices`) is copied into a new buffer at the next

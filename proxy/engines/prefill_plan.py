@@ -1,11 +1,11 @@
 """How the local engine plans a prefill: which rows share a forward pass, and whether a cached
 prefix is worth using. Pure functions over token counts and the model's size; no tensors run.
 
-Two facts about torch's CPU attention drive them (SmolLM2-135M, 2 threads, measured
-2026-12-05): an unmasked pass takes the causal kernel, which computes only the lower half of
-the (query, key) square, and transformers drops the mask exactly when a pass has no padding and
-no cached prefix; a masked pass computes the whole rectangle. A 2,849-token prompt alone ran
-1.61 ms a token, padded beside a slightly shorter one 2.36 ms.
+Two facts about torch's CPU attention drive them: an unmasked pass takes the causal kernel,
+which computes only the lower half of the (query, key) square, and transformers drops the mask
+exactly when a pass has no padding and no cached prefix; a masked pass computes the whole
+rectangle, so a long prompt padded beside another costs more per token than alone (the figures:
+docs/benchmarks/long-session.md).
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@
     await grouping.run(interval_s=5)  # forever: a background task of `rlproxy serve`
 
 Neither half needs a judge, so neither waits for one: `rlproxy serve` runs this task whether
-`RLPROXY_SCORING` is on or off, and the scorer (`scoring.py`) only judges what is ready. Before
-issue 24 grouping ran inside the scorer's loop, so a team with its own rewards and no judge
-(scoring off) saw its trajectories close and nothing ever grouped or trained.
+`RLPROXY_SCORING` is on or off, and the scorer (`scoring.py`) only judges what is ready: a team
+with its own rewards and no judge still sees its trajectories grouped and trained on. `rlproxy
+score` forms groups through this class too; nothing else forms them.
 
 "Settled" groups are the ready ones whose every member is a trajectory the environment rewarded:
 they are marked scored from those rewards (judge model "explicit"), as the scorer does when it
