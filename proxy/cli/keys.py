@@ -15,14 +15,14 @@ import sys
 import time
 from typing import TextIO
 
-from proxy.runtime import open_runtime
+from proxy.database import opened_store
 from proxy.settings import Settings
 from storage.api_keys import KeyScope
 
 
 async def create_key(settings: Settings, name: str, scope: KeyScope, out: TextIO) -> int:
-    async with open_runtime(settings) as rt:
-        record, key = await rt.store.create_api_key(name, scope)
+    async with opened_store(settings) as store:
+        record, key = await store.create_api_key(name, scope)
     print(key, file=out)
     print(
         f"rlproxy keys: created {record.scope} key {record.id} ({record.name!r}). "
@@ -33,8 +33,8 @@ async def create_key(settings: Settings, name: str, scope: KeyScope, out: TextIO
 
 
 async def list_keys(settings: Settings, out: TextIO) -> int:
-    async with open_runtime(settings) as rt:
-        keys = await rt.store.list_api_keys()
+    async with opened_store(settings) as store:
+        keys = await store.list_api_keys()
     if not keys:
         print("no API keys: the server is open, and serves on loopback only", file=out)
         return 0
@@ -46,8 +46,8 @@ async def list_keys(settings: Settings, out: TextIO) -> int:
 
 
 async def revoke_key(settings: Settings, key_id: str, out: TextIO) -> int:
-    async with open_runtime(settings) as rt:
-        done = await rt.store.revoke_api_key(key_id)
+    async with opened_store(settings) as store:
+        done = await store.revoke_api_key(key_id)
     if not done:
         print(f"rlproxy keys: no active key {key_id!r}", file=sys.stderr)
         return 1
@@ -56,8 +56,8 @@ async def revoke_key(settings: Settings, key_id: str, out: TextIO) -> int:
 
 
 async def delete_data(settings: Settings, key_id: str, out: TextIO) -> int:
-    async with open_runtime(settings) as rt:
-        counts = await rt.store.delete_key_data(key_id)
+    async with opened_store(settings) as store:
+        counts = await store.delete_key_data(key_id)
     deleted = ", ".join(f"{n} {table}" for table, n in counts.items() if n) or "nothing"
     print(f"deleted {deleted} of key {key_id}", file=out)
     return 0

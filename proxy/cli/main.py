@@ -262,15 +262,15 @@ async def export_jsonl(
 ) -> int:
     """Write one fine-tuning line per trajectory with a completed answer; return the count."""
     from proxy.cli.progress import progress
-    from proxy.runtime import open_runtime
+    from proxy.database import opened_store
     from storage.export import to_finetune_line
 
     count = 0
-    async with open_runtime(settings) as rt:
+    async with opened_store(settings) as store:
         filtered = model is not None or group_key is not None
-        total = None if filtered else await rt.store.count_trajectories(status)
+        total = None if filtered else await store.count_trajectories(status)
         with progress(total, "export", "trajectories") as bar:
-            async for detail in rt.store.iter_trajectories_for_export(
+            async for detail in store.iter_trajectories_for_export(
                 status=status, model=model, group_key=group_key
             ):
                 line = to_finetune_line(detail)

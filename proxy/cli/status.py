@@ -38,10 +38,9 @@ async def status_command(
     settings: Settings, *, as_json: bool = False, out: TextIO = sys.stdout
 ) -> int:
     """Print the summary; return an exit code."""
-    from proxy.runtime import open_runtime
+    from proxy.database import opened_store
 
-    async with open_runtime(settings) as rt:
-        store = rt.store
+    async with opened_store(settings) as store:
         totals = await store.totals()
         last_hour = sum(m.calls for m in await store.calls_per_minute(minutes=60))
         queue = await store.group_queue()
