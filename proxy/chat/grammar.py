@@ -47,7 +47,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import llguidance
-import llguidance.torch
 import torch
 from llguidance import LLMatcher
 
@@ -144,8 +143,13 @@ class RowConstraint:
         A grammar that validates but cannot be followed (llguidance's parser limits: a schema
         that refers to itself forever, a regex that explodes) raises `GrammarError`: it is the
         request's input, so it fails alone with a 400."""
+        words = bitmask[row]
+        if bitmask.dtype != torch.int32 or not bitmask.is_cpu or not words.is_contiguous():
+            raise ValueError("the bitmask must be a contiguous int32 tensor on the CPU")
         try:
-            llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+            # The matcher writes the row's words in place. llguidance.torch's helper does the
+            # same, but importing it compiles a kernel with torch.compile: seconds at each start.
+            self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
         except Exception as exc:
             raise GrammarError(
                 f"{self.grammar.kind}: the schema is too complex to follow while generating ({exc})"
