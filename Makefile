@@ -127,7 +127,7 @@ test-coding-agents: setup
 # Every suite, one after another: what CI runs, then the slow, fuzz and deploy suites it leaves
 # out for time (the fuzz suite alone takes about 10 min; test-deploy needs root and podman).
 test-all: setup
-	$(MAKE) lint test test-scale test-vllm test-coding-agents test-slow test-fuzz test-deploy
+	$(MAKE) docs-check lint test test-scale test-vllm test-coding-agents test-slow test-fuzz test-deploy
 
 lint: setup
 	$(BIN)/ruff check proxy storage trainer tests bench examples docs

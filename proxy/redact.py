@@ -8,7 +8,7 @@ A provider's error message can echo the key it was sent (the server's own provid
 client can put a key in a request field. `Redactor` replaces, in any text:
 
 - the exact values of the environment variables that hold keys: the ones the settings name
-  (`api_key_env` of each upstream model, `judge_api_key_env`) and every variable named like a
+  (`api_key_env` of each upstream model, `judge.api_key_env`) and every variable named like a
   key holder (`*_API_KEY`, `*_TOKEN`, `*_SECRET`, `*_PASSWORD`, ...), plus the database URL's
   password;
 - anything shaped like a credential: `sk-...` keys, `Bearer ...`, `api_key=...` / `"api_key":

@@ -1,17 +1,17 @@
 """The one runtime builder: settings in, the store, engine, services and scorer a process needs.
 
-    async with open_runtime(settings) as rt:                 # export, status, keys: the store
+    async with open_runtime(settings) as rt:                 # the store alone
     async with open_runtime(settings, scoring=True) as rt:   # score: + the scorer (and the local
                                                              #   engine when it is the judge)
     async with open_runtime(settings, serving=True) as rt:   # serve: + engine, chat, adapters,
                                                              #   background tasks, trainer child,
                                                              #   telemetry (proxy.telemetry)
 
-Every command opens the store the same way (`proxy.database.open_store`: one URL, one retry
-window), builds the judge the same way and stops what it started in reverse order. `rlproxy
-serve` puts the runtime on the app in its lifespan; routes reach it only through
-`proxy.api.deps`. This module imports no HTTP code. `rlproxy train` does not open it: the trainer
-child opens the store alone and never loads the serving stack.
+`keys`, `status`, `export` and `train` need only the store and open it without this module
+(`proxy.database`), so they load no engine. Every command opens the store the same way
+(`proxy.database.open_store`: one URL, one retry window), builds the judge the same way and
+stops what it started in reverse order. `rlproxy serve` puts the runtime on the app in its
+lifespan; routes reach it only through `proxy.api.deps`. This module imports no HTTP code.
 """
 
 from __future__ import annotations

@@ -357,10 +357,11 @@ class GroupSettings(Concern):
     )
     cohort: bool = Field(
         default=True,
-        description="A trajectory whose task group is still alone after `group_alone_s` joins a "
-        "cohort of the same agent (same key, system prompt with dates, paths and numbers masked, "
-        "tool names), so traffic whose every task is new trains. Cohort advantages use a "
-        "leave-one-out baseline (docs/concepts/groups.md). False: lone tasks wait for a repeat.",
+        description="A trajectory whose task group is still alone after RLPROXY_GROUP_ALONE_S "
+        "joins a cohort of the same agent (same key, system prompt with dates, paths and "
+        "numbers masked, tool names), so traffic whose every task is new trains. Cohort "
+        "advantages use a leave-one-out baseline (docs/concepts/groups.md). False: lone tasks "
+        "wait for a repeat.",
     )
     alone_s: float = Field(
         default=60.0,
@@ -679,7 +680,10 @@ class TrainerSettings(Concern):
             return value
         if not isinstance(value, dict):
             raise ValueError(f"must be a JSON object of TrainerConfig's fields, got {value!r}")
-        return TrainerConfig.from_dict(value)
+        try:
+            return TrainerConfig.from_dict(value)
+        except TypeError as e:  # a value of the wrong type: reported like any other bad value
+            raise ValueError(str(e)) from e
 
 
 CONCERNS: dict[str, type[Concern]] = {

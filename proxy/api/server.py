@@ -1,7 +1,7 @@
 """The HTTP/1.1 protocol `rlproxy serve` runs: uvicorn's httptools protocol plus a request-head
 timeout.
 
-    uvicorn.run(app, ..., http=http_protocol(settings.header_timeout_s))
+    uvicorn.run(app, ..., http=http_protocol(settings.limits.header_timeout_s))
 
 Why it exists: uvicorn bounds only the idle time between two requests of a keep-alive connection
 (`timeout_keep_alive`, armed after a response and cancelled by the next byte). A connection that

@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from proxy.redact import Redactor, install_log_redaction
 from proxy.settings import Settings, TrainerSettings, error_lines, unknown_variables
+from proxy.trainer_child import PARENT_PID_ENV
 
 if TYPE_CHECKING:
     from proxy.cli.vllm_cpu import VLLMServer
@@ -136,13 +138,17 @@ def main(argv: list[str] | None = None) -> int:
         for line in error_lines(e):
             print(f"rlproxy {args.command}: {line}", file=sys.stderr)
         return 2
+    except SettingsError as e:  # a variable that should hold JSON and does not parse
+        print(f"rlproxy {args.command}: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=settings.log_level.upper() if args.command in ("serve", "train") else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    for line in unknown_variables(os.environ):  # warned, not refused: tools share the prefix
-        logger.warning("%s", line)
+    if PARENT_PID_ENV not in os.environ:  # serve's trainer child: serve has warned already
+        for line in unknown_variables(os.environ):  # warned, not refused: tools share the prefix
+            logger.warning("%s", line)
     # Every record, whichever logger or handler (uvicorn's, litellm's): no credential in a log.
     install_log_redaction(Redactor.for_settings(settings))
     if args.command == "serve":

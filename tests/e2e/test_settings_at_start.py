@@ -34,3 +34,19 @@ def test_serve_names_an_unknown_variable_with_the_nearest_known_one(
         "unknown environment variable RLPROXY_GROUP_MIN_SIZ (did you mean "
         "RLPROXY_GROUP_MIN_SIZE?); rlproxy ignores it"
     ) in text
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ('{"lora_rank": "8"}', "rlproxy serve: RLPROXY_TRAINER: "),  # a value of the wrong type
+        ("{not json", 'error parsing value for field "config"'),  # not JSON at all
+    ],
+)
+def test_serve_refuses_a_trainer_setting_it_cannot_read_in_one_line(
+    tmp_path: Path, model_data_dir: Path, value: str, says: str
+) -> None:
+    with pytest.raises(RuntimeError, match="server exited with 2") as exited:
+        start_server(tmp_path, model_data_dir, {"RLPROXY_TRAINER": value})
+    assert says in str(exited.value)
+    assert "Traceback" not in str(exited.value)

@@ -1,7 +1,7 @@
 """The trainer child's supervisor: restarts with capped exponential backoff, reports its state,
 stops cleanly. Real child processes (this interpreter running a one-line script) stand in for
 `rlproxy train` through `RLPROXY_TRAINER_COMMAND`; the server-level test (a crash loop beside a
-serving server, seen through /health) is tests/e2e/test_trainer_supervision.py.
+serving server, seen through /health) is in tests/e2e/test_faults.py.
 
 Nothing here waits for a fixed time: each test waits for a state the supervisor reaches.
 """
