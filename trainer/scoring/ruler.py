@@ -16,12 +16,17 @@ whose judging still fails is reported as failed, with the reason; `score_group` 
     result = await score_group(JudgeGroup(group_id, members, tools), judge)
     if result.status == "scored": ... result.scores ...
 
-The judge is any model litellm can reach (`trainer.scoring.litellm_judge.LiteLLMJudge`), or anything
-else that implements the `Judge` protocol (the local engine, a test's script).
+The judge is any model litellm can reach (`trainer.scoring.litellm_judge.LiteLLMJudge`), or
+anything else that implements the `Judge` protocol (the local engine, a test's script).
+
+A `JudgeGroup` is what the judge reads of a stored group (`storage.records.GroupDetail`, the
+one noun for a group everywhere else): each member's messages and tools, no token ids or
+rewards, and the rubric; the judge checks insert a canary member into it, which is never stored.
+The scorer builds it from the stored group (`trainer.scoring.scoring`).
 
 This module does not read or write the database, does not decide which groups are ready to be
-judged, and does not decide whether RULER's score or an explicit reward wins: storage and the
-scoring loop do that.
+judged, and does not decide whether RULER's score or an explicit reward wins: the scorer and
+the reward policy (`trainer.scoring.rewards`) do that.
 """
 
 from __future__ import annotations
