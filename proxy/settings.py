@@ -686,19 +686,6 @@ class TrainerSettings(Concern):
             raise ValueError(str(e)) from e
 
 
-CONCERNS: dict[str, type[Concern]] = {
-    "judge": JudgeSettings,
-    "judge_checks": JudgeChecksSettings,
-    "groups": GroupSettings,
-    "rollout": RolloutSettings,
-    "vllm": VLLMSettings,
-    "limits": LimitSettings,
-    "telemetry": TelemetrySettings,
-    "trainer": TrainerSettings,
-}
-"""`Settings`' attribute -> the concern's class."""
-
-
 class _TopLevelEnv(EnvSettingsSource):
     """`RLPROXY_<FIELD>` for `Settings`' own fields; each concern reads its own variables (so
     RLPROXY_ROLLOUT is the rollout's switch, not the whole concern as JSON)."""
@@ -918,14 +905,14 @@ class Settings(BaseSettings):
         "servers in RLPROXY_VLLM_URLS (`vllm`).",
     )
 
-    judge: JudgeSettings = Field(default_factory=lambda: JudgeSettings())
-    judge_checks: JudgeChecksSettings = Field(default_factory=lambda: JudgeChecksSettings())
-    groups: GroupSettings = Field(default_factory=lambda: GroupSettings())
-    rollout: RolloutSettings = Field(default_factory=lambda: RolloutSettings())
-    vllm: VLLMSettings = Field(default_factory=lambda: VLLMSettings())
-    limits: LimitSettings = Field(default_factory=lambda: LimitSettings())
-    telemetry: TelemetrySettings = Field(default_factory=lambda: TelemetrySettings())
-    trainer: TrainerSettings = Field(default_factory=lambda: TrainerSettings())
+    judge: JudgeSettings = Field(default_factory=JudgeSettings)
+    judge_checks: JudgeChecksSettings = Field(default_factory=JudgeChecksSettings)
+    groups: GroupSettings = Field(default_factory=GroupSettings)
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
+    vllm: VLLMSettings = Field(default_factory=VLLMSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
+    trainer: TrainerSettings = Field(default_factory=TrainerSettings)
 
     @classmethod
     def settings_customise_sources(
@@ -1005,6 +992,14 @@ class Settings(BaseSettings):
     def scoring_config(self) -> ScoringConfig:
         """The scorer's configuration (RLPROXY_JUDGE_*, the judge checks, RLPROXY_REWARD_POLICY)."""
         return self.judge.scoring_config(self.judge_checks.config(), self.reward_policy)
+
+
+CONCERNS: dict[str, type[Concern]] = {
+    name: info.annotation
+    for name, info in Settings.model_fields.items()
+    if isinstance(info.annotation, type) and issubclass(info.annotation, Concern)
+}
+"""`Settings`' attribute -> the concern's class (its fields typed by a `Concern`)."""
 
 
 def env_name(cls: type[BaseSettings], name: str, info: FieldInfo) -> str:
