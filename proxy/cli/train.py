@@ -27,8 +27,7 @@ from pathlib import Path
 
 from proxy.adapters.deployment import PRESENCE_TTL_S, trainer_presence_name
 from proxy.cli.progress import progress
-from proxy.database import open_store
-from proxy.redact import Redactor
+from proxy.database import opened_store
 from proxy.settings import Settings
 from storage.store import Store
 from trainer import distributed
@@ -82,10 +81,8 @@ async def train_command(settings: Settings, steps: int | None = None) -> int:
             collective.close()
         return 0
     model_dir = await asyncio.to_thread(model_dir_)
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    store = await open_store(settings, Redactor.for_settings(settings))
     async with AsyncExitStack() as stack:
-        stack.push_async_callback(store.close)
+        store = await stack.enter_async_context(opened_store(settings))  # closed last
         if collective is not None:
             stack.callback(collective.close)
             stack.callback(_stop_followers, collective)
