@@ -1,6 +1,9 @@
 # rlproxy: one target each for setup, serve, test, lint, docs and bench. CI (.ci/run) runs
-# `make docs-check`, `lint`, `test`, `test-scale`, `test-vllm` and `test-coding-agents`;
-# `make test-all` runs those and the suites CI leaves out (slow, fuzz, deploy).
+# `make docs-check`, `lint`, `test`, `test-scale`, `test-vllm` and `test-coding-agents` with
+# CI=true: there a test whose part of the machine is missing (node and npm, a coding-agent CLI,
+# Chromium, haproxy, redis-server, a tmpfs mount) fails instead of skipping (tests/required.py);
+# without CI it skips and says how to get the part. `make test-all` runs those and the suites CI
+# leaves out (slow, fuzz, deploy; the deploy suite needs root and podman).
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -22,29 +25,30 @@ setup: $(STAMP) browser
 
 # Headless Chromium for the dashboard's browser tests (tests/e2e/test_dashboard.py): Debian's
 # package, installed when running as root with apt-get (as CI does); elsewhere those tests skip
-# and say why. Playwright's own browser download is never used.
+# and say why (with CI set they fail). Playwright's own browser download is never used.
 browser:
 	@command -v chromium >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    { DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q chromium >/dev/null 2>&1 || \
 	      { apt-get update -q >/dev/null 2>&1 && \
 	        DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q chromium >/dev/null 2>&1; }; } || \
-	    echo "chromium could not be installed: the dashboard's browser tests will be skipped"; \
+	    echo "chromium could not be installed: the dashboard's browser tests will be skipped (fail with CI set)"; \
 	  else \
-	    echo "no chromium (apt-get install chromium): the dashboard's browser tests will be skipped"; \
+	    echo "no chromium (apt-get install chromium): the dashboard's browser tests will be skipped (fail with CI set)"; \
 	  fi; }
 
 # HAProxy for the scale tests (tests/scale/: two replicas behind a real load balancer): Debian's
-# package, installed the same way as chromium above; without it those tests skip and say why.
+# package, installed the same way as chromium above; without it those tests skip and say why
+# (with CI set they fail).
 haproxy:
 	@command -v haproxy >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    { DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q haproxy >/dev/null 2>&1 || \
 	      { apt-get update -q >/dev/null 2>&1 && \
 	        DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q haproxy >/dev/null 2>&1; }; } || \
-	    echo "haproxy could not be installed: the scale tests will be skipped"; \
+	    echo "haproxy could not be installed: the scale tests will be skipped (fail with CI set)"; \
 	  else \
-	    echo "no haproxy (apt-get install haproxy): the scale tests will be skipped"; \
+	    echo "no haproxy (apt-get install haproxy): the scale tests will be skipped (fail with CI set)"; \
 	  fi; }
 
 serve: setup
@@ -120,7 +124,9 @@ test-scale: setup haproxy
 # `rlproxy serve` (tests/e2e/test_coding_agents.py, marker `coding_agents`): pi and OpenCode on
 # the embedded model, all four on a tiny random model with a 65,536-token context. The CLIs are
 # installed once into ~/.cache/rlproxy/cli (RLPROXY_CLI_CACHE; about 1.4 GB, the npm registry
-# needed only then). See docs/quickstart/coding-agents.md.
+# needed only then). Needs Node.js 20+ and npm on PATH: without them, or with a CLI whose binary
+# does not start, the tests skip and say so, or fail with CI set (as .ci/run sets it). See
+# docs/quickstart/coding-agents.md.
 test-coding-agents: setup
 	$(BIN)/python -m pytest -q -m coding_agents tests/e2e/test_coding_agents.py
 

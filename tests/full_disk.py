@@ -1,7 +1,7 @@
 """A real full disk for tests: a small tmpfs, and a file of zeros that fills it to ENOSPC.
 
 Mounting needs root (CI and the development machine run the tests as root); where it cannot
-mount, `small_tmpfs` skips the test and says why.
+mount, `small_tmpfs` skips the test and says why, or fails in CI (tests/required.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
+from tests.required import missing
 
 TMPFS_BYTES = 8 * 2**20
 
@@ -23,14 +23,17 @@ def small_tmpfs(mount_point: Path, size: int = TMPFS_BYTES) -> Iterator[Path]:
     """Mount a tmpfs of `size` bytes on the (empty) folder `mount_point`; unmount on exit."""
     mount_point.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
-        pytest.skip("filling a real disk needs a tmpfs mount, and mounting needs root")
+        missing("not root", "filling a real disk needs a tmpfs mount, and mounting needs root")
     done = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
         capture_output=True,
         text=True,
     )
     if done.returncode != 0:
-        pytest.skip(f"this machine cannot mount a tmpfs: {done.stderr.strip()}")
+        missing(
+            f"this machine cannot mount a tmpfs ({done.stderr.strip()})",
+            "run the tests as root on a machine (or a container with CAP_SYS_ADMIN) that can",
+        )
     try:
         yield mount_point
     finally:

@@ -1,6 +1,7 @@
 """A redis-server of a test's own on a free loopback port (no persistence), for tests that stop
 Redis under rlproxy: `with redis_server() as (url, proc): ...; proc.kill()`. Debian's
-`redis-server` (installed here and in CI beside the shared server on 6379)."""
+`redis-server` (installed here and in CI beside the shared server on 6379; without it a test
+skips, or fails in CI: tests/required.py)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import pytest
+from tests.required import missing
 
 
 @contextmanager
 def redis_server() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     binary = shutil.which("redis-server")
     if binary is None:
-        pytest.skip("no redis-server on this machine (apt-get install redis-server)")
+        missing("no redis-server on this machine", "apt-get install redis-server")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -19,8 +19,10 @@ its ~49k tokens uniformly and runs to the budget, which Claude Code retries and 
 an error (docs/quickstart/coding-agents.md). The same model serves a session of two calls per CLI
 (the task, then the CLI's own resume flag with a second message), which must stay one trajectory.
 
-A CLI whose binary cannot run on this machine (a native binary npm has none for) is skipped with
-the reason, never passed. One server runs at a time (each class has its own).
+Without node and npm, or with a CLI whose binary cannot run on this machine (a native binary npm
+has none for), the tests skip with the reason and how to run them, never pass; in CI (`CI` set,
+as `.ci/run` does) they fail instead (tests/required.py). One server runs at a time (each class
+has its own).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import pytest
 
 from tests.e2e.conftest import Server
 from tests.e2e.helpers import get_trajectory, list_trajectories, own_server
+from tests.required import missing
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.coding_agents
@@ -68,6 +71,10 @@ CODEX = CLI("codex", "@openai/codex", "0.171.0", "codex", "responses")
 OPENCODE = CLI("opencode", "opencode-ai", "1.18.33", "opencode", "chat")
 PI = CLI("pi", "@mariozechner/pi-coding-agent", "0.73.1", "pi", "chat")
 ALL = (CLAUDE_CODE, CODEX, OPENCODE, PI)
+HOW = (
+    "install Node.js 20+ with npm, then run `make test-coding-agents` (it installs the four CLIs "
+    "from npm once, into ~/.cache/rlproxy/cli or RLPROXY_CLI_CACHE)"
+)
 
 
 # ----------------------------------------------------------------------------- installing
@@ -75,15 +82,16 @@ ALL = (CLAUDE_CODE, CODEX, OPENCODE, PI)
 
 @pytest.fixture(scope="session")
 def cli_cache() -> Path:
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.skip("node and npm are not on PATH: install Node.js 20+ to run the coding agents")
+    absent = [name for name in ("node", "npm") if shutil.which(name) is None]
+    if absent:
+        missing(f"{' and '.join(absent)} not on PATH", HOW)
     default = Path.home() / ".cache" / "rlproxy" / "cli"
     return Path(os.environ.get("RLPROXY_CLI_CACHE", default))
 
 
 def installed(cli: CLI, cache: Path) -> Path:
     """The CLI's executable, installed by `npm install --prefix` into `cache` the first time.
-    Skips (with npm's or the binary's words) when the binary cannot run on this machine."""
+    Skips, or fails in CI, with the binary's words when it cannot run on this machine."""
     prefix = cache / f"{cli.name}-{cli.version}"
     if not (prefix / "installed").exists():
         staging = prefix.with_name(f"{prefix.name}.{os.getpid()}")
@@ -101,6 +109,10 @@ def installed(cli: CLI, cache: Path) -> Path:
         except OSError:  # another session installed it first
             shutil.rmtree(staging, ignore_errors=True)
     binary = prefix / "node_modules" / ".bin" / cli.binary
+    how = (
+        "run `make test-coding-agents` on a machine npm has the CLI's native binary for, or "
+        f"delete {prefix} to install it afresh"
+    )
     try:
         with tempfile.TemporaryDirectory() as home:
             probe = subprocess.run(
@@ -111,11 +123,12 @@ def installed(cli: CLI, cache: Path) -> Path:
                 timeout=120,
             )
     except OSError as e:
-        pytest.skip(f"{cli.package} {cli.version} does not run on this machine: {e}")
+        missing(f"{cli.package} {cli.version} does not run on this machine ({e})", how)
     if probe.returncode != 0 or cli.version not in probe.stdout + probe.stderr:  # pi: stderr
-        pytest.skip(
-            f"{cli.package} {cli.version} does not run on this machine "
-            f"(`{cli.binary} --version` exit {probe.returncode}): {probe.stderr.strip()[-500:]}"
+        missing(
+            f"{cli.package} {cli.version} does not run on this machine (`{cli.binary} --version` "
+            f"exit {probe.returncode}: {probe.stderr.strip()[-500:]})",
+            how,
         )
     return binary
 

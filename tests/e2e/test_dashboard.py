@@ -37,13 +37,21 @@ from tests.e2e.conftest import Server
 from tests.e2e.fake_judge import FakeJudge, FakeJudgeServer
 from tests.e2e.helpers import own_server
 from tests.e2e.test_adapters import write_random_lora
+from tests.required import missing
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None,
-    reason="no Chromium: the dashboard's browser tests need Debian's `chromium` package "
-    "(`apt-get install -y chromium`; `make setup` installs it when run as root)",
-)
+
+@pytest.fixture(scope="session", autouse=True)  # session: before any server is started
+def chromium_binary() -> str:
+    """The browser; without it the tests skip, or fail in CI (tests/required.py)."""
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    if binary is None:
+        missing(
+            "no Chromium",
+            "the dashboard's browser tests need Debian's `chromium` package "
+            "(`apt-get install -y chromium`; `make setup` installs it when run as root)",
+        )
+    return binary
+
 
 TOOLS = [
     {
@@ -99,14 +107,14 @@ class Browser:
 
 @pytest.fixture(scope="module")
 def browser(
-    tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
+    tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config, chromium_binary: str
 ) -> Iterator[Browser]:
     from playwright.sync_api import sync_playwright
 
     shots = tmp_path_factory.mktemp("dashboard-screenshots")
     with sync_playwright() as pw:
         # Playwright's own browser download cannot work here: Debian's Chromium runs instead.
-        chromium = pw.chromium.launch(executable_path=CHROMIUM)
+        chromium = pw.chromium.launch(executable_path=chromium_binary)
         try:
             yield Browser(chromium, shots)
         finally:

@@ -7,7 +7,8 @@ rlproxy. Its packages are pinned by `tests/e2e/js/package-lock.json` and install
 `npm ci` into a cache folder outside the checkout, under the test model cache, keyed by the
 lockfile's hash (a changed lockfile installs afresh; the npm registry is needed only then).
 
-Skipped only when `node` is not on PATH (CI has Node.js 18 or newer).
+Skipped only when `node` is not on PATH, and then a failure in CI, which has Node.js 18 or newer
+(tests/required.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pytest
 
 from tests.e2e.conftest import Server
 from tests.e2e.helpers import get_trajectory
+from tests.required import missing
 
 JS = Path(__file__).parent / "js"
 CLIENT = JS / "ai_sdk.mjs"
@@ -33,7 +35,10 @@ CLIENT = JS / "ai_sdk.mjs"
 def node_modules(model_data_dir: Path) -> Path:
     """The pinned packages, installed once per lockfile into `<model cache>/js-clients/`."""
     if shutil.which("node") is None:
-        pytest.skip("node is not on PATH: install Node.js 18+ to run the JavaScript clients")
+        missing(
+            "node is not on PATH",
+            "install Node.js 18+ with npm to run the JavaScript clients (`make test` runs them)",
+        )
     npm = shutil.which("npm")
     assert npm is not None, "node is on PATH but npm is not: npm installs the pinned clients"
     lock = (JS / "package-lock.json").read_bytes()
