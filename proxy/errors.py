@@ -81,9 +81,24 @@ class ContextLengthError(InvalidRequestError):
         self.at_least = at_least
 
 
-LONGER_CONTEXT = "serve a base model with a longer context (RLPROXY_BASE_MODEL)"
-"""What to do about a prompt this model's context cannot hold, besides shortening it (every
-protocol's refusal says it)."""
+LONG_CONTEXT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+LONG_CONTEXT_TOKENS = 32_768
+"""A base model with a longer context than the embedded SmolLM2-135M's 8,192 tokens that a laptop
+runs (0.5B parameters, about 2 GB in fp32; its config's `max_position_embeddings`): the example
+`longer_context` names."""
+
+
+def longer_context(context: int) -> str:
+    """What to do about a prompt a model of `context` tokens cannot hold, besides shortening it,
+    in one line: every protocol's refusal and `rlproxy status` say it. It names a model to serve,
+    LONG_CONTEXT_MODEL, when that model's context is the longer."""
+    setting = "RLPROXY_BASE_MODEL: a Hugging Face id or a local model folder"
+    if context >= LONG_CONTEXT_TOKENS:
+        return f"serve a base model with a longer context ({setting})"
+    return (
+        f"serve a base model with a longer context, e.g. RLPROXY_BASE_MODEL={LONG_CONTEXT_MODEL} "
+        f"rlproxy serve ({LONG_CONTEXT_TOKENS:,} tokens; {setting})"
+    )
 
 
 class NotFoundError(APIError):

@@ -42,6 +42,10 @@ if TYPE_CHECKING:
 EMBEDDED_DEFAULT_MAX_TOKENS = 512
 """The budget of a request that sends none on the embedded SmolLM2-135M (`default_max_tokens`)."""
 
+EMBEDDED_CONTEXT = 8192
+"""The embedded SmolLM2-135M's context in tokens (its config's `max_position_embeddings`), for
+what does not load it (`rlproxy status`); the engines read the loaded model's config."""
+
 NOT_SETTINGS = frozenset(
     {
         "RLPROXY_BOOTSTRAP_KEY",  # deploy/entrypoint.sh: the container's first admin key

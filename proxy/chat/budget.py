@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from proxy.errors import LONGER_CONTEXT, ContextLengthError
+from proxy.errors import ContextLengthError, longer_context
 
 BudgetMode = Literal["fit", "strict"]
 HEADER = "X-RLProxy-Output-Budget"
@@ -103,7 +103,7 @@ def prompt_too_long(
     return ContextLengthError(
         f"This model's maximum context length is {context} tokens. However, your messages "
         f"resulted in {count} tokens, which leaves no room for an answer. Please reduce the "
-        f"length of the messages, or {LONGER_CONTEXT}.",
+        f"length of the messages, or {longer_context(context)}.",
         param="messages",
         prompt_tokens=prompt_tokens,
         max_context=context,

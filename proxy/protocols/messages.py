@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictFloat, StrictInt, ValidationError
 
-from proxy.errors import LONGER_CONTEXT, ContextLengthError, InvalidRequestError
+from proxy.errors import ContextLengthError, InvalidRequestError, longer_context
 from proxy.protocols.chat import ChatCompletionRequest, OpenAIModel
 
 _NOT_SUPPORTED = {
@@ -519,7 +519,7 @@ def context_error(exc: ContextLengthError) -> InvalidRequestError:
         message = (
             f"prompt is too long: {count} tokens > {c - 1} maximum (this model's context is "
             f"{c} tokens, and the answer needs one at least); shorten the conversation, or "
-            f"{LONGER_CONTEXT}"
+            f"{longer_context(c)}"
         )
     return InvalidRequestError(message, param=exc.param, code=exc.code)
 

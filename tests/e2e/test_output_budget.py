@@ -23,10 +23,15 @@ import openai
 import pytest
 from openai import OpenAI
 
+from proxy.settings import EMBEDDED_CONTEXT
 from tests.e2e.conftest import Server
 from tests.e2e.helpers import db_rows
 
-CONTEXT = 8192  # the embedded SmolLM2-135M's max_position_embeddings
+CONTEXT = EMBEDDED_CONTEXT  # 8,192: what `rlproxy status` says without loading the model
+FIX = (  # the one line every refusal ends with on the embedded model
+    "serve a base model with a longer context, e.g. RLPROXY_BASE_MODEL=Qwen/Qwen2.5-0.5B-Instruct "
+    "rlproxy serve (32,768 tokens; RLPROXY_BASE_MODEL: a Hugging Face id or a local model folder)"
+)
 LEFT = 3
 HEADER = "x-rlproxy-output-budget"
 ENUM = {  # an answer the grammar ends after a few tokens, whatever the budget
@@ -186,7 +191,8 @@ def test_a_prompt_past_the_context_is_anthropics_prompt_is_too_long(
         )
     message = caught.value.body["error"]["message"]  # type: ignore[index]
     assert message.startswith("prompt is too long: ")
-    assert f"> {CONTEXT - 1} maximum" in message and "RLPROXY_BASE_MODEL" in message
+    assert f"> {CONTEXT - 1} maximum" in message
+    assert message.endswith(f"; shorten the conversation, or {FIX}")
 
 
 @pytest.mark.parametrize("route", ["chat/completions", "responses"])
@@ -203,7 +209,8 @@ def test_a_prompt_past_the_context_is_openais_context_length_exceeded(
     error = r.json()["error"]
     assert error["code"] == "context_length_exceeded"
     assert f"maximum context length is {CONTEXT} tokens" in error["message"]
-    assert "RLPROXY_BASE_MODEL" in error["message"]
+    assert error["message"].endswith(f"Please reduce the length of the messages, or {FIX}.")
+    assert error["type"] == "invalid_request_error" and error["param"] == "messages"
 
 
 def test_the_openai_sdk_raises_its_own_error(client: OpenAI) -> None:

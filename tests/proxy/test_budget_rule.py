@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from proxy.adapters.registry import ServedModels
-from proxy.chat.budget import BudgetMode, BudgetRule, OutputBudget
+from proxy.chat.budget import BudgetMode, BudgetRule, OutputBudget, prompt_too_long
 from proxy.chat.record import CallInfo, call_record
 from proxy.chat.request import count_prompt_tokens, prepare_chat
 from proxy.errors import ContextLengthError
@@ -62,6 +62,20 @@ def test_a_prompt_that_fills_the_context_is_refused_naming_it_and_what_to_do(
     assert "maximum context length is 100 tokens" in error.message
     assert "RLPROXY_BASE_MODEL" in error.message
     assert rule.fit(CONTEXT - 1, min(requested or 1, 1), CONTEXT).used == 1  # one token fits
+
+
+def test_the_refusal_names_a_model_with_a_longer_context_only_when_its_context_is_longer() -> None:
+    embedded = prompt_too_long(12_445, 8192).message
+    assert embedded.endswith(
+        "or serve a base model with a longer context, e.g. "
+        "RLPROXY_BASE_MODEL=Qwen/Qwen2.5-0.5B-Instruct rlproxy serve (32,768 tokens; "
+        "RLPROXY_BASE_MODEL: a Hugging Face id or a local model folder)."
+    )
+    qwen = prompt_too_long(40_000, 32_768).message
+    assert qwen.endswith(
+        "or serve a base model with a longer context (RLPROXY_BASE_MODEL: a Hugging Face id or a "
+        "local model folder)."
+    )
 
 
 # ----------------------------------------------------------------------------- the one place
