@@ -1,5 +1,7 @@
 """`rlproxy status`: where the loop stands, read from the database, as one table (or JSON).
 
+    model           the base model the settings name; on the embedded SmolLM2-135M, its
+                    8,192-token context and the setting that serves a longer one
     calls           stored, failed, in the last hour
     trajectories    per status
     groups          per status, how many a training step used
@@ -26,7 +28,8 @@ from typing import Any, TextIO
 
 from sqlalchemy.engine import make_url
 
-from proxy.settings import Settings
+from proxy.errors import longer_context
+from proxy.settings import EMBEDDED_CONTEXT, Settings
 from proxy.telemetry.waiting import why_not_training
 from storage.records import AdapterRecord
 from storage.stats import GroupQueue, JudgeWork, Totals, VersionReward
@@ -74,6 +77,7 @@ def build_report(
     return {
         "database": _shown_url(settings.resolved_database_url),
         "policy": settings.model_name,
+        "model": served_model(settings),
         "calls": {"total": totals.calls, "failed": totals.calls_failed, "last_hour": last_hour},
         "trajectories": totals.trajectories,
         "groups": {**totals.groups, "trained_on": totals.groups_trained},
@@ -114,6 +118,18 @@ def build_report(
     }
 
 
+def served_model(settings: Settings) -> dict[str, Any]:
+    """The base model RLPROXY_BASE_MODEL names here. Only the embedded model's context is known
+    without loading a model: too short for Claude Code's and Codex's prompts (about 12,500 and
+    9,200 tokens), so its fix comes with it."""
+    embedded = settings.base_model is None
+    return {
+        "base_model": settings.base_model_name,
+        "context": EMBEDDED_CONTEXT if embedded else None,
+        "longer_context": longer_context(EMBEDDED_CONTEXT) if embedded else None,
+    }
+
+
 def print_report(report: dict[str, Any], out: TextIO) -> None:
     now = time.time()
 
@@ -123,6 +139,15 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
     calls, groups = report["calls"], dict(report["groups"])
     trained_on = groups.pop("trained_on")
     print(f"rlproxy status: {report['policy']} in {report['database']}", file=out)
+    served = report["model"]
+    if served["context"] is None:
+        line("model", f"{served['base_model']} (RLPROXY_BASE_MODEL)")
+    else:
+        line(
+            "model",
+            f"{served['base_model']}, context {served['context']:,} tokens: too short for Claude "
+            f"Code's and Codex's prompts; for those, {served['longer_context']}",
+        )
     failed, last_hour = calls["failed"], calls["last_hour"]
     line("calls", f"{calls['total']} stored ({failed} failed), {last_hour} in the last hour")
     line("trajectories", _counts(report["trajectories"]))

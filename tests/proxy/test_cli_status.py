@@ -155,6 +155,12 @@ def test_status_prints_one_table_of_what_the_database_holds(data_dir: Path) -> N
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     lines = {line.split()[0]: line for line in done.stdout.splitlines() if line.strip()}
+    assert lines["model"].endswith(
+        "SmolLM2-135M-Instruct (embedded), context 8,192 tokens: too short for Claude Code's and "
+        "Codex's prompts; for those, serve a base model with a longer context, e.g. "
+        "RLPROXY_BASE_MODEL=Qwen/Qwen2.5-0.5B-Instruct rlproxy serve (32,768 tokens; "
+        "RLPROXY_BASE_MODEL: a Hugging Face id or a local model folder)"
+    )
     assert "5 stored (1 failed), 5 in the last hour" in lines["calls"]
     assert "5 (closed 4, open 1)" in lines["trajectories"]
     assert "2 (ready 2); 0 trained on" in lines["groups"]
@@ -170,6 +176,10 @@ def test_status_json_has_the_same_figures(data_dir: Path) -> None:
     done = run(data_dir, "status", "--json")
     assert done.returncode == 0, done.stderr
     report: dict[str, Any] = json.loads(done.stdout)
+    assert report["model"]["context"] == 8192
+    assert report["model"]["longer_context"].startswith(
+        "serve a base model with a longer context, e.g. RLPROXY_BASE_MODEL=Qwen/"
+    )
     assert report["calls"] == {"total": 5, "failed": 1, "last_hour": 5}
     assert report["trajectories"] == {"closed": 4, "open": 1}
     assert report["groups"] == {"ready": 2, "trained_on": 0}
@@ -178,6 +188,23 @@ def test_status_json_has_the_same_figures(data_dir: Path) -> None:
     by = {(r["version"], r["source"]): r for r in report["reward_by_version"]}
     assert by[0, "explicit"]["n"] == 2 and by[0, "explicit"]["mean"] == pytest.approx(0.55)
     assert by[1, "explicit"]["stderr"] == pytest.approx(0.2)
+
+
+def test_status_names_a_base_model_that_is_set_and_gives_no_context_advice(
+    data_dir: Path,
+) -> None:
+    done = run(data_dir, "status", RLPROXY_BASE_MODEL="Qwen/Qwen2.5-0.5B-Instruct")
+    assert done.returncode == 0, done.stderr
+    lines = {line.split()[0]: line for line in done.stdout.splitlines() if line.strip()}
+    assert lines["model"].split(None, 1)[1] == "Qwen/Qwen2.5-0.5B-Instruct (RLPROXY_BASE_MODEL)"
+    report: dict[str, Any] = json.loads(
+        run(data_dir, "status", "--json", RLPROXY_BASE_MODEL="/models/mine").stdout
+    )
+    assert report["model"] == {
+        "base_model": "/models/mine",
+        "context": None,
+        "longer_context": None,
+    }
 
 
 def test_status_without_a_database_says_where_it_looked(tmp_path: Path) -> None:
