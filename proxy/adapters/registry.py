@@ -19,6 +19,9 @@ random, and the replica that served it keeps the conversation on that draw (`Sti
 on another replica its later turns follow the hash (send a trajectory id to have every turn
 agree everywhere). Pins (`NAME@N`, `NAME@base`) are never split.
 
+Whatever name a call asked for, its answer names the version that served it, `NAME@N` or
+`NAME@base` (`version_id`), as OpenAI's answer to an alias names the snapshot it resolved to.
+
 The registry only maps names to versions; loading weights is the engine's job, and the
 `AdapterManager` (`manager.py`) changes the registry only after an engine load succeeded.
 """
@@ -43,6 +46,12 @@ def parse_version(suffix: str) -> int | None:
     if 0 < len(suffix) <= 9 and suffix.isascii() and suffix.isdigit():
         return int(suffix)
     return None
+
+
+def version_label(version: int | None) -> str:
+    """Version N as it follows `NAME@` and as `X-RLProxy-Version` says it: `N`, or `base` for
+    the base model (None)."""
+    return "base" if version is None else str(version)
 
 
 def adapter_name(version: int) -> str:
@@ -243,9 +252,14 @@ class ServedModels:
         base, sep, suffix = name.partition("@")
         return parse_version(suffix) if sep and base == self.policy else None
 
+    def version_id(self, version: int | None) -> str:
+        """The served name of `version` (None: the base), `NAME@N` or `NAME@base`: how
+        `GET /v1/models` lists it, and the `model` every answer it served names."""
+        return f"{self.policy}@{version_label(version)}"
+
     def model_ids(self) -> list[str]:
-        ids = [self.policy, f"{self.policy}@base"]
-        ids += [f"{self.policy}@{v}" for v in self.loaded_versions()]
+        ids = [self.policy, self.version_id(None)]
+        ids += [self.version_id(v) for v in self.loaded_versions()]
         ids += list(self.aliases)
         return ids
 

@@ -5,13 +5,19 @@ body or chunk stream out.
     answer = await serve(request, runtime, caller, call)
     answer.body        # non-streamed: the core's body (Chat Completions' shape), or
     answer.chunks      # streamed: the core's chunks, for the protocol's edge to re-frame
-    answer.headers     # what every protocol's answer carries (X-RLProxy-Output-Budget)
+    answer.model       # the model the answer names: the version that served it, `NAME@N`
+    answer.headers     # what every protocol's answer carries (X-RLProxy-Version, -Output-Budget)
 
 Whichever protocol a request came in by (`proxy/protocols/` translates it into a
 `ChatCompletionRequest`), it is served here the same way: an upstream model name goes to the
 upstream service, every other name to the policy's `ChatService` (the local or the vllm engine),
 the caller's ownership of a named trajectory is checked, and a client that leaves before a
 non-streamed answer cancels its generation. The protocol's route only translates in and out.
+
+An answer of the policy names the version that served it, the one its call row stores: as its
+`model` (`NAME@N`, `NAME@base`, whatever name was asked for) and in `X-RLProxy-Version` (`N` or
+`base`), streams included (the version is fixed before the first byte). An upstream model's
+answer keeps the name asked for and has no version header: no version of the policy served it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from proxy.adapters.registry import version_label
 from proxy.api.auth import PermissionDeniedError, Principal
 from proxy.api.http_metrics import label_model
 from proxy.chat.budget import HEADER as BUDGET_HEADER
@@ -35,12 +42,20 @@ from storage.store import Store
 
 T = TypeVar("T")
 
+VERSION_HEADER = "X-RLProxy-Version"
+
 
 @dataclass
 class Answer:
     """What the core made of a call: exactly one of `body` and `chunks`, or neither when the
     client left before a non-streamed answer (the call is stored as disconnected)."""
 
+    model: str
+    """The model the answer names: the policy's version that served it (`NAME@N`,
+    `NAME@base`), or an upstream model's name as asked."""
+    version: str | None = None
+    """The policy's version that served it, `N` or `base` (`X-RLProxy-Version`); None for an
+    upstream model."""
     body: dict[str, Any] | None = None
     chunks: AsyncIterator[dict[str, Any]] | None = None
     prompt_tokens: int | None = None
@@ -55,10 +70,14 @@ class Answer:
 
     @property
     def headers(self) -> dict[str, str]:
-        """Headers every protocol's answer carries: `X-RLProxy-Output-Budget`."""
-        if self.budget is None:
-            return {}
-        return {BUDGET_HEADER: self.budget.header_value()}
+        """Headers every protocol's answer of the policy carries: `X-RLProxy-Version` and
+        `X-RLProxy-Output-Budget`."""
+        headers = {}
+        if self.version is not None:
+            headers[VERSION_HEADER] = self.version
+        if self.budget is not None:
+            headers[BUDGET_HEADER] = self.budget.header_value()
+        return headers
 
 
 async def serve(request: Request, runtime: Runtime, caller: Principal, call: CallInfo) -> Answer:
@@ -70,21 +89,25 @@ async def serve(request: Request, runtime: Runtime, caller: Principal, call: Cal
     upstream = served.upstream
     if upstream is not None and upstream.serves(body.model):
         if not body.stream:
-            return Answer(body=await upstream.complete(call))
+            return Answer(body.model, body=await upstream.complete(call))
         chunks = upstream.stream(call)
         # Wait for the provider's first chunk: a failure before it is still an HTTP error status.
         first = await anext(chunks, None)
-        return Answer(chunks=prepend(first, chunks))
+        return Answer(body.model, chunks=prepend(first, chunks))
     await served.adapters.ensure_servable(body.model)
-    prepared = await served.chat.prepare(call)
-    tokens, budget = len(prepared.prompt_ids), prepared.budget
-    if body.stream:
-        return Answer(chunks=served.chat.stream(prepared), prompt_tokens=tokens, budget=budget)
-    return Answer(
-        body=await unless_disconnected(request, served.chat.complete(prepared)),
-        prompt_tokens=tokens,
-        budget=budget,
+    chat = served.chat
+    prepared = await chat.prepare(call)
+    answer = Answer(
+        chat.served_model(prepared),
+        version_label(prepared.resolved.version),
+        prompt_tokens=len(prepared.prompt_ids),
+        budget=prepared.budget,
     )
+    if body.stream:
+        answer.chunks = chat.stream(prepared)
+    else:
+        answer.body = await unless_disconnected(request, chat.complete(prepared))
+    return answer
 
 
 async def check_trajectory_owner(call: CallInfo, caller: Principal, store: Store) -> None:

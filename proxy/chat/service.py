@@ -2,8 +2,9 @@
 token-level engine (`proxy.engines`).
 
 `ChatService.prepare` validates a request (`proxy.chat.request`: prompt ids, sampling
-parameters, grammar); `complete` and `stream` run it on the engine and build OpenAI's JSON
-(chunks through `proxy.chat.streaming`). Every finished call is recorded
+parameters, grammar) and picks the version that serves it; `complete` and `stream` run it on the
+engine and build OpenAI's JSON (chunks through `proxy.chat.streaming`), whose `model` names that
+version (`served_model`). Every finished call is recorded
 (`proxy.chat.record.call_record`, then the store) before the response is acknowledged: the body
 of a non-streamed response, the `[DONE]` of a stream.
 
@@ -171,6 +172,13 @@ class ChatService:
             prep.resolved = self.registry.route(prep.resolved, key)
         return prep
 
+    def served_model(self, prep: PreparedChat) -> str:
+        """What `prep`'s answer names as its model: the version that serves it, `NAME@N` or
+        `NAME@base`, whatever name it asked for. Fixed once `prepare` has routed it: the same
+        version generates it and is stored on its call, even if another becomes active
+        meanwhile."""
+        return self.registry.version_id(prep.resolved.version)
+
     async def count_prompt_tokens(self, call: CallInfo) -> int:
         """The prompt's length in tokens, validated as `prepare` does, never admitted to the
         engine (Anthropic's `count_tokens`); a prompt longer than the context is counted too."""
@@ -322,7 +330,7 @@ class ChatService:
             )
         body = completion_body(
             id=prep.id,
-            model=prep.request.model,
+            model=self.served_model(prep),
             created=prep.call.created,
             choices=choices,
             usage_=self._usage(prep, outcomes),
@@ -350,7 +358,7 @@ class ChatService:
         made_calls: dict[int, bool] = {i: False for i in range(prep.n)}
         finished: dict[int, ChoiceFinished] = {}  # by client index
         shadow_finished: dict[int, ChoiceFinished] = {}  # by engine row
-        chunks = Chunks(prep.id, prep.request.model, prep.call.created, prep.include_usage)
+        chunks = Chunks(prep.id, self.served_model(prep), prep.call.created, prep.include_usage)
 
         status: CallStatus = "client_disconnected"
         error: str | None = None

@@ -7,7 +7,10 @@ those are logged and ignored rather than refused. Fields that are not in OpenAI'
 never coerced (a float field takes a JSON integer, as JSON has one number type).
 
 Responses are plain dicts built by the helpers at the bottom: they are produced on the hot path
-(one per streamed token) and must match OpenAI's JSON exactly, nulls included.
+(one per streamed token) and must match OpenAI's JSON exactly, nulls included. Their `model` is
+what served the answer (the policy's version, `NAME@N` or `NAME@base`; an upstream model's name
+as asked), and `system_fingerprint` is that same name: it changes when the weights behind the
+answer do, which is what OpenAI's fingerprint tells a client.
 
 These are also the core's shapes: `proxy.chat` serves a `ChatCompletionRequest` for every engine,
 and the other protocols (`responses`, `messages`) translate into and out of it. No rlproxy
@@ -193,7 +196,7 @@ def completion_body(
         "choices": choices,
         "usage": usage_,
         "service_tier": "default",
-        "system_fingerprint": "rlproxy",
+        "system_fingerprint": model,
     }
 
 
@@ -212,7 +215,7 @@ def chunk(
         "created": created,
         "model": model,
         "service_tier": "default",
-        "system_fingerprint": "rlproxy",
+        "system_fingerprint": model,
         "choices": choices,
     }
     if include_usage_field:

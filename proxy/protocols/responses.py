@@ -15,10 +15,12 @@ tools are accepted and not offered to the model (`responses_tools`); `text.forma
 `proxy.chat.budget` fits it to the context); `include: ["message.output_text.logprobs"]` its
 `logprobs`.
 
-A stored call is read back (`GET /v1/responses/{id}`) by rendering its row again (`from_call`),
-so what GET returns is what POST returned, logprobs aside (the row keeps the sampled token's
-logprob only). Item ids are derived from the response id and the tool call ids, never random,
-so a second rendering gives the same ids.
+A response's `model` is what served it, as the route names it (the policy's version,
+`NAME@N`), not the name asked for. A stored call is read back (`GET /v1/responses/{id}`) by
+rendering its row again (`from_call`, the version stored on the row), so what GET returns is
+what POST returned, logprobs aside (the row keeps the sampled token's logprob only). Item ids
+are derived from the response id and the tool call ids, never random, so a second rendering
+gives the same ids.
 
 Not supported (a 400 that says so): `custom` tools, `conversation` objects, `background`,
 `prompt` templates, `item_reference` items, and `input_file` parts. `reasoning` and `truncation`
@@ -452,9 +454,13 @@ def status_of(finish_reason: str | None) -> str:
 
 
 def render(
-    response_id: str, chat: ChatCompletionRequest, wire: dict[str, Any], core: dict[str, Any]
+    response_id: str,
+    model: str,
+    chat: ChatCompletionRequest,
+    wire: dict[str, Any],
+    core: dict[str, Any],
 ) -> dict[str, Any]:
-    """The `response` object for a non-streamed answer of the core."""
+    """The `response` object for a non-streamed answer of the core; `model`: what served it."""
     choice = core["choices"][0]
     status = status_of(choice.get("finish_reason"))
     logprobs = (choice.get("logprobs") or {}).get("content")
@@ -462,7 +468,7 @@ def render(
     return response_object(
         id=response_id,
         created_at=core["created"],
-        model=chat.model,
+        model=model,
         status=status,
         output=output_items(response_id, choice["message"], status, logprobs, wire),
         wire=wire,
@@ -472,8 +478,9 @@ def render(
     )
 
 
-def from_call(stored: StoredCall) -> dict[str, Any]:
-    """A stored Responses call as `GET /v1/responses/{id}` returns it."""
+def from_call(stored: StoredCall, model: str) -> dict[str, Any]:
+    """A stored Responses call as `GET /v1/responses/{id}` returns it; `model`: what served it,
+    as the answer named it."""
     record = stored.record
     wire = record.params.get("responses") or {}
     prompt, completion = record.token_counts()
@@ -488,7 +495,7 @@ def from_call(stored: StoredCall) -> dict[str, Any]:
     return response_object(
         id=record.completion_id or "",
         created_at=record.created_at,
-        model=record.model_requested,
+        model=model,
         status=status,
         output=output,
         wire=wire,
@@ -582,11 +589,13 @@ class Events:
     def __init__(
         self,
         response_id: str,
+        model: str,
         chat: ChatCompletionRequest,
         wire: dict[str, Any],
         created_at: float,
     ) -> None:
         self.id = response_id
+        self.model = model  # what serves the answer, named from the first event on
         self.chat = chat
         self.wire = wire
         self.created_at = created_at
@@ -612,7 +621,7 @@ class Events:
         return response_object(
             id=self.id,
             created_at=self.created_at,
-            model=self.chat.model,
+            model=self.model,
             status=status,
             output=output,
             wire=self.wire,

@@ -1,10 +1,12 @@
 """Hot-swap under load: new versions published while clients keep sending requests.
 
-Four client threads send requests (streamed and not) without pause while three adapter versions
-appear in the checkpoint folder, each renamed into place the way the trainer writes them. The
-server's publisher loads and activates each. No request may fail, and every stored call must
-carry a version that was active when the call started. Then a truncated version appears: it is
-rejected and the previous one keeps serving.
+Four client threads send requests (on the three protocols, streamed and not) without pause while
+three adapter versions appear in the checkpoint folder, each renamed into place the way the
+trainer writes them. The server's publisher loads and activates each. No request may fail, every
+stored call must carry a version that was active when the call started, and every answer must
+name the version stored on its call (`model`, `X-RLProxy-Version`), not one that became active
+while it was generated. Then a truncated version appears: it is rejected and the previous one
+keeps serving.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import anthropic
 import httpx
 import pytest
 from openai import OpenAI
@@ -25,6 +29,16 @@ from tests.e2e.helpers import db_rows, own_server
 from tests.e2e.test_adapters import write_random_lora
 
 CLIENTS = 4
+ASKS = 6  # the three protocols, each streamed and not
+
+
+@dataclass(frozen=True)
+class Answered:
+    """What one answer said about the version that served it."""
+
+    request_id: str
+    header: str  # X-RLProxy-Version
+    models: frozenset[str]  # every `model` it named: the body's, or each chunk's or event's
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +71,43 @@ def _wait_status(server: Server, version: int, status: str, timeout_s: float = 1
     raise AssertionError(f"version {version} never became {status}: {_adapters(server)}")
 
 
+def _ask(c: OpenAI, a: anthropic.Anthropic, prompt: str, kind: int) -> Answered:
+    """One request for the policy's name: kind 0-5 is Chat Completions, the Responses API or
+    Anthropic's Messages, each non-streamed then streamed."""
+    stream = bool(kind % 2)
+    if kind // 2 == 0:
+        messages = [{"role": "user", "content": prompt}]
+        raw = c.chat.completions.with_raw_response.create(
+            model="rlproxy", messages=messages, max_tokens=6, temperature=0.7, stream=stream
+        )
+        answer = raw.parse()
+        models = {ch.model for ch in answer} if stream else {answer.model}
+    elif kind // 2 == 1:
+        raw = c.responses.with_raw_response.create(
+            model="rlproxy", input=prompt, max_output_tokens=6, temperature=0.7, stream=stream
+        )
+        answer = raw.parse()
+        models = (
+            {e.response.model for e in answer if hasattr(e, "response")}
+            if stream
+            else {answer.model}
+        )
+    else:
+        messages = [{"role": "user", "content": prompt}]
+        raw = a.messages.with_raw_response.create(
+            model="rlproxy", messages=messages, max_tokens=6, stream=stream
+        )
+        answer = raw.parse()
+        models = (
+            {e.message.model for e in answer if e.type == "message_start"}
+            if stream
+            else {answer.model}
+        )
+    return Answered(
+        raw.headers["x-request-id"], raw.headers["x-rlproxy-version"], frozenset(models)
+    )
+
+
 def test_three_versions_published_under_load_then_a_corrupt_one(
     hserver: Server, model_data_dir: Path, tmp_path: Path
 ) -> None:
@@ -66,26 +117,18 @@ def test_three_versions_published_under_load_then_a_corrupt_one(
     stop = threading.Event()
     failures: list[str] = []
     sent = [0] * CLIENTS
+    answers: list[Answered] = []
 
     def client_loop(i: int) -> None:
-        with OpenAI(base_url=hserver.base_url, api_key="sk-test", max_retries=0, timeout=120) as c:
+        with (
+            OpenAI(base_url=hserver.base_url, api_key="sk-test", max_retries=0, timeout=120) as c,
+            anthropic.Anthropic(
+                base_url=hserver.url, api_key="sk-test", max_retries=0, timeout=120
+            ) as a,
+        ):
             while not stop.is_set():
                 try:
-                    kwargs = dict(
-                        model="rlproxy",
-                        messages=[{"role": "user", "content": f"Count to ten. ({i})"}],
-                        max_tokens=6,
-                        temperature=0.7,
-                    )
-                    if sent[i] % 2:
-                        text = "".join(
-                            ch.choices[0].delta.content or ""
-                            for ch in c.chat.completions.create(stream=True, **kwargs)  # type: ignore[call-overload]
-                            if ch.choices
-                        )
-                    else:
-                        text = c.chat.completions.create(**kwargs).choices[0].message.content  # type: ignore[call-overload]
-                    assert text is not None
+                    answers.append(_ask(c, a, f"Count to ten. ({i})", sent[i] % ASKS))
                 except Exception as exc:  # every failure counts, whatever it is
                     failures.append(f"{type(exc).__name__}: {exc}")
                 sent[i] += 1
@@ -123,7 +166,7 @@ def test_three_versions_published_under_load_then_a_corrupt_one(
                 current = v
         return current
 
-    calls = db_rows(hserver.data_dir, "SELECT created_at, adapter_version FROM calls")
+    calls = db_rows(hserver.data_dir, "SELECT request_id, created_at, adapter_version FROM calls")
     assert len(calls) == sum(sent)
     versions_seen = set()
     for call in calls:
@@ -132,6 +175,14 @@ def test_three_versions_published_under_load_then_a_corrupt_one(
         assert call["adapter_version"] in possible, (call["adapter_version"], start, activations)
         versions_seen.add(call["adapter_version"])
     assert {None, 1, 2, 3} <= versions_seen  # the load really overlapped every swap
+
+    # Every answer named the version stored on its call, however long it took.
+    stored = {call["request_id"]: call["adapter_version"] for call in calls}
+    assert len(answers) == sum(sent)
+    for answer in answers:
+        version = stored[answer.request_id]
+        label = "base" if version is None else str(version)
+        assert (answer.header, answer.models) == (label, {f"rlproxy@{label}"}), answer
 
     # A truncated version is rejected; version 3 keeps serving.
     bad = tmp_path / "bad"
@@ -146,6 +197,7 @@ def test_three_versions_published_under_load_then_a_corrupt_one(
             model="rlproxy", messages=[{"role": "user", "content": "Hi"}], max_tokens=3
         )
         rid = raw.headers["x-request-id"]
+    assert (raw.parse().model, raw.headers["x-rlproxy-version"]) == ("rlproxy@3", "3")
     (row,) = db_rows(
         hserver.data_dir, "SELECT adapter_version FROM calls WHERE request_id = ?", (rid,)
     )

@@ -30,6 +30,9 @@ WEATHER = {
     },
 }
 HELLO = [{"role": "user", "content": "Say hello to Bob."}]
+# What every answer names as its model, whatever name it asked for: the version that served it
+# (the shared server's policy serves the base model).
+SERVED = "rlproxy@base"
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +57,7 @@ def greedy_message(claude: anthropic.Anthropic):
 def test_create_returns_a_message(greedy_message) -> None:
     m = greedy_message
     assert m.id.startswith("msg_") and m.type == "message" and m.role == "assistant"
-    assert m.model == "rlproxy"
+    assert m.model == SERVED
     [block] = m.content
     assert block.type == "text" and block.text
     assert m.stop_reason in ("end_turn", "max_tokens")
@@ -82,6 +85,7 @@ def test_raw_event_sequence(server: Server, greedy_message) -> None:
     assert set(kinds[3:-3]) == {"content_block_delta"}
     start = evs[0]["message"]
     assert start["id"].startswith("msg_") and start["content"] == []
+    assert start["model"] == SERVED
     assert start["usage"]["input_tokens"] == greedy_message.usage.input_tokens
     assert evs[-2]["delta"]["stop_reason"] == greedy_message.stop_reason
     assert evs[-2]["usage"]["output_tokens"] == greedy_message.usage.output_tokens
@@ -345,9 +349,10 @@ def test_claude_codes_first_request_is_answered_and_stored(server: Server) -> No
     with httpx.stream("POST", url, json=claude_code_body(), headers=headers, timeout=120) as r:
         assert r.status_code == 200, r.read()
         budget = r.headers["x-rlproxy-output-budget"]
+        version = r.headers["x-rlproxy-version"]
         evs = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     start = evs[0]["message"]
-    assert start["model"] == "claude-opus-5-5"
+    assert (start["model"], version) == (SERVED, "base")
     assert budget == f"used={8192 - start['usage']['input_tokens']}; requested=32000"
     assert evs[-2]["delta"]["stop_reason"] == "tool_use"
     [turn] = get_trajectory(server, start["id"])["turns"]
@@ -358,7 +363,11 @@ def test_claude_codes_first_request_is_answered_and_stored(server: Server) -> No
 def test_claude_model_names_are_the_policy_here_and_unknown_elsewhere(
     claude: anthropic.Anthropic, client: OpenAI
 ) -> None:
-    m = claude.messages.create(model="claude-haiku-4-5", max_tokens=2, messages=HELLO)
-    assert m.model == "claude-haiku-4-5" and m.usage.output_tokens <= 2
+    raw = claude.messages.with_raw_response.create(
+        model="claude-haiku-4-5", max_tokens=2, messages=HELLO
+    )
+    m = raw.parse()
+    assert m.model == SERVED and m.usage.output_tokens <= 2
+    assert raw.headers["x-rlproxy-version"] == "base"
     with pytest.raises(openai.NotFoundError):  # Chat Completions keeps OpenAI's 404
         client.chat.completions.create(model="claude-haiku-4-5", messages=HELLO, max_tokens=2)

@@ -20,6 +20,9 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
 STORY_TOKENS = 10
 ALIASES = ("gpt-4o-mini", "gpt-4o", "gpt-3.5-turbo")
+# What every answer names as its model: the version that served it. No version is ever made
+# active on the shared server, so the policy's name and its aliases are served by the base.
+SERVED = "rlproxy@base"
 
 
 @pytest.fixture(scope="module")
@@ -78,17 +81,19 @@ def collect_stream(chunks: list[ChatCompletionChunk]) -> dict[int, dict]:
 
 
 def test_completion_shape(story: ChatCompletion) -> None:
-    assert_completion(story, model="rlproxy")
+    assert_completion(story, model=SERVED)
     assert story.choices[0].finish_reason == "length"
     assert story.usage.completion_tokens == STORY_TOKENS
     assert story.choices[0].logprobs is None
 
 
-def test_alias_is_echoed_and_serves_the_policy(client: OpenAI, story: ChatCompletion) -> None:
+def test_an_alias_serves_the_policy_and_names_its_version(
+    client: OpenAI, story: ChatCompletion
+) -> None:
     r = client.chat.completions.create(
         model="gpt-4o-mini", messages=STORY, max_tokens=STORY_TOKENS, temperature=0, seed=0
     )
-    assert_completion(r, model="gpt-4o-mini")
+    assert_completion(r, model=SERVED)
     assert r.choices[0].message.content == story.choices[0].message.content
 
 
@@ -96,7 +101,7 @@ async def test_async_completion(aclient: AsyncOpenAI, story: ChatCompletion) -> 
     r = await aclient.chat.completions.create(
         model="rlproxy", messages=STORY, max_tokens=STORY_TOKENS, temperature=0, seed=0
     )
-    assert_completion(r, model="rlproxy")
+    assert_completion(r, model=SERVED)
     assert r.choices[0].message.content == story.choices[0].message.content
     assert r.id != story.id
 
@@ -117,7 +122,18 @@ def test_stream_matches_non_streamed(client: OpenAI, story: ChatCompletion) -> N
     assert per[0]["text"] == story.choices[0].message.content
     assert per[0]["finish"] == [story.choices[0].finish_reason]
     assert all(c.usage is None for c in chunks)
-    assert chunks[0].model == "rlproxy"
+    assert chunks[0].model == SERVED
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_answer_names_the_version_that_served_it(client: OpenAI, stream: bool) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model="gpt-4o-mini", messages=STORY, max_tokens=2, stream=stream
+    )
+    assert raw.headers["x-rlproxy-version"] == "base"
+    answer = raw.parse()
+    chunks = list(answer) if stream else [answer]
+    assert {(c.model, c.system_fingerprint) for c in chunks} == {(SERVED, SERVED)}
 
 
 async def test_async_stream_with_usage(aclient: AsyncOpenAI, story: ChatCompletion) -> None:
@@ -148,7 +164,7 @@ def test_n_choices(client: OpenAI) -> None:
     r = client.chat.completions.create(
         model="rlproxy", messages=STORY, n=3, max_tokens=4, temperature=1, seed=7
     )
-    assert_completion(r, model="rlproxy", n=3)
+    assert_completion(r, model=SERVED, n=3)
     assert r.usage.completion_tokens == 3 * 4
 
 
@@ -263,7 +279,7 @@ def test_system_and_developer_roles(client: OpenAI) -> None:
         max_tokens=4,
         temperature=0,
     )
-    assert_completion(r, model="rlproxy")
+    assert_completion(r, model=SERVED)
 
 
 def test_unknown_fields_are_accepted(client: OpenAI) -> None:
@@ -274,7 +290,7 @@ def test_unknown_fields_are_accepted(client: OpenAI) -> None:
         temperature=0,
         extra_body={"some_future_field": 1, "another": {"nested": [1, 2]}},
     )
-    assert_completion(r, model="rlproxy")
+    assert_completion(r, model=SERVED)
 
 
 # ----------------------------------------------------------------------------- models

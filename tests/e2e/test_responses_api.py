@@ -41,6 +41,11 @@ TIME = {
 }
 
 
+# What every answer names as its model: the version that served it (the shared server's policy
+# serves the base model).
+SERVED = "rlproxy@base"
+
+
 def events(server: Server, body: dict[str, Any]) -> list[dict[str, Any]]:
     return typed_events(f"{server.base_url}/responses", body)
 
@@ -57,7 +62,7 @@ def test_create_returns_a_response_object(greedy_response) -> None:
     assert r.id.startswith("resp_")
     assert r.object == "response"
     assert r.status in ("completed", "incomplete")
-    assert r.model == "rlproxy"
+    assert r.model == SERVED
     [message] = r.output
     assert message.type == "message" and message.role == "assistant"
     assert message.content[0].type == "output_text"
@@ -111,6 +116,7 @@ def test_stream_events_in_order_and_equal_to_create(server: Server, greedy_respo
     text = "".join(e["delta"] for e in evs if e["type"] == "response.output_text.delta")
     assert text == greedy_response.output_text
     final = evs[-1]["response"]
+    assert {e["response"]["model"] for e in evs if "response" in e} == {SERVED}
     assert final["output"][0]["content"][0]["text"] == text
     assert final["usage"]["output_tokens"] == greedy_response.usage.output_tokens
     assert evs[0]["response"]["status"] == "in_progress"
@@ -124,6 +130,17 @@ def test_sdk_stream_helper(client: OpenAI) -> None:
         final = stream.get_final_response()
     assert final.status == "completed"
     assert final.output_text == "".join(deltas)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_answer_names_the_version_that_served_it(client: OpenAI, stream: bool) -> None:
+    raw = client.responses.with_raw_response.create(
+        model="gpt-4o-mini", input="Say hi.", max_output_tokens=2, stream=stream
+    )
+    assert raw.headers["x-rlproxy-version"] == "base"
+    answer = raw.parse()
+    responses = [e.response for e in answer if hasattr(e, "response")] if stream else [answer]
+    assert {r.model for r in responses} == {SERVED}
 
 
 def test_max_output_tokens_ends_incomplete(server: Server) -> None:

@@ -82,7 +82,9 @@ def test_non_streamed_is_forwarded_as_sent_and_stored(
     )
     completion = raw.parse()
     assert completion.choices[0].message.content == TEXT
-    assert completion.model == "direct"
+    # No version of the policy served it: the answer names the upstream model, as asked.
+    assert (completion.model, completion.system_fingerprint) == ("direct", "direct")
+    assert "x-rlproxy-version" not in raw.headers
     assert completion.usage is not None and completion.usage.total_tokens == 10
     request_id = raw.headers["x-request-id"]
     assert completion.id == f"chatcmpl-{request_id}"
@@ -143,8 +145,8 @@ def test_direct_and_litellm_paths_answer_alike(client: OpenAI, fake: FakeOpenAI)
         direct = client.chat.completions.create(model="direct", messages=_ask("x"), **kwargs)
         lite = client.chat.completions.create(model="via-litellm", messages=_ask("x"), **kwargs)
         a, b = direct.model_dump(), lite.model_dump()
-        for body in (a, b):
-            body.pop("id"), body.pop("created"), body.pop("model")
+        for body in (a, b):  # what names the call and what served it (the name asked for)
+            body.pop("id"), body.pop("created"), body.pop("model"), body.pop("system_fingerprint")
         assert a == b
         streamed = {}
         for model in ("direct", "via-litellm"):
@@ -213,7 +215,7 @@ def test_a_claude_name_can_alias_the_policy(direct_server: Server) -> None:
     """What Claude Code sends: its own model name, mapped to the policy by RLPROXY_ALIASES."""
     claude = anthropic.Anthropic(base_url=direct_server.url, api_key="sk-client", max_retries=0)
     message = claude.messages.create(model=CLAUDE_ALIAS, max_tokens=2, messages=_ask("hi"))
-    assert message.model == CLAUDE_ALIAS
+    assert message.model == "rlproxy@base"  # the version that served it, as for any alias
     (row,) = db_rows(
         direct_server.data_dir,
         "SELECT engine, model_requested FROM calls WHERE completion_id = ?",

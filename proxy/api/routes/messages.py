@@ -47,7 +47,7 @@ async def create_message(
     if answer.chunks is not None:
         events = messages.Events(
             call.completion_id,
-            body.model,
+            answer.model,
             answer.prompt_tokens or 0,
             lambda: call.stopped_by.get(0),
             shortened,
@@ -60,7 +60,7 @@ async def create_message(
     if answer.body is None:  # nobody is listening any more; the call is stored as disconnected
         return Response(status_code=499)
     message = messages.render(
-        call.completion_id, body.model, answer.body, call.stopped_by.get(0), shortened
+        call.completion_id, answer.model, answer.body, call.stopped_by.get(0), shortened
     )
     return JSONResponse(message, headers=answer.headers)
 

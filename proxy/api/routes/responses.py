@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from proxy.api.auth import Caller, Principal
 from proxy.api.body import TextJSONRoute
-from proxy.api.deps import Generating, StoreDep, request_id
+from proxy.api.deps import Generating, Registry, StoreDep, request_id
 from proxy.api.serving import serve
 from proxy.chat.record import CallInfo
 from proxy.chat.streaming import JSON_OR_SSE, SSE_HEADERS, typed_sse
@@ -66,7 +66,7 @@ async def create_response(
         logger.info("request %s: hosted tools not offered to the model: %s", rid, ignored)
         headers[IGNORED_HEADER] = ignored
     if answer.chunks is not None:
-        events = responses.Events(call.completion_id, chat, wire, call.started_at)
+        events = responses.Events(call.completion_id, answer.model, chat, wire, call.started_at)
         return StreamingResponse(
             typed_sse(events.run(answer.chunks)),
             media_type="text/event-stream",
@@ -74,13 +74,23 @@ async def create_response(
         )
     if answer.body is None:  # nobody is listening any more; the call is stored as disconnected
         return Response(status_code=499)
-    response = responses.render(call.completion_id, chat, wire, answer.body)
+    response = responses.render(call.completion_id, answer.model, chat, wire, answer.body)
     return JSONResponse(response, headers=headers)
 
 
 @router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, store: StoreDep, caller: Caller) -> dict[str, Any]:
-    return responses.from_call(await _stored(store, response_id, caller))
+async def get_response(
+    response_id: str, store: StoreDep, registry: Registry, caller: Caller
+) -> dict[str, Any]:
+    stored = await _stored(store, response_id, caller)
+    record = stored.record
+    # The model its answer named: an upstream model's name as asked, or the policy's version
+    # stored on the call.
+    if record.engine == "upstream":
+        model = record.model_requested
+    else:
+        model = registry.version_id(record.adapter_version)
+    return responses.from_call(stored, model)
 
 
 @router.delete("/v1/responses/{response_id}")
