@@ -364,6 +364,9 @@ def local_judge_server(tmp_path: Path, model_data_dir: Path) -> Iterator[Server]
         yield server
 
 
+# Slow (`make test-slow`, about a minute): CI checks the same rule on the engine itself,
+# tests/proxy/test_background_priority.py (real model, the judge's requests paused and resumed).
+@pytest.mark.slow
 def test_a_users_request_pauses_the_local_judge_and_is_answered(
     local_judge_server: Server,
 ) -> None:

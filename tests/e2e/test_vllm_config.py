@@ -7,6 +7,10 @@ because a real vLLM would have to be started wrong on purpose, or cannot show th
 (the last one); they are its flags: `--root` (started on another model), `--no-runtime-lora`
 (no LoRA routes), `--loras-serve-base` (an adapter name that does not resolve, the base
 answering in its place). The engine's rules behind them are in tests/proxy/test_vllm_engine.py.
+
+Slow (`make test-slow`, about a minute): CI checks the engine's rules behind each fault against
+vLLM-shaped handlers (tests/proxy/test_vllm_engine.py) and a real vLLM refusing a rank over its
+`--max-lora-rank` (tests/vllm_real, `make test-vllm`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from tests.e2e.helpers import db_rows
 from tests.e2e.test_adapters import write_random_lora
 from tests.e2e.test_hotswap import _publish, _wait_status
 from tests.fakes.stack import FakeReplica
+
+pytestmark = pytest.mark.slow
 
 ASK = [{"role": "user", "content": "Name a colour."}]
 

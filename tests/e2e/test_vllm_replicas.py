@@ -10,7 +10,10 @@
   the replica, and the restarted replica comes back into rotation with the active adapter loaded
   before it serves again.
 
-In the default run (about a minute on a quiet 2-core machine).
+Slow (`make test-slow`, about a minute on a quiet 2-core machine): CI runs the same load, the same
+versions and the same SIGKILL against two real vLLM servers (tests/vllm_real/
+test_real_vllm_versions.py, `make test-vllm`); what only the stand-in checks here is which model
+name each call asked its replica for.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from tests.e2e.helpers import db_rows, stored_prompts
 from tests.e2e.test_adapters import write_random_lora
 from tests.e2e.test_hotswap import _adapters, _publish, _wait_status
 from tests.fakes.stack import FakeReplica, vllm_stack, wait_in_rotation
+
+pytestmark = pytest.mark.slow
 
 CLIENTS = 4
 
