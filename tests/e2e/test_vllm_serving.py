@@ -6,10 +6,9 @@ completion they finish to a file; a call's stored prompt ids, completion ids and
 exactly one of those. vLLM's admin routes must not be reachable through rlproxy.
 One replica keeps this module cheap; routing between replicas, versions, dead replicas and
 the client suites are in test_vllm_clients.py (slow, two replicas), the replica rules in
-test_vllm_replicas.py (slow; the real-vLLM suite runs them in CI), and the engine's rules against vLLM-shaped handlers in tests/proxy/test_vllm_engine.py and
-test_vllm_routing.py (the default run's share of the vllm engine).
-
-In the default run; most of its time is starting the replica and rlproxy.
+test_vllm_replicas.py (slow; the real-vLLM suite runs them in CI), and the engine's rules
+against vLLM-shaped handlers in tests/proxy/test_vllm_engine.py and test_vllm_routing.py (the
+default run's share of the vllm engine).
 """
 
 from __future__ import annotations
