@@ -226,7 +226,7 @@ class AdapterManager:
         return [
             {
                 "version": v,
-                "id": f"{self.registry.policy}@{v}",
+                "id": self.registry.version_id(v),
                 "path": self.shown_path(v),
                 "loaded": v in loaded,
                 "active": v == self.registry.active,

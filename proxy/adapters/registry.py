@@ -54,6 +54,12 @@ def version_label(version: int | None) -> str:
     return "base" if version is None else str(version)
 
 
+def version_id(policy: str, version: int | None) -> str:
+    """The served name of `version` (None: the base) of `policy`, `NAME@N` or `NAME@base`: how
+    `GET /v1/models` lists it, and the `model` every answer it served names."""
+    return f"{policy}@{version_label(version)}"
+
+
 def adapter_name(version: int) -> str:
     """The engine-side name of adapter version N."""
     return f"v{version}"
@@ -253,9 +259,8 @@ class ServedModels:
         return parse_version(suffix) if sep and base == self.policy else None
 
     def version_id(self, version: int | None) -> str:
-        """The served name of `version` (None: the base), `NAME@N` or `NAME@base`: how
-        `GET /v1/models` lists it, and the `model` every answer it served names."""
-        return f"{self.policy}@{version_label(version)}"
+        """The policy's served name of `version` (module `version_id`)."""
+        return version_id(self.policy, version)
 
     def model_ids(self) -> list[str]:
         ids = [self.policy, self.version_id(None)]

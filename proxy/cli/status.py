@@ -77,7 +77,7 @@ def build_report(
     return {
         "database": _shown_url(settings.resolved_database_url),
         "policy": settings.model_name,
-        "model": served_model(settings),
+        "model": base_model_report(settings),
         "calls": {"total": totals.calls, "failed": totals.calls_failed, "last_hour": last_hour},
         "trajectories": totals.trajectories,
         "groups": {**totals.groups, "trained_on": totals.groups_trained},
@@ -118,7 +118,7 @@ def build_report(
     }
 
 
-def served_model(settings: Settings) -> dict[str, Any]:
+def base_model_report(settings: Settings) -> dict[str, Any]:
     """The base model RLPROXY_BASE_MODEL names here. Only the embedded model's context is known
     without loading a model: too short for Claude Code's and Codex's prompts (about 12,500 and
     9,200 tokens), so its fix comes with it."""

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
+from proxy.adapters.registry import version_id
 from proxy.settings import Settings
 from proxy.telemetry.genai import LOCAL_PROVIDER, call_attributes, span_name
 from proxy.telemetry.ids import span_hex, trace_hex
@@ -146,7 +147,7 @@ class Telemetry:
             provider, response_model = (provider, model) if model else ("litellm", target)
         else:
             provider = LOCAL_PROVIDER
-            response_model = f"{self.policy}@{record.adapter_version or 'base'}"
+            response_model = version_id(self.policy, record.adapter_version)
         attrs = call_attributes(
             record,
             trajectory_id,

@@ -39,7 +39,7 @@ async def list_adapters(
         data.append(
             {
                 "version": version,
-                "id": f"{adapters.registry.policy}@{version}",
+                "id": adapters.registry.version_id(version),
                 "path": adapters.shown_path(version),
                 "loaded": False,
                 "active": False,
