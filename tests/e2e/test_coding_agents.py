@@ -19,6 +19,13 @@ its ~49k tokens uniformly and runs to the budget, which Claude Code retries and 
 an error (docs/quickstart/coding-agents.md). The same model serves a session of two calls per CLI
 (the task, then the CLI's own resume flag with a second message), which must stay one trajectory.
 
+Sessions that use tools run on a third model, scripted by hand (tests/scripted_model.py): asked
+to read notes.txt and run a shell command, each CLI calls its file reader (Codex: its shell),
+then its shell tool, then answers; the model writes each call only once the result before it is
+in its prompt, so the stored turns show the tools ran. Each CLI runs with its tools allowed as
+the quickstart says (Claude Code `--allowedTools`, Codex with no sandbox, OpenCode's
+`permission`; pi runs its tools as it is).
+
 Without node and npm, or with a CLI whose binary cannot run on this machine (a native binary npm
 has none for), the tests skip with the reason and how to run them, never pass; in CI (`CI` set,
 as `.ci/run` does) they fail instead (tests/required.py). One server runs at a time (each class
@@ -43,8 +50,9 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import Server
-from tests.e2e.helpers import get_trajectory, list_trajectories, own_server
+from tests.e2e.helpers import calls_of, get_trajectory, list_trajectories, own_server
 from tests.required import missing
+from tests.scripted_model import build_scripted_model, hermes_call, marker_tokens
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.coding_agents
@@ -151,10 +159,11 @@ def base_env(home: Path) -> dict[str, str]:
 
 
 def configure(
-    cli: CLI, home: Path, server: Server, output_cap: int | None = None
+    cli: CLI, home: Path, server: Server, output_cap: int | None = None, tools: bool = False
 ) -> dict[str, str]:
     """What docs/quickstart/coding-agents.md tells a user to set: the CLI's environment, and its
-    config file written under `home`; `output_cap`, OpenCode's and pi's answer budget."""
+    config file written under `home`; `output_cap`, OpenCode's and pi's answer budget; `tools`:
+    the CLI may run its tools without asking (OpenCode's permissions; the others take flags)."""
     env = base_env(home)
     if cli is CLAUDE_CODE:
         env |= {
@@ -188,6 +197,7 @@ def configure(
             "$schema": "https://opencode.ai/config.json",
             "autoupdate": False,
             "share": "disabled",
+            **({"permission": {"edit": "allow", "bash": "allow"}} if tools else {}),
             "model": "rlproxy/rlproxy",
             "small_model": "rlproxy/rlproxy",
             "provider": {
@@ -228,13 +238,17 @@ def configure(
     return env
 
 
-def argv(cli: CLI, binary: Path, message: str, resume: bool) -> list[str]:
-    """The CLI's non-interactive command; `resume`: continue the last session in this folder."""
+def argv(cli: CLI, binary: Path, message: str, resume: bool, tools: bool = False) -> list[str]:
+    """The CLI's non-interactive command; `resume`: continue the last session in this folder;
+    `tools`: let it run its tools without asking (Claude Code: the file reader and the shell;
+    Codex: no approvals and no sandbox, which needs kernel features a container may lack)."""
     if cli is CLAUDE_CODE:
-        return [str(binary), "-p", *(["--continue"] if resume else []), message]
+        allow = ["--allowedTools", "Read,Bash", "--"] if tools else []  # the list ends at --
+        return [str(binary), "-p", *(["--continue"] if resume else []), *allow, message]
     if cli is CODEX:  # the folder is not a git repository, which Codex checks by default
+        allow = ["--dangerously-bypass-approvals-and-sandbox"] if tools else []
         return [
-            str(binary), "exec", "--skip-git-repo-check",
+            str(binary), "exec", "--skip-git-repo-check", *allow,
             *(["resume", "--last"] if resume else []), message,
         ]  # fmt: skip
     if cli is OPENCODE:
@@ -261,17 +275,23 @@ class Session:
     resume flag finds the session before."""
 
     def __init__(
-        self, cli: CLI, binary: Path, server: Server, root: Path, output_cap: int | None = None
+        self,
+        cli: CLI,
+        binary: Path,
+        server: Server,
+        root: Path,
+        output_cap: int | None = None,
+        tools: bool = False,
     ) -> None:
-        self.cli, self.binary, self.server = cli, binary, server
+        self.cli, self.binary, self.server, self.tools = cli, binary, server, tools
         self.workdir = root / "work"
         self.workdir.mkdir(parents=True)
-        self.env = configure(cli, root / "home", server, output_cap)
+        self.env = configure(cli, root / "home", server, output_cap, tools)
 
     def run(self, message: str, resume: bool = False) -> Run:
         start = time.monotonic()
         done = subprocess.run(
-            argv(self.cli, self.binary, message, resume),
+            argv(self.cli, self.binary, message, resume, self.tools),
             cwd=self.workdir,
             env=self.env,
             stdin=subprocess.DEVNULL,
@@ -437,3 +457,99 @@ class TestOnALongContextModel:
         assert len(resumed["turns"]) == len(main["turns"]) + 1
         assert_in_order(resumed, cli.protocol)
         assert_answered(again, resumed, FOLLOW_UP)
+
+
+# ----------------------------------------------------------------------------- using tools
+
+TOOL_TASK = "Read notes.txt, then run a shell command that makes done.txt, then say what you did."
+MARKERS = ("Agriculture", "Mindfulness")  # in notes.txt, and in what the shell command prints
+COMMAND = "touch done.txt && cat sec*.txt"  # its text holds neither marker; its output does
+FINAL = "Both tools ran: I read the note and made done.txt."
+
+
+def tool_scripts(cli: CLI, workdir: Path) -> list[str]:
+    """What the scripted model answers `cli` in each phase: a call of the CLI's file-reading
+    tool (Codex has none: its shell), a call of its shell tool, the final answer. Arguments in
+    the order of the tool's schema; paths absolute where the tool asks for that."""
+    notes = str(workdir / "notes.txt")
+    if cli is CLAUDE_CODE:
+        calls = [
+            hermes_call("Read", {"file_path": notes}),
+            hermes_call("Bash", {"command": COMMAND, "description": "Make done.txt"}),
+        ]
+    elif cli is CODEX:
+        calls = [
+            hermes_call("exec_command", {"cmd": "cat notes.txt"}),
+            hermes_call("exec_command", {"cmd": COMMAND}),
+        ]
+    elif cli is OPENCODE:
+        calls = [
+            hermes_call("read", {"filePath": notes}),
+            hermes_call("bash", {"command": COMMAND}),
+        ]
+    else:
+        calls = [
+            hermes_call("read", {"path": "notes.txt"}),
+            hermes_call("bash", {"command": COMMAND}),
+        ]
+    return [*calls, FINAL]
+
+
+@pytest.mark.parametrize("cli", ALL, ids=lambda c: c.name)
+class TestASessionThatUsesTools:
+    """Each CLI, its own tools allowed as a user allows them (docs/quickstart/coding-agents.md),
+    on a model that calls them (tests/scripted_model.py): it reads notes.txt, runs a shell
+    command that makes done.txt and prints the other file, and answers once both results are
+    in its context. The model answers phase 1 only when the file's word is in its prompt and
+    phase 2 only when the command's output is, so each stored turn shows a tool that ran."""
+
+    def test_two_tools_run_and_the_session_is_stored_turn_by_turn(
+        self, cli: CLI, cli_cache: Path, model_data_dir: Path, tmp_path: Path
+    ) -> None:
+        from proxy.engines.loader import ensure_fp32_cache
+
+        binary = installed(cli, cli_cache)
+        workdir = tmp_path / "work"
+        folder = build_scripted_model(
+            tmp_path / "model",
+            ensure_fp32_cache(model_data_dir),
+            tool_scripts(cli, workdir),
+            MARKERS,
+        )
+        env = {"RLPROXY_BASE_MODEL": str(folder)}
+        with own_server(tmp_path / "data", tmp_path / "cache", env) as server:
+            session = Session(cli, binary, server, tmp_path, tools=True)
+            (workdir / "notes.txt").write_text(MARKERS[0] + "\n")
+            (workdir / "second.txt").write_text(MARKERS[1] + "\n")
+            run = session.run(TOOL_TASK)
+            assert run.returncode == 0, run.why()
+            assert (workdir / "done.txt").exists(), f"the shell tool did not run: {run.why()}"
+            assert "".join(FINAL.split()) in "".join(run.stdout.split()), run.stdout
+            main, side = main_and_side(changed({}, stored(server)))
+            assert_side_calls(cli, side)
+            assert_tool_session(main, cli, server, folder)
+        print(f"{cli.name}: {run.seconds:.1f} s, {len(main['turns'])} turns")
+
+
+def assert_tool_session(trajectory: dict[str, Any], cli: CLI, server: Server, model: Path) -> None:
+    """Three turns in order (the task, then each tool's result), each answered with its phase's
+    script, token for token; each prompt holds the markers its phase needs and no later one."""
+    turns = trajectory["turns"]
+    assert len(turns) == 3, [t["response_messages"] for t in turns]
+    assert_in_order(trajectory, cli.protocol)
+    calls = calls_of(server.data_dir, trajectory["id"])
+    from transformers import AutoTokenizer
+
+    scripts = json.loads((model / "scripts.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    marks = [marker_tokens(word, tokenizer) for word in MARKERS]
+    for phase, call in enumerate(calls):
+        (choice,) = call["choices"]
+        assert choice["completion_token_ids"] == scripts[phase], phase
+        prompt = set(call["prompt_token_ids"])
+        assert [bool(prompt & m) for m in marks] == [phase >= 1, phase >= 2], phase
+    for phase, turn in enumerate(turns[:2]):
+        (answer,) = turn["response_messages"]
+        assert answer.get("tool_calls"), answer
+        results = [m for m in turns[phase + 1]["request_messages"] if m["role"] == "tool"]
+        assert results and MARKERS[phase] in str(results[-1]["content"]), results
