@@ -10,13 +10,38 @@ fields do not split a trajectory:
   sorted-key JSON;
 - tool calls as (name, arguments parsed as JSON and re-dumped with sorted keys); the legacy
   `function_call` counts as a tool call; tool messages keep their `tool_call_id`;
-- everything else (ids of tool calls, `refusal`, `annotations`, reasoning fields) is ignored.
+- everything else (ids of tool calls, `refusal`, `annotations`, reasoning fields) is ignored
+  (tool-call ids are the second key, below, never part of the chain).
 
 Hashes chain message by message, h_i = sha256(h_{i-1} | canonical(m_i)), so the hash of every
 prefix of a request costs one pass over it. For a call the linker computes the hash of every
 prefix that ends with an assistant message; the store looks up open trajectories whose
 `next_prefix_hash` is among them; the longest matching prefix wins (the most recently updated
 trajectory on a tie).
+
+Tool-call ids are a second key, for a client that rewrites a tool call before sending it back.
+OpenCode answers a call cut by `max_tokens` (arguments `{"file`, not JSON) by resending it under
+the same id as a call of its `invalid` tool with new arguments, followed by the tool's error:
+
+    stored turn:  [system, user]                  -> answer: read_file({"file)  id call_7Qx
+    next request: [system, user, invalid({"tool": "read_file", ...}) id call_7Qx,
+                   tool(tool_call_id call_7Qx, "invalid arguments")]
+
+The canonical answer changed, so the chain finds nothing. A stored answer whose tool calls all
+carry ids therefore also gives its trajectory `next_tool_call_hash` = sha256(the hash of that
+call's request | "tool_call_ids:" | the answer's ids, sorted); any other answer gives None. For
+a call, every assistant message of its request whose tool calls all carry ids gives the same
+hash of the chain of the messages before it and its ids (`LinkKeys.tool_call_hashes`, each with
+the length of the prefix through that message). A trajectory matches when one of them equals its
+`next_tool_call_hash`: the messages before the rewritten turn are exactly (canonically, and under
+the same API key, since the chain is seeded per key) the request the trajectory's last answer
+was given to, and the turn carries exactly that answer's ids (in any order; its names,
+arguments and text may differ). Ids are never the only evidence: two conversations that both
+number their calls `call_0` differ before them and stay apart. Only the last answer's ids count,
+as only its chain hash does. The longest match wins, whichever key it came by; at equal length
+the chain wins (an answer echoed unchanged matches both ways, and an exact echo of one run beats
+a newer run of the same request whose answer had the same ids); among equals the most recently
+updated, as for the chain.
 
 Retries do not fork. A call whose request equals the trajectory's last request is the same turn
 when the client says it is a retry (`x-stainless-retry-count` > 0) or when it started after that
@@ -138,6 +163,24 @@ def _chain(previous: str, message: dict[str, Any]) -> str:
     return hashlib.sha256(data.encode()).hexdigest()
 
 
+def _tool_call_ids(message: dict[str, Any]) -> list[str] | None:
+    """The ids of an assistant message's tool calls, sorted; None unless it makes calls and
+    every one has an id (the legacy `function_call` has none)."""
+    ids: list[str] = []
+    for call in message.get("tool_calls") or []:
+        call_id = call.get("id") if isinstance(call, dict) else None
+        if not isinstance(call_id, str) or not call_id:
+            return None
+        ids.append(call_id)
+    return sorted(ids) or None
+
+
+def _tool_call_hash(before: str, ids: list[str]) -> str:
+    """The second key: the chain of the messages before an assistant turn, and its call ids."""
+    data = before + "\ntool_call_ids:" + json.dumps(ids, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(data.encode()).hexdigest()
+
+
 def _owner_seed(owner: str | None) -> str:
     """The chain's start: one per API key, so equal messages of two keys never hash equal and
     a call can only ever link to its own key's trajectories (no query needs an owner filter)."""
@@ -148,15 +191,20 @@ def _owner_seed(owner: str | None) -> str:
 
 def _hashes(
     messages: Sequence[dict[str, Any]], owner: str | None = None
-) -> tuple[str, dict[str, int]]:
-    """(hash of all messages, {hash of each assistant-ending prefix: its length}), one pass."""
+) -> tuple[str, dict[str, int], dict[str, int]]:
+    """(hash of all messages, {hash of each assistant-ending prefix: its length}, {tool-call
+    hash of each assistant message whose calls all have ids: the same length}), one pass."""
     prefixes: dict[str, int] = {}
+    tool_calls: dict[str, int] = {}
     h = _owner_seed(owner)
     for i, m in enumerate(messages):
-        h = _chain(h, m)
+        before, h = h, _chain(h, m)
         if m.get("role") == "assistant":
             prefixes[h] = i + 1
-    return h, prefixes
+            ids = _tool_call_ids(m)
+            if ids is not None:
+                tool_calls[_tool_call_hash(before, ids)] = i + 1
+    return h, prefixes, tool_calls
 
 
 def opening_hash(messages: Sequence[dict[str, Any]]) -> str | None:
@@ -230,7 +278,8 @@ def agent_signature(messages: Sequence[dict[str, Any]], tools: Sequence[Any] | N
 
 @dataclass
 class PrefixLinker:
-    """Links calls by explicit id, retry detection, then longest assistant-ending prefix."""
+    """Links calls by explicit id, retry detection, then the longest assistant-ending prefix
+    (by the chain, or by a rewritten turn's tool-call ids)."""
 
     retry_window_s: float = 10.0
     """A same-request call that starts within this many seconds after the last call finished
@@ -243,16 +292,21 @@ class PrefixLinker:
 
     def keys(self, record: CallRecord) -> LinkKeys:
         messages = record.request_messages
-        request_hash, prefix_hashes = _hashes(messages, record.owner_key_id)
-        next_prefix_hash = None
+        request_hash, prefix_hashes, tool_call_hashes = _hashes(messages, record.owner_key_id)
+        next_prefix_hash = next_tool_call_hash = None
         if record.status == "completed" and record.choices:
             answer = {"role": "assistant", **record.choices[0].message}
             next_prefix_hash = _chain(request_hash, answer)
+            ids = _tool_call_ids(answer)
+            if ids is not None:
+                next_tool_call_hash = _tool_call_hash(request_hash, ids)
         return LinkKeys(
             prefix_hashes=prefix_hashes,
             request_hash=request_hash,
             next_prefix_hash=next_prefix_hash,
             task_signature=task_signature(messages, record.tools),
+            tool_call_hashes=tool_call_hashes,
+            next_tool_call_hash=next_tool_call_hash,
         )
 
     def _same_turn(self, record: CallRecord, keys: LinkKeys, t: TrajectoryState) -> str | None:
@@ -296,11 +350,22 @@ class PrefixLinker:
             t, same = max(repeats, key=lambda ts: (ts[0].updated_at, ts[0].id))
             return LinkDecision(same, t.id, t.last_call_id)  # type: ignore[arg-type]
 
-        matches = [t for t in candidates if t.next_prefix_hash in keys.prefix_hashes]
-        if matches:
-            best = max(
-                matches,
-                key=lambda t: (keys.prefix_hashes[t.next_prefix_hash or ""], t.updated_at, t.id),
-            )
-            return LinkDecision("append", best.id)
+        chained = max(
+            (t for t in candidates if t.next_prefix_hash in keys.prefix_hashes),
+            key=lambda t: (keys.prefix_hashes[t.next_prefix_hash or ""], t.updated_at, t.id),
+            default=None,
+        )
+        by_ids = max(
+            (t for t in candidates if t.next_tool_call_hash in keys.tool_call_hashes),
+            key=lambda t: (keys.tool_call_hashes[t.next_tool_call_hash or ""], t.updated_at, t.id),
+            default=None,
+        )
+        if by_ids is not None and (
+            chained is None
+            or keys.tool_call_hashes[by_ids.next_tool_call_hash or ""]
+            > keys.prefix_hashes[chained.next_prefix_hash or ""]
+        ):
+            return LinkDecision("append", by_ids.id)  # a rewritten tool call; see the module
+        if chained is not None:
+            return LinkDecision("append", chained.id)
         return LinkDecision("new")

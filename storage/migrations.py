@@ -455,6 +455,20 @@ def _m010_prompt_chunks(conn: Connection) -> None:
     conn.execute(text("ALTER TABLE calls DROP COLUMN prompt_token_ids"))
 
 
+def _m011_tool_call_link_key(conn: Connection) -> None:
+    """Linking's second key (`storage.linking`): a hash of a trajectory's last request and the
+    ids of its answer's tool calls, so a turn whose tool call the client rewrote under the same
+    id still continues it; indexed like `next_prefix_hash`, newest first within one hash.
+    Trajectories stored before have none and link by the chain until their next answer."""
+    conn.execute(text("ALTER TABLE trajectories ADD COLUMN next_tool_call_hash VARCHAR"))
+    conn.execute(
+        text(
+            "CREATE INDEX ix_trajectories_tool_call_lookup "
+            "ON trajectories (status, next_tool_call_hash, updated_at, id)"
+        )
+    )
+
+
 def _json(value: object) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
@@ -470,6 +484,7 @@ MIGRATIONS: list[Migration] = [
     Migration(8, "m008_call_protocols", _m008_call_protocols),
     Migration(9, "m009_replicas", _m009_replicas),
     Migration(10, "m010_prompt_chunks", _m010_prompt_chunks),
+    Migration(11, "m011_tool_call_link_key", _m011_tool_call_link_key),
 ]
 
 

@@ -70,10 +70,15 @@ class Trajectory(Base):
     last_call_status: Mapped[str | None] = mapped_column(String)
     # The API key whose calls make up this trajectory (None when the server has no keys).
     owner_key_id: Mapped[str | None] = mapped_column(String)
+    # Linking's second key: hash(last request + the ids of its answer's tool calls), or None.
+    next_tool_call_hash: Mapped[str | None] = mapped_column(String)
 
     __table_args__ = (
         # Linking's lookups (storage.trajectory_view): newest first within one hash.
         Index("ix_trajectories_prefix_lookup", "status", "next_prefix_hash", "updated_at", "id"),
+        Index(
+            "ix_trajectories_tool_call_lookup", "status", "next_tool_call_hash", "updated_at", "id"
+        ),
         Index(
             "ix_trajectories_request_lookup",
             "status",

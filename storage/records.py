@@ -222,6 +222,12 @@ class LinkKeys:
     next_prefix_hash: str | None
     """Hash of request messages + the returned assistant message (choice 0); None if no answer."""
     task_signature: str | None = None
+    tool_call_hashes: dict[str, int] = field(default_factory=dict)
+    """Hash of the messages before each assistant message of the request whose tool calls all
+    have ids, with those ids -> the length of the prefix through that message."""
+    next_tool_call_hash: str | None = None
+    """Hash of the request messages + the ids of the answer's tool calls (choice 0); None if
+    the answer made no calls or one had no id."""
 
 
 @dataclass(frozen=True)
@@ -240,6 +246,8 @@ class TrajectoryState:
     last_call_finished_at: float | None
     last_call_status: str | None = None
     """How the last call ended ("completed", "error", "client_disconnected")."""
+    next_tool_call_hash: str | None = None
+    """`LinkKeys.next_tool_call_hash` of the call that set `next_prefix_hash`."""
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,14 @@
 """The in-memory view of the trajectories one batch of calls may link to.
 
 `load_view` reads every trajectory the linking rule (`storage.linking`) could pick for a batch,
-and no other: those named by explicit ids; per prefix hash, the newest open trajectories that
-continue there (the rule takes the newest, and each call of the batch takes at most one); per
+and no other: those named by explicit ids; per prefix hash, and per tool-call hash (a rewritten
+turn's ids after the same request), the newest open trajectories that continue there (the rule
+takes the newest, and each call of the batch takes at most one); per
 request hash, the open trajectories whose standing call could be the same turn (it started
 after one of the calls did, or it failed within the retry window, or, for a call that says it is
 a retry, the newest that started before it). Every lookup is a range of an index
-(`ix_trajectories_prefix_lookup`, `ix_trajectories_request_lookup`) bounded by the batch, by
+(`ix_trajectories_prefix_lookup`, `ix_trajectories_tool_call_lookup`,
+`ix_trajectories_request_lookup`) bounded by the batch, by
 time or by failures, never by how many calls of one task are stored: linking costs the same at
 100 and at 100,000 stored runs of a task. Rows are locked with FOR UPDATE on Postgres until the
 batch commits (SQLite's BEGIN IMMEDIATE already excludes other writers).
@@ -66,6 +68,7 @@ class Trajectory:
     last_call_finished_at: float | None
     last_call_status: str | None
     owner_key_id: str | None
+    next_tool_call_hash: str | None
 
     def state(self) -> TrajectoryState:
         return TrajectoryState(
@@ -80,6 +83,7 @@ class Trajectory:
             last_call_created_at=self.last_call_created_at,
             last_call_finished_at=self.last_call_finished_at,
             last_call_status=self.last_call_status,
+            next_tool_call_hash=self.next_tool_call_hash,
         )
 
 
@@ -98,6 +102,7 @@ class TrajectoryView:
     def __init__(self, rows: Iterable[Trajectory]) -> None:
         self.by_id: dict[str, Trajectory] = {}
         self._by_next: dict[str, set[str]] = defaultdict(set)
+        self._by_tool_calls: dict[str, set[str]] = defaultdict(set)
         self._by_request: dict[str, set[str]] = defaultdict(set)
         self.new: set[str] = set()
         self.dirty: set[str] = set()
@@ -109,12 +114,16 @@ class TrajectoryView:
         if t.status == "open":
             if t.next_prefix_hash is not None:
                 self._by_next[t.next_prefix_hash].add(t.id)
+            if t.next_tool_call_hash is not None:
+                self._by_tool_calls[t.next_tool_call_hash].add(t.id)
             if t.last_request_hash is not None:
                 self._by_request[t.last_request_hash].add(t.id)
 
     def _unindex(self, t: Trajectory) -> None:
         if t.next_prefix_hash is not None:
             self._by_next[t.next_prefix_hash].discard(t.id)
+        if t.next_tool_call_hash is not None:
+            self._by_tool_calls[t.next_tool_call_hash].discard(t.id)
         if t.last_request_hash is not None:
             self._by_request[t.last_request_hash].discard(t.id)
 
@@ -122,6 +131,8 @@ class TrajectoryView:
         ids: set[str] = set()
         for h in keys.prefix_hashes:
             ids |= self._by_next.get(h, set())
+        for h in keys.tool_call_hashes:
+            ids |= self._by_tool_calls.get(h, set())
         if keys.request_hash is not None:
             ids |= self._by_request.get(keys.request_hash, set())
         return [self.by_id[i].state() for i in sorted(ids)]
@@ -161,6 +172,9 @@ async def load_view(
         # The rule takes the newest open trajectory per prefix hash and each call of the batch
         # takes at most one: the newest `uses` are all the batch can reach.
         lookups.add("next_prefix_hash = {}", prefix, newest=uses)
+    for tool_calls, uses in sorted(Counter(h for k in keys for h in k.tool_call_hashes).items()):
+        # The same for the second key, a rewritten turn's tool-call ids (storage.linking).
+        lookups.add("next_tool_call_hash = {}", tool_calls, newest=uses)
 
     by_request: dict[str, list[CallRecord]] = defaultdict(list)
     for record, k in zip(records, keys, strict=True):

@@ -144,6 +144,7 @@ async def record_calls(
                 last_call_finished_at=record.finished_at,
                 last_call_status=record.status,
                 owner_key_id=record.owner_key_id,
+                next_tool_call_hash=k.next_tool_call_hash,
             )
             view.add(t)
             turn = 0
@@ -173,6 +174,7 @@ async def record_calls(
                 )
                 if k.next_prefix_hash is not None:  # a failed call keeps the continuation point
                     changes["next_prefix_hash"] = k.next_prefix_hash
+                    changes["next_tool_call_hash"] = k.next_tool_call_hash
             view.change(t, **changes)
 
         row = _call_row(record, k, t.id, turn, now, prompts)

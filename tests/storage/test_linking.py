@@ -15,7 +15,7 @@ from storage.linking import (
     opening_hash,
     task_signature,
 )
-from storage.records import CallRecord, ChoiceRecord, TrajectoryState
+from storage.records import CallRecord, ChoiceRecord, LinkDecision, TrajectoryState
 
 
 def _call(messages: list[dict[str, Any]], answer: str | None = "ok", **kw: Any) -> CallRecord:
@@ -247,6 +247,106 @@ def test_longest_prefix_then_most_recent() -> None:
     decision = linker.choose(record, keys, None, [short, long_old, long_new])
     assert (decision.action, decision.trajectory_id) == ("append", "long-new")
     assert linker.choose(record, keys, None, []).action == "new"
+
+
+def _calls(*ids_names: tuple[str | None, str]) -> dict[str, Any]:
+    """An assistant message calling each (id, name) with no arguments; id None: no id."""
+    calls = [
+        {"type": "function", "function": {"name": name, "arguments": "{}"}}
+        | ({} if call_id is None else {"id": call_id})
+        for call_id, name in ids_names
+    ]
+    return {"role": "assistant", "content": None, "tool_calls": calls}
+
+
+def _answered(messages: list[dict[str, Any]], answer: dict[str, Any], **kw: Any) -> CallRecord:
+    return replace(_call(messages, **kw), choices=[ChoiceRecord(0, answer)])
+
+
+ASK = [{"role": "system", "content": "s"}, {"role": "user", "content": "read it"}]
+ERROR = {"role": "tool", "tool_call_id": "call_0", "content": "invalid arguments"}
+
+
+def test_a_tool_call_rewritten_under_the_same_ids_links_by_them() -> None:
+    linker = PrefixLinker()
+    stored = linker.keys(_answered(ASK, _calls(("call_0", "read"), ("call_1", "grep"))))
+    assert stored.next_tool_call_hash is not None
+    t = _state(
+        "t",
+        next_prefix_hash=stored.next_prefix_hash,
+        next_tool_call_hash=stored.next_tool_call_hash,
+    )
+
+    # names, arguments and order rewritten; the ids and everything before them kept
+    record = _call([*ASK, _calls(("call_1", "invalid"), ("call_0", "invalid")), ERROR])
+    keys = linker.keys(record)
+    assert keys.tool_call_hashes == {stored.next_tool_call_hash: 3}
+    assert stored.next_prefix_hash not in keys.prefix_hashes  # the chain finds nothing
+    assert linker.choose(record, keys, None, [t]) == LinkDecision("append", "t")
+
+    def links(messages: list[dict[str, Any]], owner: str | None = None) -> bool:
+        record = _call(messages, owner_key_id=owner)
+        return linker.choose(record, linker.keys(record), None, [t]).action == "append"
+
+    assert not links([*ASK, _calls(("call_0", "invalid")), ERROR])  # one id short
+    assert not links([*ASK, _calls(("call_0", "a"), ("call_1", "b"), ("call_2", "c")), ERROR])
+    assert not links([*ASK, _calls(("call_0", "a"), (None, "b")), ERROR])  # a call without id
+    other = [ASK[0], {"role": "user", "content": "read another"}]
+    assert not links([*other, _calls(("call_0", "a"), ("call_1", "b")), ERROR])  # other history
+    assert not links([*ASK, _calls(("call_0", "a"), ("call_1", "b")), ERROR], owner="k2")
+    # an answer without ids, or with no calls, leaves no tool-call key
+    assert linker.keys(_answered(ASK, _calls((None, "read")))).next_tool_call_hash is None
+    assert linker.keys(_call(ASK, "text")).next_tool_call_hash is None
+    assert linker.keys(_call(ASK, None)).next_tool_call_hash is None  # no answer
+
+
+def test_the_longest_match_wins_and_the_chain_wins_ties() -> None:
+    linker = PrefixLinker()
+    first = _calls(("call_0", "read"))
+    opening = linker.keys(_answered(ASK, first))
+    # `chained` stopped after the first answer; `rewritten` went on to a second call, which
+    # the request resends rewritten under its id.
+    turn2 = [*ASK, first, ERROR]
+    second = linker.keys(_answered(turn2, _calls(("call_9", "read"))))
+    chained = _state("chained", next_prefix_hash=opening.next_prefix_hash, updated_at=999.0)
+    rewritten = _state(
+        "rewritten",
+        next_prefix_hash=second.next_prefix_hash,
+        next_tool_call_hash=second.next_tool_call_hash,
+        updated_at=500.0,
+    )
+    record = _call([*turn2, _calls(("call_9", "invalid")), {**ERROR, "tool_call_id": "call_9"}])
+    keys = linker.keys(record)
+    assert keys.prefix_hashes[opening.next_prefix_hash or ""] == 3
+    assert keys.tool_call_hashes[second.next_tool_call_hash or ""] == 5
+    assert linker.choose(record, keys, None, [chained, rewritten]).trajectory_id == "rewritten"
+
+    # At equal length the chain wins, even over a newer trajectory with the same ids.
+    echoed = _state("echoed", next_prefix_hash=opening.next_prefix_hash, updated_at=100.0)
+    same_ids = _state(
+        "same-ids",
+        next_prefix_hash="another answer",
+        next_tool_call_hash=opening.next_tool_call_hash,
+        updated_at=999.0,
+    )
+    record = _call(turn2)
+    keys = linker.keys(record)
+    assert linker.choose(record, keys, None, [same_ids, echoed]).trajectory_id == "echoed"
+    assert linker.choose(record, keys, None, [same_ids]).trajectory_id == "same-ids"
+
+
+def test_the_tool_call_hash_is_computed_as_before() -> None:
+    """Stored in `trajectories.next_tool_call_hash`: pinned, like the chain's hashes."""
+    keys = PrefixLinker().keys(_answered(ASK, _calls(("call_b", "f"), ("call_a", "g"))))
+    assert keys.next_tool_call_hash == (
+        "32ff531641f904323e878346ea77a5de5ed0b4ebfc2aee12aea8562d2e734296"
+    )
+    keyed = PrefixLinker().keys(
+        _answered(ASK, _calls(("call_b", "f"), ("call_a", "g")), owner_key_id="k1")
+    )
+    assert keyed.next_tool_call_hash == (
+        "ab0a4963e81c87979e5935ed338143afa8e5313ea7d691324bebd52c99e8c3f0"
+    )
 
 
 def test_retry_rules() -> None:

@@ -11,8 +11,12 @@ import json
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 
-from storage import Store
+from storage import Store, migrations
+from storage.engines import create_engines
+from storage.linking import PrefixLinker
+from tests.storage.conftest import Database
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -232,6 +236,133 @@ async def test_longest_prefix_wins(store: Store, make_call: Any) -> None:
     assert short != long_
 
 
+# --- tool-call ids: a turn whose tool call the client rewrote -------------------------------
+# OpenCode answers a tool call cut by max_tokens (arguments `{"file`) by resending it under the
+# same id as a call of its `invalid` tool, then the tool's error. The chain (names, arguments)
+# no longer matches; the ids, after the same request, do.
+
+
+def _cut_call(call_id: str) -> dict[str, Any]:
+    call = {"id": call_id, "type": "function", "function": {"name": "read", "arguments": '{"file'}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+def _rewritten(call_id: str) -> list[dict[str, Any]]:
+    """The cut call resent as OpenCode does, and the tool's error."""
+    return [
+        _tool_call(call_id, "invalid", {"tool": "read", "error": "Invalid input"}),
+        {"role": "tool", "tool_call_id": call_id, "content": "The arguments are invalid."},
+    ]
+
+
+async def test_a_rewritten_tool_call_continues_by_its_id(store: Store, make_call: Any) -> None:
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Show README.md"}]
+    tid = await store.record_call(make_call(msgs, _cut_call("call_Xy12")))
+    second = [*msgs, *_rewritten("call_Xy12")]
+    assert await store.record_call(make_call(second, "Let me retry.")) == tid
+    # The next turn resends the rewritten history: the ordinary chain again.
+    third = [*second, {"role": "assistant", "content": "Let me retry."}]
+    third += [{"role": "user", "content": "go on"}]
+    assert await store.record_call(make_call(third, "ok")) == tid
+    detail = await store.get_trajectory(tid)
+    assert detail is not None and detail.summary.turn_count == 3
+
+
+async def test_the_same_ids_after_other_messages_do_not_link(store: Store, make_call: Any) -> None:
+    """Providers that number calls (`call_0`) give every conversation the same ids."""
+    task_a = [{"role": "user", "content": "Fix the failing test"}]
+    task_b = [{"role": "user", "content": "Add a --verbose flag"}]
+    ta = await store.record_call(make_call(task_a, _cut_call("call_0")))
+    tb = await store.record_call(make_call(task_b, _cut_call("call_0")))
+    assert ta != tb
+    task_c = [{"role": "user", "content": "Rename utils.py"}]
+    tc = await store.record_call(make_call([*task_c, *_rewritten("call_0")], "done"))
+    assert tc not in (ta, tb)
+    assert await store.record_call(make_call([*task_b, *_rewritten("call_0")], "done")) == tb
+    detail = await store.get_trajectory(ta)
+    assert detail is not None and detail.summary.turn_count == 1
+
+
+async def test_tool_call_ids_never_link_across_api_keys(store: Store, make_call: Any) -> None:
+    msgs = [{"role": "user", "content": "Show README.md"}]
+    mine = await store.record_call(make_call(msgs, _cut_call("call_0"), owner_key_id="k1"))
+    rewritten = [*msgs, *_rewritten("call_0")]
+    theirs = await store.record_call(make_call(rewritten, "done", owner_key_id="k2"))
+    assert theirs != mine
+    assert await store.record_call(make_call(rewritten, "done", owner_key_id="k1")) == mine
+
+
+async def test_the_chain_wins_over_tool_call_ids(store: Store, make_call: Any) -> None:
+    """Two runs of one request answered with the same id but other calls: the newer has the
+    same ids at the same place, but the history that echoes the older's answer goes there."""
+    msgs = [{"role": "user", "content": "Search the docs"}]
+    older = await store.record_call(make_call(msgs, _tool_call("call_0", "search", {"q": "x"})))
+    newer = await store.record_call(make_call(msgs, _tool_call("call_0", "lookup", {"k": "y"})))
+    assert older != newer
+    echoed = [*msgs, _tool_call("call_0", "search", {"q": "x"})]
+    echoed += [{"role": "tool", "tool_call_id": "call_0", "content": "found"}]
+    assert await store.record_call(make_call(echoed, "done")) == older
+    # A rewrite of the same call matches both by ids: the newest run takes it, as for the chain.
+    assert await store.record_call(make_call([*msgs, *_rewritten("call_0")], "done")) == newer
+
+
+async def test_ids_link_only_to_the_last_answer(store: Store, make_call: Any) -> None:
+    """The ids are the trajectory's continuation point, like the chain's hash: once a later
+    answer was given, a rewrite of an earlier call is another branch, not this trajectory."""
+    msgs = [{"role": "user", "content": "Show README.md"}]
+    tid = await store.record_call(make_call(msgs, _cut_call("call_0")))
+    second = [*msgs, *_rewritten("call_0")]
+    assert await store.record_call(make_call(second, "Sorry.")) == tid
+    again = [*msgs, *_rewritten("call_0")[:1]]
+    again += [{"role": "tool", "tool_call_id": "call_0", "content": "another error"}]
+    assert await store.record_call(make_call(again, "Hm.")) != tid
+
+
+async def test_a_trajectory_from_before_the_id_key_gets_it_at_its_next_answer(
+    db: Database, make_call: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trajectories stored before m011 have no tool-call key: they link by the chain as before,
+    and their next answer sets the key (linking reads only the trajectories table)."""
+    msgs = [{"role": "user", "content": "Show README.md"}]
+    first = make_call(msgs, _tool_call("call_0", "read", {"file": "README.md"}))
+    keys = PrefixLinker().keys(first)
+    engines = create_engines(db.url, postgres_schema=db.schema)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:10])
+            await migrations.migrate(engines.write)
+        async with engines.write.begin() as conn:
+            row = {
+                "id": "t-old",
+                "status": "open",
+                "created_at": first.created_at,
+                "updated_at": first.finished_at,
+                "turn_count": 1,
+                "call_count": 1,
+                "explicit": False,
+                "next_prefix_hash": keys.next_prefix_hash,
+                "last_request_hash": keys.request_hash,
+                "last_call_id": first.id,
+                "last_call_created_at": first.created_at,
+                "last_call_finished_at": first.finished_at,
+                "last_call_status": "completed",
+            }
+            columns = ", ".join(row)
+            values = ", ".join(f":{c}" for c in row)
+            await conn.execute(text(f"INSERT INTO trajectories ({columns}) VALUES ({values})"), row)
+        assert await migrations.migrate(engines.write) == ["m011_tool_call_link_key"]
+    finally:
+        await engines.dispose()
+
+    store = await db.open()
+    rewritten = [*msgs, *_rewritten("call_0")]
+    assert await store.record_call(make_call(rewritten, "Sorry.")) != "t-old"  # no key yet
+    echoed = [*msgs, first.choices[0].message]
+    echoed += [{"role": "tool", "tool_call_id": "call_0", "content": "# rlproxy"}]
+    assert await store.record_call(make_call(echoed, _cut_call("call_1"))) == "t-old"
+    assert await store.record_call(make_call([*echoed, *_rewritten("call_1")], "ok")) == "t-old"
+
+
 # --- the cost of linking does not grow with history ---------------------------------------
 # Linking reads trajectory rows; how many it reads per call must stay under a small constant
 # however many runs of one task are stored (`Store.link_stats` counts them). The history below
@@ -281,3 +412,19 @@ async def test_linking_reads_a_bounded_number_of_rows_per_call(
     again_tid, rows = await _rows_per_call(store, again)
     assert again_tid == retry_tid
     assert rows <= 4, f"read {rows} trajectory rows after {history} runs"
+
+
+@pytest.mark.parametrize("history", [20, 200])
+async def test_linking_by_tool_call_ids_reads_a_bounded_number_of_rows(
+    store: Store, make_call: Any, history: int
+) -> None:
+    """Every run of the task answered with the same id (`call_0`) after the same request: all
+    share one tool-call hash, and a rewrite still reads only the newest."""
+    for _ in range(history):
+        await store.record_call(make_call(TASK, _cut_call("call_0")))
+    tid, rows = await _rows_per_call(store, make_call(TASK, _cut_call("call_0")))
+    assert rows <= 2, f"read {rows} trajectory rows after {history} runs"
+    rewritten = make_call([*TASK, *_rewritten("call_0")], "Let me retry.")
+    tid2, rows = await _rows_per_call(store, rewritten)
+    assert tid2 == tid
+    assert rows <= 2, f"read {rows} trajectory rows after {history} runs"

@@ -64,6 +64,24 @@ def test_a_turn_rendered_with_other_tokens_keeps_its_own_row() -> None:
     assert len(pack_turns([two_turns()[0], short], max_len=100)) == 2
 
 
+def test_a_tool_call_the_client_rewrote_keeps_its_own_row() -> None:
+    """OpenCode resends a tool call cut by max_tokens as a call of its `invalid` tool under the
+    same id: the trajectory goes on (storage.linking links it by the call's id), but the next
+    prompt holds the rewritten call where the sampled tokens were, so the next turn is not
+    packed onto the cut one: each is trained on the prompt it was sampled from."""
+    cut = [10, 11, 12]  # `<tool_call>{"name": "read_file", "arguments": {"file`, cut
+    rewritten = [10, 40, 41, 42, 43]  # the same opening, then `invalid` and its arguments
+    error = [20, 21]  # the tool's error and the next assistant header
+    first, second = turn(SYSTEM, cut), turn(SYSTEM + rewritten + error, ANSWER_2)
+    assert pack_turns([first, second], max_len=100) == [first, second]
+    # A resend that keeps every sampled token and only adds after them still folds in: the
+    # sampled tokens are the context the next turn was sampled in.
+    completed = turn([*SYSTEM, *cut, 44, 45, *error], ANSWER_2)
+    (row,) = pack_turns([first, completed], max_len=100)
+    assert row.completion_ids == [*cut, 44, 45, *error, *ANSWER_2]
+    assert row.completion_mask == (True,) * 3 + (False,) * 4 + (True,) * 2
+
+
 @pytest.mark.parametrize(
     "second",
     [
