@@ -115,17 +115,19 @@ def build_scripted_model(
     prompt_end = prompt_end[-context_size:]
     marks = [marker_tokens(word, tokenizer) for word in markers]
     spelled = [[*prompt_end, *spell(text, tokenizer), end] for text in scripts]
-    for word, ids in zip(markers, marks, strict=True):
-        assert not ids & {i for s in spelled for i in s}, f"a script holds {word!r}"
 
-    # One step per token a script writes: (phase, the tokens before it, newest last) -> it.
+    # One step per token a script writes: (phase, the tokens before it, newest last) -> it. A
+    # script that writes a marker itself is in that marker's phase from there on (the model
+    # reads its own answer as part of its context).
     steps: dict[tuple[int, tuple[int, ...]], int] = {}
-    for phase, ids in enumerate(spelled):
+    for script_phase, ids in enumerate(spelled):
+        phase = script_phase
         for n in range(context_size, len(ids)):
+            phase = max([phase] + [1 + k for k, m in enumerate(marks) if ids[n - 1] in m])
             key = (phase, tuple(ids[n - context_size : n]))
             if steps.setdefault(key, ids[n]) != ids[n]:
                 seen = tokenizer.convert_ids_to_tokens(list(key[1]))
-                raise ValueError(f"script {phase} goes on two ways after {seen}")
+                raise ValueError(f"script {script_phase} goes on two ways after {seen}")
 
     d = np.arange(context + 1)
     for back in LOOK_BACK:
