@@ -6,7 +6,8 @@ body or chunk stream out.
     answer.body        # non-streamed: the core's body (Chat Completions' shape), or
     answer.chunks      # streamed: the core's chunks, for the protocol's edge to re-frame
     answer.model       # the model the answer names: the version that served it, `NAME@N`
-    answer.headers     # what every protocol's answer carries (X-RLProxy-Version, -Output-Budget)
+    answer.headers     # what every protocol's answer carries (X-RLProxy-Version,
+                       # -Output-Budget, -Ignored-Fields)
 
 Whichever protocol a request came in by (`proxy/protocols/` translates it into a
 `ChatCompletionRequest`), it is served here the same way: an upstream model name goes to the
@@ -18,12 +19,19 @@ An answer of the policy names the version that served it, the one its call row s
 `model` (`NAME@N`, `NAME@base`, whatever name was asked for) and in `X-RLProxy-Version` (`N` or
 `base`), streams included (the version is fixed before the first byte). An upstream model's
 answer keeps the name asked for and has no version header: no version of the policy served it.
+
+An answer of the policy also names the request's fields that were accepted and had no effect
+(`call.ignored`, each protocol's `ignored_fields`) in `X-RLProxy-Ignored-Fields`, a
+comma-separated list of paths (`thinking, output_config.effort`), absent when there are none; the
+log says so at debug level, one line per request. An upstream model's answer does not: the
+provider, not rlproxy, decides what the forwarded fields do.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -41,8 +49,10 @@ from proxy.runtime import Runtime
 from storage.store import Store
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 VERSION_HEADER = "X-RLProxy-Version"
+IGNORED_FIELDS_HEADER = "X-RLProxy-Ignored-Fields"
 
 
 @dataclass
@@ -63,6 +73,8 @@ class Answer:
     budget: OutputBudget | None = None
     """The answer's budget, asked for and used (the policy's engines; an upstream model's
     provider keeps its own)."""
+    ignored: tuple[str, ...] = ()
+    """The request's fields accepted with no effect (the policy's engines), by path."""
 
     @property
     def disconnected(self) -> bool:
@@ -70,13 +82,16 @@ class Answer:
 
     @property
     def headers(self) -> dict[str, str]:
-        """Headers every protocol's answer of the policy carries: `X-RLProxy-Version` and
-        `X-RLProxy-Output-Budget`."""
+        """Headers every protocol's answer of the policy carries: `X-RLProxy-Version`,
+        `X-RLProxy-Output-Budget` and, when the request had fields with no effect,
+        `X-RLProxy-Ignored-Fields`."""
         headers = {}
         if self.version is not None:
             headers[VERSION_HEADER] = self.version
         if self.budget is not None:
             headers[BUDGET_HEADER] = self.budget.header_value()
+        if self.ignored:
+            headers[IGNORED_FIELDS_HEADER] = ", ".join(self.ignored)
         return headers
 
 
@@ -102,7 +117,12 @@ async def serve(request: Request, runtime: Runtime, caller: Principal, call: Cal
         version_label(prepared.resolved.version),
         prompt_tokens=len(prepared.prompt_ids),
         budget=prepared.budget,
+        ignored=call.ignored,
     )
+    if call.ignored:
+        logger.debug(
+            "request %s: accepted with no effect: %s", call.request_id, ", ".join(call.ignored)
+        )
     if body.stream:
         answer.chunks = chat.stream(prepared)
     else:

@@ -1,6 +1,7 @@
 """Which conversation a call belongs to, as a key an engine with several servers routes by.
 
-    key = affinity_key(call, dumped)       # "trajectory:...", "session:..." or "task:..."
+    key = affinity_key(call, dumped)       # "trajectory:...", "cache:...", "session:..." or
+                                           # "task:..."
 
 Agents resend the whole history on every turn. A server with a prefix cache (vLLM's) prefills
 only what is new when it saw the previous turn, so every turn of one conversation should reach
@@ -8,10 +9,15 @@ the same server (`proxy.engines.vllm_replicas.ReplicaPool.pick`). The key, first
 
 1. the explicit trajectory id (`X-RLProxy-Trajectory`, metadata, the `rlproxy` body field, a
    Responses `previous_response_id` chain): the client said which conversation it is;
-2. a session header coding agents send on every call of a session: OpenCode's
+2. the request's `prompt_cache_key` (OpenAI's, on Chat Completions and the Responses API; Codex
+   sends its conversation's id, pi its session's): a routing hint by definition, "requests that
+   share it share a prefix", which is this key's purpose. It comes before the session headers
+   because the client chose it for this: one session may hold several conversations (Codex's
+   sub-agents each have their own thread and key), and a key names one;
+3. a session header coding agents send on every call of a session: OpenCode's
    `x-session-affinity` (meant for exactly this) and `x-session-id`, Claude Code's
    `X-Claude-Code-Session-Id`, Codex's `session-id`, pi's `session_id` on Responses;
-3. the conversation's task signature (`storage.linking.task_signature`: the system prompt, the
+4. the conversation's task signature (`storage.linking.task_signature`: the system prompt, the
    first user message and the tool schemas, in the linker's canonical form), the hash grouping
    already uses for repeated runs of one task. Every turn of a conversation that keeps its
    history repeats it, and conversations that start differently differ. Runs of one task (a
@@ -51,6 +57,8 @@ def affinity_key(call: CallInfo, dumped: RequestDump) -> str:
     trajectory = call.explicit_trajectory_id
     if trajectory:
         return "trajectory:" + _digest(trajectory)
+    if call.request.prompt_cache_key:
+        return "cache:" + _digest(call.request.prompt_cache_key)
     for header in SESSION_HEADERS:
         value = call.headers.get(header)
         if value:

@@ -14,6 +14,11 @@ templates expect:
   with `tojson`; transformers' convention); arguments that are not JSON stay a string.
 - A tool result carries `tool_call_id` and the tool's `name` (looked up from the assistant turn
   that made the call).
+- An assistant's `reasoning_content` (the reasoning a client sent back: an Anthropic thinking
+  block's text, a Responses reasoning item's) reaches the template only when the template has a
+  place for it: it reads `reasoning_content` (Qwen3's) or `message.thinking` (gpt-oss's), and
+  gets it under that name. Any other template never sees it, so the prompt is what it would be
+  without it: the stored turn keeps it, the model is not shown text it has no markup for.
 
 A template that does not render tools (it never mentions `tools`, like SmolLM2's ChatML template
 in its GGUF) would drop them silently. For such a template rlproxy writes the tool-call family's
@@ -74,12 +79,15 @@ class ChatTemplate:
     tool_format: ToolFormat = HERMES
     renders_tools: bool = field(init=False)
     renders_calls: bool = field(init=False)
+    reasoning_key: str | None = field(init=False)
+    """The name under which the template reads an assistant's reasoning, if it does."""
     default_system: str | None = field(init=False)
 
     def __post_init__(self) -> None:
         source = template_source(self.tokenizer)
         self.renders_tools = re.search(r"\btools\b", source.replace("tool_calls", "")) is not None
         self.renders_calls = "tool_calls" in source
+        self.reasoning_key = reasoning_key(source)
         self.default_system = self._find_default_system()
 
     @classmethod
@@ -160,23 +168,24 @@ class ChatTemplate:
             if call_id is not None:
                 call_names[call_id] = fn["name"]
             calls.append((call_id, fn["name"], arguments))
+        out: dict[str, Any] = {"role": "assistant", "content": text}
+        reasoning = message.get("reasoning_content")
+        if self.reasoning_key is not None and isinstance(reasoning, str) and reasoning:
+            out[self.reasoning_key] = reasoning
         if not calls:
-            return {"role": "assistant", "content": text}
+            return out
         if not self.renders_calls:
             rendered = self.tool_format.render_calls([(n, a) for _, n, a in calls])
-            return {"role": "assistant", "content": (text + "\n" if text else "") + rendered}
-        return {
-            "role": "assistant",
-            "content": text,
-            "tool_calls": [
-                {
-                    "id": call_id,
-                    "type": "function",
-                    "function": {"name": name, "arguments": _arguments_value(arguments)},
-                }
-                for call_id, name, arguments in calls
-            ],
-        }
+            return {**out, "content": (text + "\n" if text else "") + rendered}
+        out["tool_calls"] = [
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": _arguments_value(arguments)},
+            }
+            for call_id, name, arguments in calls
+        ]
+        return out
 
     def _tool_result(
         self, message: Mapping[str, Any], i: int, call_names: dict[str, str]
@@ -235,6 +244,17 @@ def template_source(tokenizer: Any, with_tools: bool = False) -> str:
             "rlproxy serves chat models only"
         )
     return template
+
+
+def reasoning_key(source: str) -> str | None:
+    """The name under which a chat template reads an assistant's reasoning: `reasoning_content`
+    (Qwen3), `thinking` (gpt-oss: `message.thinking`), or None (it has no place
+    for it: SmolLM2's, Qwen2.5's, Llama 3.1's)."""
+    if "reasoning_content" in source:
+        return "reasoning_content"
+    if re.search(r"\bmessage\.thinking\b|\bmessage\[['\"]thinking['\"]\]", source):
+        return "thinking"
+    return None
 
 
 def normalize_tool(tool: Mapping[str, Any], index: int = 0) -> dict[str, Any]:

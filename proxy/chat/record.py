@@ -92,6 +92,10 @@ class CallInfo:
     stopped_by: dict[int, str] = field(default_factory=dict)
     """Choice index -> the stop string that ended it, filled in by the chat service as choices
     finish (Anthropic's `stop_sequence`; the chat wire has no field for it)."""
+    ignored: tuple[str, ...] = ()
+    """The request's fields that were accepted and have no effect, by path (`thinking`,
+    `reasoning.summary`), never by value: each protocol's `ignored_fields`, named in the answer's
+    `X-RLProxy-Ignored-Fields` (`proxy.api.serving`). Not stored."""
 
     def __post_init__(self) -> None:
         self.headers = {k.lower(): v for k, v in self.headers.items()}

@@ -179,10 +179,8 @@ def render_chat(
     template: ChatTemplate,
 ) -> RenderedChat:
     """Validate `call.request` (every 4xx but the context's) and render its prompt text."""
-    req, request_id = call.request, call.request_id
+    req = call.request
     dumped = check_shape(req, limits)
-    if req.unknown_fields():
-        logger.info("request %s: ignoring unknown fields %s", request_id, req.unknown_fields())
     resolved = registry.resolve(req.model, protocol=call.protocol)
     n = req.n or 1
     if n > max_n:

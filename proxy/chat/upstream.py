@@ -7,6 +7,11 @@
 Responses are re-framed exactly like the local engine's (same ids, chunks, optional usage
 chunk). Every call, errors included, is recorded (`proxy.chat.record.call_record`) before it is
 acknowledged, with engine "upstream" and no token ids (providers return none; the row says so).
+
+A Messages or Responses call's `reasoning_content` (an Anthropic thinking block's text, a
+reasoning item's, read by the protocol's edge) is stored with the call and not sent: the chat
+wire has no standard field for it, and the provider's own form of it (a signature, encrypted
+content) is gone. A Chat Completions client's own `reasoning_content` is forwarded as sent.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from proxy.chat.record import CallInfo, call_record
 from proxy.chat.service import RecordSink
 from proxy.chat.streaming import Chunks
 from proxy.engines.upstream import UpstreamEngine
-from proxy.protocols.chat import assistant_message, completion_body
+from proxy.protocols.chat import ChatCompletionRequest, assistant_message, completion_body
 from storage.records import CallStatus, ChoiceRecord
 
 logger = logging.getLogger(__name__)
@@ -42,7 +47,7 @@ class UpstreamChat:
     async def complete(self, call: CallInfo) -> dict[str, Any]:
         request = call.request
         try:
-            raw = await self.engine.complete(request)
+            raw = await self.engine.complete(for_provider(call))
         except asyncio.CancelledError:
             await asyncio.shield(self._record(call, "client_disconnected", [], None, None))
             raise
@@ -69,7 +74,7 @@ class UpstreamChat:
         request = call.request
         wants_usage = bool(request.stream_options and request.stream_options.include_usage)
         try:
-            response = await self.engine.stream(request)
+            response = await self.engine.stream(for_provider(call))
         except Exception as exc:
             error = self.engine.api_error(exc)
             await self._record(call, "error", [], None, None, error.message)
@@ -126,6 +131,16 @@ class UpstreamChat:
             token_ids_note=NO_TOKEN_IDS,
         )
         await self.record(record)
+
+
+def for_provider(call: CallInfo) -> ChatCompletionRequest:
+    """The request as the provider gets it: a translated call's reasoning text left out (see
+    the module docstring)."""
+    request = call.request
+    if call.protocol == "chat" or not any(m.reasoning_content for m in request.messages):
+        return request
+    messages = [m.model_copy(update={"reasoning_content": None}) for m in request.messages]
+    return request.model_copy(update={"messages": messages})
 
 
 class StreamAccumulator:

@@ -41,8 +41,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Request fields that are rlproxy's own business or set here, never forwarded to the provider.
-_NOT_FORWARDED = {"model", "messages", "stream", "stream_options", "metadata", "rlproxy"}
+# Request fields that are rlproxy's own business or set here, never forwarded to the provider
+# (`prompt_cache_key` keys rlproxy's own replica routing; litellm refuses it for most providers).
+_NOT_FORWARDED = {
+    "model",
+    "messages",
+    "stream",
+    "stream_options",
+    "metadata",
+    "rlproxy",
+    "prompt_cache_key",
+}
 
 
 def _litellm() -> Any:

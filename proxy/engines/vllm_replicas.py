@@ -17,14 +17,14 @@ that fails its probe, refuses a connection or dies mid-answer leaves the rotatio
 back only after its probe answers 200 and every adapter rlproxy serves was loaded on it again.
 
 **Affinity.** Each vLLM keeps its own prefix cache, so the turns of one conversation should reach
-the same replica: a request with an affinity key (`proxy.chat.affinity`: the trajectory id, a
-coding agent's session header, or the conversation's task signature) goes to the replica that
-key ranks first among the healthy ones (rendezvous hashing: a replica that leaves or joins moves
-only the conversations it ranks first). It goes to the least busy replica instead when that
-replica has more than `affinity_slack` requests in flight beyond the least busy one's, and
-without a key. Requests in flight, not outstanding tokens, measure "busy" here: coding agents
-ask for budgets of tens of thousands of tokens and end after a few hundred, so owed tokens say
-little about how long a replica will stay busy.
+the same replica: a request with an affinity key (`proxy.chat.affinity`: the trajectory id, its
+`prompt_cache_key`, a coding agent's session header, or the conversation's task signature) goes
+to the replica that key ranks first among the healthy ones (rendezvous hashing: a replica that
+leaves or joins moves only the conversations it ranks first). It goes to the least busy replica
+instead when that replica has more than `affinity_slack` requests in flight beyond the least
+busy one's, and without a key. Requests in flight, not outstanding tokens, measure "busy" here:
+coding agents ask for budgets of tens of thousands of tokens and end after a few hundred, so owed
+tokens say little about how long a replica will stay busy.
 
 **Prefix cache figures.** Every `metrics_interval_s` the health round also reads each healthy
 replica's `GET /metrics` (Prometheus text) for vLLM's counters `vllm:prefix_cache_queries` and

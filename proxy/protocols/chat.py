@@ -2,9 +2,10 @@
 
 Request models mirror https://platform.openai.com/docs/api-reference/chat/create field by field,
 in the spec's order. They allow extra fields: clients send fields rlproxy has never heard of, and
-those are logged and ignored rather than refused. Fields that are not in OpenAI's spec are marked
-"rlproxy extension". Numbers are strict, as OpenAI's are: `"max_tokens": "5"` or `5.0` is a 400,
-never coerced (a float field takes a JSON integer, as JSON has one number type).
+those are ignored rather than refused, and named in the answer's `X-RLProxy-Ignored-Fields` with
+the known fields that have no effect here (`ignored_fields`). Fields that are not in OpenAI's spec
+are marked "rlproxy extension". Numbers are strict, as OpenAI's are: `"max_tokens": "5"` or `5.0`
+is a 400, never coerced (a float field takes a JSON integer, as JSON has one number type).
 
 Responses are plain dicts built by the helpers at the bottom: they are produced on the hot path
 (one per streamed token) and must match OpenAI's JSON exactly, nulls included. Their `model` is
@@ -20,6 +21,8 @@ imports here, so every room may use them.
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, model_validator
@@ -54,6 +57,11 @@ class ChatMessage(OpenAIModel):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
+    # rlproxy extension (vLLM's and DeepSeek's name, which Qwen3's template reads): the reasoning
+    # an earlier assistant turn showed (an Anthropic thinking block's text, a Responses
+    # reasoning item's). Kept in the stored turn; rendered only by a template with a place for
+    # it (`proxy.chat.prompt`).
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
@@ -111,6 +119,7 @@ class ChatCompletionRequest(OpenAIModel):
     n: StrictInt | None = Field(None, ge=1)
     parallel_tool_calls: bool | None = None
     presence_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
+    prompt_cache_key: str | None = None
     reasoning_effort: str | None = None
     response_format: ResponseFormat | None = None
     seed: StrictInt | None = None
@@ -136,6 +145,65 @@ class ChatCompletionRequest(OpenAIModel):
             return ()
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         return tuple(s for s in stops if s)
+
+
+# ----------------------------------------------------------------------------- ignored fields
+
+MAX_NAMED = 32
+"""At most this many fields are named in `X-RLProxy-Ignored-Fields` (then "+N more")."""
+_PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
+
+_CHAT_NO_EFFECT: dict[str, tuple[Any, ...]] = {
+    # field: the values that ask for nothing rlproxy does not do anyway (not named)
+    "audio": (),
+    "logit_bias": ({},),
+    "modalities": (["text"],),
+    "reasoning_effort": ("none",),  # the served models do not reason aloud
+    "service_tier": ("auto", "default"),  # one tier: the answer says "default"
+    "store": (True,),  # every call is stored and trained on, `store: false` too
+}
+"""Chat Completions fields rlproxy accepts and does nothing with. The rest it honours:
+`metadata` and `user` are kept with the stored call (`metadata.trajectory_id` / `group_id`
+name its trajectory and group), `prompt_cache_key` keys the replica a conversation goes to
+(`proxy.chat.affinity`), and sampling, tools and formats are served."""
+
+
+def plain_names(model: BaseModel, prefix: str = "", honoured: Iterable[str] = ()) -> list[str]:
+    """`prefix` + the name of each field of `model` rlproxy does not know, but those in
+    `honoured`. A name that is not plain (letters, digits, `_`, `-`, `.`; at most 64) is left
+    out: a header never carries a client's arbitrary text."""
+    skip = set(honoured)
+    return [
+        prefix + name
+        for name in (model.model_extra or {})
+        if name not in skip and _PLAIN_NAME.fullmatch(name)
+    ]
+
+
+def plain(name: Any) -> bool:
+    """Whether `name` may be named in a header (see `plain_names`)."""
+    return isinstance(name, str) and _PLAIN_NAME.fullmatch(name) is not None
+
+
+def field_paths(names: Iterable[str]) -> tuple[str, ...]:
+    """`names` as `X-RLProxy-Ignored-Fields` lists them: each once, sorted, at most
+    `MAX_NAMED` (then "+N more")."""
+    unique = sorted(set(names))
+    if len(unique) <= MAX_NAMED:
+        return tuple(unique)
+    return (*unique[:MAX_NAMED], f"+{len(unique) - MAX_NAMED} more")
+
+
+def ignored_fields(req: ChatCompletionRequest) -> tuple[str, ...]:
+    """The fields of `req` rlproxy accepts and does nothing with, by name, never by value: the
+    known ones of `_CHAT_NO_EFFECT` set to a value that asks for something, and every unknown
+    top-level field."""
+    named = plain_names(req)
+    for name, nothing in _CHAT_NO_EFFECT.items():
+        value = getattr(req, name)
+        if value is not None and value not in nothing:
+            named.append(name)
+    return field_paths(named)
 
 
 # ----------------------------------------------------------------------------- responses

@@ -25,9 +25,17 @@ when a stop sequence ended it, else `end_turn`. A prompt the context cannot hold
 Errors on these routes are Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`
 (`anthropic_error`, applied to every error of the path by `proxy.api.app`).
 
+`thinking` blocks of earlier assistant turns are kept: their text is the turn's
+`reasoning_content`, stored with it (the signature, a check of that text for Anthropic's servers,
+is not). `cache_control` on any block is served by the engines' automatic prefix cache, which
+keeps every prompt's prefix without breakpoints. What has no effect here is named by
+`ignored_fields` (the route's `X-RLProxy-Ignored-Fields`): the `thinking` parameter (unless
+disabled) and `output_config.effort` (this server's models do not think aloud),
+`context_management` (the conversation is served as sent), a tool's `defer_loading` (every tool is
+offered), `redacted_thinking` blocks (encrypted: nothing to keep) and unknown fields.
+
 Not supported (a 400 that says so): server tools (web search, code execution, ...), `document`
-and `search_result` blocks, `container` and `mcp_servers`. `thinking` blocks of earlier turns
-are dropped (this server's models do not think aloud) and the `thinking` parameter is ignored.
+and `search_result` blocks, `container` and `mcp_servers`.
 """
 
 from __future__ import annotations
@@ -40,12 +48,24 @@ from typing import Any, Literal
 from pydantic import Field, StrictFloat, StrictInt, ValidationError
 
 from proxy.errors import ContextLengthError, InvalidRequestError, longer_context
-from proxy.protocols.chat import ChatCompletionRequest, OpenAIModel
+from proxy.protocols.chat import (
+    ChatCompletionRequest,
+    OpenAIModel,
+    field_paths,
+    plain,
+    plain_names,
+)
 
 _NOT_SUPPORTED = {
     "container": "Containers are not supported by this server.",
     "mcp_servers": "MCP servers are not supported by this server; give the model tools instead.",
 }
+_HONOURED = frozenset({"cache_control", *_NOT_SUPPORTED})
+"""Top-level fields that are not declared below and not ignored: `cache_control` (the prefix
+cache serves it) and the refused ones (a 400 before any answer)."""
+_TOOL_FIELDS = frozenset({"type", "name", "description", "input_schema", "cache_control", "strict"})
+"""A custom tool's fields that are honoured (`strict`: tool input is always held to its schema by
+the grammar)."""
 
 
 class MessageParam(OpenAIModel):
@@ -67,7 +87,7 @@ class OutputFormat(OpenAIModel):
 
 class OutputConfig(OpenAIModel):
     format: OutputFormat | None = None
-    effort: str | None = None  # accepted and ignored: this server's models do not think aloud
+    effort: str | None = None  # no effect: this server's models do not think aloud
 
 
 class MessagesRequest(OpenAIModel):
@@ -104,6 +124,27 @@ class CountTokensRequest(OpenAIModel):
 
 
 # ----------------------------------------------------------------------------- in
+
+
+def ignored_fields(req: MessagesRequest) -> tuple[str, ...]:
+    """The fields of `req` that are accepted and have no effect here, by path, never by value
+    (the module docstring says why each)."""
+    named = plain_names(req, honoured=_HONOURED)
+    if req.thinking is not None and req.thinking.get("type") != "disabled":
+        named.append("thinking")
+    if req.output_config is not None:
+        if req.output_config.effort is not None:
+            named.append("output_config.effort")
+        named += plain_names(req.output_config, "output_config.")
+    for tool in req.tools or []:
+        if isinstance(tool, dict):
+            named += [f"tools.{k}" for k in tool if k not in _TOOL_FIELDS and plain(k)]
+    for message in req.messages:
+        if isinstance(message.content, list) and any(
+            isinstance(b, dict) and b.get("type") == "redacted_thinking" for b in message.content
+        ):
+            named.append("messages.content.redacted_thinking")
+    return field_paths(named)
 
 
 def to_chat(
@@ -194,6 +235,7 @@ def _chat_messages(message: MessageParam, where: str) -> list[dict[str, Any]]:
     texts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
+    thoughts: list[str] = []
     for j, block in enumerate(message.content):
         at = f"{where}.content.{j}"
         kind = block.get("type") if isinstance(block, dict) else None
@@ -223,8 +265,12 @@ def _chat_messages(message: MessageParam, where: str) -> list[dict[str, Any]]:
             if block.get("is_error"):
                 content = f"Error: {content}"
             results.append({"role": "tool", "tool_call_id": call_id, "content": content})
+        elif kind == "thinking" and message.role == "assistant":
+            thought = block.get("thinking")
+            if isinstance(thought, str) and thought:
+                thoughts.append(thought)
         elif kind in ("thinking", "redacted_thinking"):
-            continue
+            continue  # encrypted (named by `ignored_fields`), or not an assistant's
         else:
             raise InvalidRequestError(
                 f"{at}: content blocks of type {kind!r} are not supported in a {message.role} "
@@ -233,9 +279,12 @@ def _chat_messages(message: MessageParam, where: str) -> list[dict[str, Any]]:
             )
     if message.role == "assistant":
         text = "".join(t.get("text", "") for t in texts)
-        if not calls:
-            return [{"role": "assistant", "content": text}]
-        return [{"role": "assistant", "content": text or None, "tool_calls": calls}]
+        answer: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            answer.update(content=text or None, tool_calls=calls)
+        if thoughts:
+            answer["reasoning_content"] = "\n\n".join(thoughts)
+        return [answer]
     if texts:
         all_text = all(t["type"] == "text" for t in texts)
         user = "".join(t["text"] for t in texts) if all_text and len(texts) == 1 else texts

@@ -5,15 +5,18 @@
     async for event in Events(...).run(chunks)    # the core's chunks -> typed SSE events
 
 Input is a string or a list of items: messages (roles user, system, developer, assistant, with
-a string or `input_text`/`output_text`/`input_image` parts), `function_call` and
-`function_call_output`; `instructions` become the first (system) message. A
+a string or `input_text`/`output_text`/`input_image` parts), `function_call`,
+`function_call_output` and `reasoning`; `instructions` become the first (system) message. A
+`reasoning` item's text (its `content`, else its `summary`) is the `reasoning_content` of the
+assistant message or call that follows it, kept in the stored turn; its `encrypted_content`
+cannot be read here. A
 `previous_response_id` puts the stored conversation before the new input (without the earlier
 `instructions`, as OpenAI does) and names the earlier call's trajectory: the chain is one
 trajectory by construction. Tools are flat function definitions and namespaces of them; hosted
 tools are accepted and not offered to the model (`responses_tools`); `text.format` is the core's
 `response_format`; `max_output_tokens` its `max_tokens` (the budget asked for, echoed as sent;
 `proxy.chat.budget` fits it to the context); `include: ["message.output_text.logprobs"]` its
-`logprobs`.
+`logprobs`; `prompt_cache_key` the core's, which keys the replica a conversation goes to.
 
 A response's `model` is what served it, as the route names it (the policy's version,
 `NAME@N`), not the name asked for. A stored call is read back (`GET /v1/responses/{id}`) by
@@ -22,9 +25,15 @@ what POST returned, logprobs aside (the row keeps the sampled token's logprob on
 are derived from the response id and the tool call ids, never random, so a second rendering
 gives the same ids.
 
+What has no effect here is named by `ignored_fields` (the route's `X-RLProxy-Ignored-Fields`):
+`reasoning.*` (this server's models do not reason aloud), `include` values other than
+`message.output_text.logprobs` (`reasoning.encrypted_content`: no reasoning items come back),
+`truncation: "auto"` (an over-long prompt is refused, never cut), `text.verbosity`, a reasoning
+item's `encrypted_content` (and `input.reasoning` for one no answer follows), a `service_tier`
+other than the default, and unknown fields (`client_metadata`, ...).
+
 Not supported (a 400 that says so): `custom` tools, `conversation` objects, `background`,
-`prompt` templates, `item_reference` items, and `input_file` parts. `reasoning` and `truncation`
-are accepted and ignored.
+`prompt` templates, `item_reference` items, and `input_file` parts.
 """
 
 from __future__ import annotations
@@ -37,7 +46,13 @@ from pydantic import Field, StrictFloat, StrictInt, ValidationError
 
 from proxy.errors import APIError, InvalidRequestError, NotFoundError
 from proxy.protocols import responses_tools
-from proxy.protocols.chat import ChatCompletionRequest, OpenAIModel
+from proxy.protocols.chat import (
+    ChatCompletionRequest,
+    OpenAIModel,
+    field_paths,
+    plain,
+    plain_names,
+)
 from proxy.protocols.responses_tools import client_name, core_name
 from storage.records import StoredCall
 
@@ -85,6 +100,8 @@ class ResponsesRequest(OpenAIModel):
     previous_response_id: str | None = None
     stream: bool | None = None
     user: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
     reasoning: dict[str, Any] | None = None
     truncation: str | None = None
     # rlproxy extension: {"trajectory_id": ..., "group_id": ...}
@@ -96,6 +113,50 @@ class ResponsesRequest(OpenAIModel):
 
 
 # ----------------------------------------------------------------------------- in
+
+
+def ignored_fields(req: ResponsesRequest) -> tuple[str, ...]:
+    """The fields of `req` that are accepted and have no effect here, by path, never by value
+    (the module docstring says why each). Hosted tools are named apart
+    (`X-RLProxy-Ignored-Tools`)."""
+    named = plain_names(req, honoured=_NOT_SUPPORTED)
+    for key, value in (req.reasoning or {}).items():
+        if value is not None and not (key == "effort" and value == "none") and plain(key):
+            named.append(f"reasoning.{key}")
+    for value in req.include or []:
+        if value != LOGPROBS_INCLUDE:
+            named.append(f"include[{value}]" if plain(value) else "include")
+    if req.truncation not in (None, "disabled"):
+        named.append("truncation")
+    if req.service_tier not in (None, "auto", "default"):
+        named.append("service_tier")
+    if req.text is not None:
+        if req.text.verbosity not in (None, "medium"):
+            named.append("text.verbosity")
+        named += plain_names(req.text, "text.")
+    if isinstance(req.input, list):
+        named += _ignored_in_reasoning(req.input)
+    return field_paths(named)
+
+
+def _ignored_in_reasoning(items: list[Any]) -> list[str]:
+    """`input.reasoning.encrypted_content` when a reasoning item carries it, `input.reasoning`
+    when a reasoning item's text has no answer after it to join (`input_messages`' rule)."""
+    named: list[str] = []
+    waiting = False
+    for item in items:
+        if not isinstance(item, dict):
+            continue
+        if item.get("type") == "reasoning":
+            if item.get("encrypted_content"):
+                named.append("input.reasoning.encrypted_content")
+            waiting = waiting or bool(_reasoning_text(item))
+        elif _answers(item):
+            waiting = False
+        elif waiting:
+            named.append("input.reasoning")
+            waiting = False
+    return [*named, "input.reasoning"] if waiting else named
 
 
 @dataclass
@@ -162,6 +223,7 @@ def to_chat(
         "top_logprobs": req.top_logprobs if logprobs else None,
         "metadata": req.metadata,
         "user": req.user,
+        "prompt_cache_key": req.prompt_cache_key,
         "stream": req.stream,
         "stream_options": {"include_usage": True} if req.stream else None,
         "rlproxy": req.rlproxy,
@@ -194,13 +256,24 @@ def to_chat(
 
 def input_messages(items: list[Any]) -> list[dict[str, Any]]:
     """Responses input items as the core's chat messages. A `function_call` joins the
-    assistant message before it (text and calls of one turn are one assistant message)."""
+    assistant message before it (text and calls of one turn are one assistant message). A
+    `reasoning` item's text joins the answer after it (an assistant message or a call) as its
+    `reasoning_content`; with none before the next user or tool item, it is dropped."""
     out: list[dict[str, Any]] = []
+    thoughts: list[str] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise InvalidRequestError(f"Invalid '{where}': expected an object.", param=where)
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            thought = _reasoning_text(item)
+            if thought:
+                thoughts.append(thought)
+            continue
+        if not _answers(item):
+            thoughts = []  # no answer followed it: named by `ignored_fields`
+        before = len(out)
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
@@ -242,16 +315,40 @@ def input_messages(items: list[Any]) -> list[dict[str, Any]]:
                     "content": output,
                 }
             )
-        elif kind == "reasoning":
-            continue  # this server's models return none; a client's own are not replayed
         else:
             raise InvalidRequestError(
                 f"Input items of type {kind!r} are not supported by this server; send "
-                "'message', 'function_call' and 'function_call_output' items.",
+                "'message', 'function_call', 'function_call_output' and 'reasoning' items.",
                 param=f"{where}.type",
                 code="unsupported_value",
             )
+        if thoughts:  # an answer: a new assistant message, or a call joining the last one
+            answer = out[-1] if len(out) == before else out[before]
+            joined = [answer.get("reasoning_content"), *thoughts]
+            answer["reasoning_content"] = "\n\n".join(t for t in joined if t)
+            thoughts = []
     return out
+
+
+def _answers(item: dict[str, Any]) -> bool:
+    """Whether an input item is the model's answer: a reasoning item's text joins it."""
+    kind = item.get("type", "message")
+    return kind == "function_call" or (kind == "message" and item.get("role") == "assistant")
+
+
+def _reasoning_text(item: dict[str, Any]) -> str:
+    """A reasoning item's text: its `content` (`reasoning_text` parts, the reasoning itself)
+    or else its `summary` (`summary_text` parts), joined by blank lines."""
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        texts = [
+            part["text"]
+            for part in (parts if isinstance(parts, list) else [])
+            if isinstance(part, dict) and isinstance(part.get("text"), str) and part["text"]
+        ]
+        if texts:
+            return "\n\n".join(texts)
+    return ""
 
 
 def _text_field(item: dict[str, Any], name: str, where: str, *, empty_ok: bool = False) -> str:

@@ -68,6 +68,7 @@ TOOLS = [
     }
 ]
 TOOL_RESULT = "18 °C and sunny"
+THOUGHT = "Paris: ask the weather tool."
 BASE_REWARDS = (0.2, 0.5, 0.8)
 V2_REWARDS = (0.6, 0.7, 0.9)
 JUDGE_SCORES = (0.3, 0.6, 0.9)
@@ -209,7 +210,8 @@ def _chat(client: OpenAI, tid: str, group: str, messages: list[dict[str, Any]], 
 
 
 def _tool_run(client: OpenAI, tid: str, group: str) -> None:
-    """Two turns: a forced tool call, then the answer after the tool's result."""
+    """Two turns: a forced tool call, then the answer after the tool's result (the call sent
+    back with the reasoning a client may keep beside it, `reasoning_content`)."""
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You answer questions about the weather."},
         {"role": "user", "content": "What is the weather in Paris?"},
@@ -222,6 +224,7 @@ def _tool_run(client: OpenAI, tid: str, group: str) -> None:
         {
             "role": "assistant",
             "content": None,
+            "reasoning_content": THOUGHT,
             "tool_calls": [
                 {
                     "id": c.id,
@@ -406,6 +409,10 @@ def test_trajectory_viewer_shows_turns_tool_calls_tokens_versions_and_rewards(
     first, second = turns.nth(0).inner_text(), turns.nth(1).inner_text()
     assert "get_weather" in first and "Paris" in first and "What is the weather" in first
     assert "TOOL RESULT" in second.upper() and TOOL_RESULT in second
+    # shown with the answer it was sent back beside: the first turn's tool call
+    reasoning = turns.nth(0).locator("details.reasoning")
+    assert "reasoning sent back" in reasoning.inner_text()
+    assert reasoning.locator("pre").text_content() == THOUGHT
     assert "prompt +" in first and "completion tokens" in first
     assert [turns.nth(i).get_attribute("data-version") for i in range(2)] == ["0", "0"]
     assert "base" in first

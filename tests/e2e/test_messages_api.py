@@ -371,3 +371,59 @@ def test_claude_model_names_are_the_policy_here_and_unknown_elsewhere(
     assert raw.headers["x-rlproxy-version"] == "base"
     with pytest.raises(openai.NotFoundError):  # Chat Completions keeps OpenAI's 404
         client.chat.completions.create(model="claude-haiku-4-5", messages=HELLO, max_tokens=2)
+
+
+THOUGHT = "The user wants one word: hello."
+CLAUDE_IGNORED = "context_management, output_config.effort, thinking, tools.defer_loading"
+
+
+def test_claude_codes_thinking_is_kept_and_what_it_ignores_is_named(server: Server) -> None:
+    """Claude Code's fields on two turns of one conversation. `thinking`, `output_config.effort`,
+    `context_management` and a tool's `defer_loading` are accepted with no effect and named in
+    `X-RLProxy-Ignored-Fields` (non-streamed and streamed); `cache_control` (served by the prefix
+    cache) and `metadata.user_id` (the call's `user`) are not. The second turn sends the first
+    answer back with a thinking block before it, as Claude Code does: the stored turn keeps its
+    text, the prompt the model is shown is the same without it (SmolLM2's template has no place
+    for reasoning), and the turns are one trajectory. `tool_choice: none` keeps the answer to a
+    few words; the tools are still declared."""
+    headers = {"x-api-key": "sk-test", "anthropic-version": "2023-06-01"}
+    first_body = {**claude_code_body(), "max_tokens": 4, "tool_choice": {"type": "none"}}
+    first_body.pop("stream")
+    r = httpx.post(f"{server.url}/v1/messages", json=first_body, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-rlproxy-ignored-fields"] == CLAUDE_IGNORED
+    first = r.json()
+    answer = first["content"][0]["text"]
+
+    cached = {"type": "ephemeral"}
+    thinking = {"type": "thinking", "thinking": THOUGHT, "signature": "EqQBCkYIBxgCKkB-opaque"}
+    history = [
+        *first_body["messages"],
+        {"role": "assistant", "content": [thinking, {"type": "text", "text": answer}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Now the word bye.", "cache_control": cached}],
+        },
+    ]
+    second_body = {**first_body, "messages": history}
+    url = f"{server.url}/v1/messages"
+    with httpx.stream("POST", url, json={**second_body, "stream": True}, headers=headers) as s:
+        assert s.status_code == 200, s.read()
+        assert s.headers["x-rlproxy-ignored-fields"] == CLAUDE_IGNORED
+        evs = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    second = evs[0]["message"]
+
+    turns = get_trajectory(server, second["id"])["turns"]
+    assert [t["completion_id"] for t in turns] == [first["id"], second["id"]]
+    [sent_back] = [m for m in turns[1]["request_messages"] if m["role"] == "assistant"]
+    assert sent_back["reasoning_content"] == THOUGHT
+    assert sent_back["content"] == answer
+
+    def counted(messages: list[dict[str, Any]]) -> int:
+        body = {"model": "claude-opus-5-5", "system": first_body["system"], "messages": messages}
+        c = httpx.post(f"{url}/count_tokens", json=body, headers=headers, timeout=60)
+        assert c.status_code == 200, c.text
+        return int(c.json()["input_tokens"])
+
+    without = [*history[:-2], {"role": "assistant", "content": answer}, history[-1]]
+    assert counted(history) == counted(without) == second["usage"]["input_tokens"]

@@ -318,3 +318,35 @@ def test_models_retrieve(client: OpenAI, model_id: str) -> None:
 async def test_async_models_list(aclient: AsyncOpenAI) -> None:
     ids = [m.id async for m in aclient.models.list()]
     assert "rlproxy" in ids and "gpt-4o-mini" in ids
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_fields_with_no_effect_are_named_in_a_header(client: OpenAI, stream: bool) -> None:
+    """What OpenAI takes and rlproxy does nothing with is named, never its value: `store: false`
+    (the call is stored and trained on all the same), a `service_tier` (one tier here),
+    `reasoning_effort` (the model does not reason) and unknown fields. `metadata` (kept with the
+    stored call) and `prompt_cache_key` (the replica affinity key) are honoured, not named."""
+    raw = client.chat.completions.with_raw_response.create(
+        model="rlproxy",
+        messages=STORY,
+        max_tokens=2,
+        stream=stream,
+        store=False,
+        metadata={"run": "r-1"},
+        service_tier="flex",
+        prompt_cache_key="session-1",
+        reasoning_effort="low",
+        extra_body={"some_future_field": "sk-not-echoed"},
+    )
+    assert raw.headers["x-rlproxy-ignored-fields"] == (
+        "reasoning_effort, service_tier, some_future_field, store"
+    )
+    answer = raw.parse()
+    chunks = list(answer) if stream else [answer]
+    assert {c.model for c in chunks} == {SERVED}
+    plain = client.chat.completions.with_raw_response.create(
+        model="rlproxy", messages=STORY, max_tokens=2, stream=stream, store=True
+    )
+    assert "x-rlproxy-ignored-fields" not in plain.headers
+    if stream:
+        list(plain.parse())

@@ -439,3 +439,59 @@ def test_codexs_namespace_and_hosted_tools_are_served(client: OpenAI, server: Se
     )
     turns = get_trajectory(server, second.id)["turns"]
     assert [t["completion_id"] for t in turns] == [done.response.id, second.id]
+
+
+THOUGHT = "The user wants a greeting."
+CODEX_IGNORED = "client_metadata, include[reasoning.encrypted_content], reasoning.summary"
+
+
+def test_codexs_reasoning_is_kept_and_what_it_ignores_is_named(
+    client: OpenAI, server: Server
+) -> None:
+    """Codex's fields on two turns of one conversation. `reasoning.summary`, `include:
+    ["reasoning.encrypted_content"]` and `client_metadata` are accepted with no effect and named
+    in `X-RLProxy-Ignored-Fields` (non-streamed and streamed); `prompt_cache_key` (the replica
+    affinity key) and `store` are not. The second turn sends the first answer back after a
+    `reasoning` item, as Codex does: its summary text is kept in the stored turn, its
+    `encrypted_content` is named, and the turns are one trajectory."""
+    codex: dict[str, Any] = {
+        "model": "rlproxy",
+        "store": False,
+        "include": ["reasoning.encrypted_content"],
+        "reasoning": {"summary": "auto"},
+        "prompt_cache_key": "session-2",
+        "max_output_tokens": 4,
+        "extra_body": {"client_metadata": {"thread_id": "t", "turn_id": "1"}},
+    }
+    raw = client.responses.with_raw_response.create(input=CODEX_INPUT, **codex)  # type: ignore[arg-type]
+    assert raw.headers["x-rlproxy-ignored-fields"] == CODEX_IGNORED
+    first = raw.parse()
+
+    reasoning = {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [{"type": "summary_text", "text": THOUGHT}],
+        "encrypted_content": "gAAAAABp-opaque",
+    }
+    answer = {
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": first.output_text}],
+    }
+    bye = {"role": "user", "content": [{"type": "input_text", "text": "Say bye."}]}
+    with client.responses.with_streaming_response.create(
+        input=[*CODEX_INPUT, reasoning, answer, bye],  # type: ignore[list-item]
+        stream=True,
+        **codex,
+    ) as streamed:
+        assert streamed.headers["x-rlproxy-ignored-fields"] == (
+            "client_metadata, include[reasoning.encrypted_content], "
+            "input.reasoning.encrypted_content, reasoning.summary"
+        )
+        second = list(streamed.parse())[-1].response
+
+    turns = get_trajectory(server, second.id)["turns"]
+    assert [t["completion_id"] for t in turns] == [first.id, second.id]
+    [sent_back] = [m for m in turns[1]["request_messages"] if m["role"] == "assistant"]
+    assert sent_back["reasoning_content"] == THOUGHT
+    assert sent_back["content"] == first.output_text

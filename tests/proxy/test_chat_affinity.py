@@ -80,3 +80,17 @@ def test_a_key_carries_no_text_of_the_request() -> None:
     secret = "sk-live-123456"
     k = key([{"role": "user", "content": secret}], {"session-id": secret})
     assert secret not in k and secret not in key([{"role": "user", "content": secret}])
+
+
+def test_a_prompt_cache_key_comes_after_the_trajectory_id_and_before_session_headers() -> None:
+    """OpenAI's routing hint: requests that share it share a prefix. Codex sends its
+    conversation's id (its sub-agents each their own), so it wins over the session header."""
+    turns = conversation("Fix the failing test.", 2)
+    session = {"session-id": "s-1"}
+    cached = {key(m, session, prompt_cache_key="thread-1") for m in turns}
+    assert len(cached) == 1 and next(iter(cached)).startswith("cache:")
+    assert key(turns[0], session, prompt_cache_key="thread-2") not in cached  # a sub-agent
+    assert key(turns[0], session) != key(turns[0], session, prompt_cache_key="thread-1")
+    named = {"X-RLProxy-Trajectory": "run-7", **session}
+    assert key(turns[0], named, prompt_cache_key="thread-1") == key(turns[0], named)
+    assert "thread-1" not in key(turns[0], prompt_cache_key="thread-1")

@@ -158,3 +158,37 @@ def test_a_tokenizer_without_a_template_is_refused() -> None:
 
     with pytest.raises(NoChatTemplateError, match="chat template"):
         ChatTemplate.for_tokenizer(Bare())
+
+
+REASONING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SENT_BACK = [
+    {"role": "user", "content": "Say hello."},
+    {"role": "assistant", "content": "hello", "reasoning_content": "One word."},
+    {"role": "user", "content": "Again."},
+]
+
+
+def test_reasoning_sent_back_reaches_only_a_template_with_a_place_for_it(
+    embedded_dir, tokenizer
+) -> None:
+    """A thinking block's or reasoning item's text, kept as the turn's `reasoning_content`: a
+    template that reads it (Qwen3's) renders it; SmolLM2's has no place for it and
+    renders the prompt it would without it."""
+    smol = ChatTemplate.for_tokenizer(tokenizer)
+    assert smol.reasoning_key is None
+    plain = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in SENT_BACK]
+    assert smol.render(SENT_BACK, None) == smol.render(plain, None)
+    assert "One word." not in smol.render(SENT_BACK, None)
+
+    reasoning = tiny_tokenizer(embedded_dir, "qwen2")
+    reasoning.chat_template = REASONING_TEMPLATE
+    thinks = ChatTemplate.for_tokenizer(reasoning)
+    assert thinks.reasoning_key == "reasoning_content"
+    assert "<|im_start|>assistant\n<think>One word.</think>hello<|im_end|>" in thinks.render(
+        SENT_BACK, None
+    )

@@ -2,7 +2,9 @@
 
 The request is already the core's shape; `proxy.api.serving.serve` answers it (upstream names
 to the upstream service, every other name to the policy) and the route frames what comes back:
-the body as JSON, chunks through the one SSE path (`proxy.chat.streaming.sse`).
+the body as JSON, chunks through the one SSE path (`proxy.chat.streaming.sse`). Fields OpenAI
+takes that have no effect here (`store: false`, unknown ones, ...) are named in
+`X-RLProxy-Ignored-Fields` (`proxy.protocols.chat.ignored_fields`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from proxy.api.deps import Generating, request_id
 from proxy.api.serving import serve
 from proxy.chat.record import CallInfo
 from proxy.chat.streaming import JSON_OR_SSE, SSE_HEADERS, sse
-from proxy.protocols.chat import ChatCompletionRequest
+from proxy.protocols.chat import ChatCompletionRequest, ignored_fields
 
 router = APIRouter(route_class=TextJSONRoute)
 
@@ -31,6 +33,7 @@ async def create_chat_completion(
         dict(request.headers),
         owner=caller.owner,
         client_ref=caller.client_ref,
+        ignored=ignored_fields(body),
     )
     answer = await serve(request, runtime, caller, call)
     if answer.chunks is not None:

@@ -3,7 +3,9 @@
 The request is translated into the core's chat request (`proxy.protocols.messages`), answered by
 `proxy.api.serving.serve` like any chat call, and the answer translated back: a `message`, or
 Anthropic's event stream. Keys may come as `x-api-key` (what Anthropic's SDKs send) or as
-`Authorization: Bearer`; errors on these paths are Anthropic's shape (`proxy.api.app`).
+`Authorization: Bearer`; errors on these paths are Anthropic's shape (`proxy.api.app`). Fields
+with no effect here (`thinking`, `output_config.effort`, ...) are named in
+`X-RLProxy-Ignored-Fields` (`proxy.protocols.messages.ignored_fields`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ async def create_message(
         owner=caller.owner,
         client_ref=caller.client_ref,
         protocol="messages",
+        ignored=messages.ignored_fields(body),
     )
     try:
         answer = await serve(request, runtime, caller, call)

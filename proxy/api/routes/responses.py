@@ -11,6 +11,8 @@ its call is still recorded (and trained on) like every call: rlproxy learns from
 
 Hosted tools a request declares (`web_search`, ...) are not offered to the model: the answer
 names them in `X-RLProxy-Ignored-Tools` and the log says so (`proxy.protocols.responses_tools`).
+Other fields with no effect here (`reasoning.summary`, ...) are named in
+`X-RLProxy-Ignored-Fields` (`proxy.protocols.responses.ignored_fields`).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ async def create_response(
         wire=wire,
         retrievable=body.stores,
         chained_trajectory_id=previous.trajectory_id if previous else None,
+        ignored=responses.ignored_fields(body),
     )
     answer = await serve(request, runtime, caller, call)
     headers = dict(answer.headers)

@@ -737,7 +737,9 @@
       const messages = turn.request_messages;
       const fresh = seen <= messages.length ? messages.slice(seen) : messages;
       seen = messages.length + (turn.response_messages.length ? 1 : 0);
-      return drawTurn(turn, i, fresh);
+      // The next turn resends this answer; a client may send reasoning back beside it.
+      const resent = turn.response_messages.length && t.turns[i + 1] ? t.turns[i + 1].request_messages[seen - 1] : null;
+      return drawTurn(turn, i, fresh, resent && resent.role === "assistant" ? resent.reasoning_content : null);
     });
     const tools = t.turns.length && t.turns[0].tools ? t.turns[0].tools : null;
     return [
@@ -762,7 +764,7 @@
     ];
   }
 
-  function drawTurn(turn, i, fresh) {
+  function drawTurn(turn, i, fresh, reasoningSentBack) {
     const tokens = `${turn.prompt_tokens ?? "–"} prompt + ${turn.completion_tokens ?? "–"} completion tokens`;
     const protocol = { chat: "chat completions", responses: "responses", messages: "anthropic messages" }[turn.protocol] ?? turn.protocol;
     const meta = [versionName(turn.adapter_version), protocol, tokens, `${num(turn.latency_s, 2)} s`, turn.status];
@@ -773,7 +775,7 @@
       h("h3", {}, `Turn ${i + 1} `, h("span", { class: "pill", text: versionName(turn.adapter_version) })),
       h("div", { class: "small muted", text: meta.join(" · ") }),
       fresh.map(messageView),
-      turn.response_messages.map((m) => messageView({ role: "assistant", ...m })),
+      turn.response_messages.map((m, j) => messageView({ role: "assistant", ...m, ...(j === 0 && reasoningSentBack ? { reasoning_content: reasoningSentBack } : {}) })),
     );
   }
 
@@ -781,6 +783,8 @@
     const role = msg.role || "?";
     const parts = [h("span", { class: "role", text: role === "tool" ? "tool result" : role })];
     if (role === "tool" && msg.tool_call_id) parts.push(h("span", { class: "small muted mono", text: msg.tool_call_id }));
+    // The reasoning a client sent back with an earlier answer (a thinking block, a reasoning item).
+    if (msg.reasoning_content) parts.push(h("details", { class: "reasoning" }, h("summary", { class: "small muted", text: "reasoning sent back" }), h("pre", { text: msg.reasoning_content })));
     const text = contentText(msg.content);
     if (text) parts.push(h("pre", { text }));
     for (const call of msg.tool_calls || []) {
