@@ -4,13 +4,17 @@
 
 (https://platform.openai.com/docs/guides/supervised-fine-tuning). Agents resend the whole
 history on every call, so the last turn's request messages plus the assistant message that
-answered it are the whole conversation. Messages are reduced to the fields the format accepts;
+answered it are the whole conversation, unless the agent rewrote its history (a coding agent's
+compaction: `TurnView.history_rewritten`); then each part, from one rewrite to the next, is a
+whole conversation of its own and `to_finetune_lines` gives one line each. Messages are reduced
+to the fields the format accepts;
 "developer" becomes "system". This module only reshapes dicts: it does no I/O and no JSON
 encoding (write `json.dumps(line)` per line yourself).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from storage.records import TrajectoryDetail, TurnView
@@ -44,16 +48,32 @@ def clean_message(message: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _final_turn(detail: TrajectoryDetail) -> TurnView | None:
-    for turn in reversed(detail.turns):
+def _final_turn(turns: Sequence[TurnView]) -> TurnView | None:
+    for turn in reversed(turns):
         if turn.status == "completed" and turn.response_messages:
             return turn
     return None
 
 
 def to_finetune_line(detail: TrajectoryDetail) -> dict[str, Any] | None:
-    """The trajectory as {"messages", "tools"?}; None if no turn completed with an answer."""
-    turn = _final_turn(detail)
+    """The trajectory's last conversation as {"messages", "tools"?} (after its last rewritten
+    history, if any); None if no turn completed with an answer."""
+    return _line(detail.turns)
+
+
+def to_finetune_lines(detail: TrajectoryDetail) -> list[dict[str, Any]]:
+    """One line per part of the trajectory, cut where the agent rewrote its history; one line
+    (`to_finetune_line`'s) when it never did. Parts with no completed answer give none."""
+    parts: list[list[TurnView]] = []
+    for turn in detail.turns:
+        if not parts or turn.history_rewritten:
+            parts.append([])
+        parts[-1].append(turn)
+    return [line for part in parts if (line := _line(part)) is not None]
+
+
+def _line(turns: Sequence[TurnView]) -> dict[str, Any] | None:
+    turn = _final_turn(turns)
     if turn is None:
         return None
     messages = [clean_message(m) for m in turn.request_messages]

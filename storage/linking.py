@@ -43,6 +43,33 @@ the chain wins (an answer echoed unchanged matches both ways, and an exact echo 
 a newer run of the same request whose answer had the same ids); among equals the most recently
 updated, as for the chain.
 
+A coding agent's session is the last key, for an agent that rewrites its own history.
+Claude Code compacts a long conversation: a summarisation call (its history and "respond with
+text only"), then the session goes on from a rewritten history, [the summary, files re-read as
+`<system-reminder>` text, the new message], which neither the chain nor the ids find. The call's
+session lane (`CallRecord.session_lane`, computed by the proxy from the agent's session header and
+its agent or thread id: `proxy.chat.sessions`) names where it came from; it is hashed with the
+owner like the chain (`LinkKeys.session_lane`), so lanes of two API keys never meet. Only when
+none of the keys above finds a trajectory, a call with a lane:
+
+- joins the most recently updated open trajectory of its lane with the same `agent_signature`
+  (the same agent: its system prompt with the volatile parts masked, and its tool names), as a
+  turn whose history was rewritten (`LinkDecision.history_rewritten`, stored on the call: where
+  the turn's messages stop continuing the turn before);
+- otherwise opens a new trajectory whose parent is the trajectory of the agent that started it:
+  for a side call (no tools) in a lane whose newest trajectory is another agent's, that one
+  (OpenCode's title call: same session, another system prompt, no tools); else the newest of
+  its parent lane (a Claude Code sub-agent's: the lane of the agent whose Task tool started
+  it). `lanes` holds those two, whatever their status. Only a call without tools takes a
+  parent in its own lane: calls are linked when they end, and a title ends before the first
+  answer of the agent beside it, which must not become the title's child. The same agent
+  after its trajectory closed starts a new episode with no parent.
+
+    main lane "s":      [sys, user "fix it"] ... turn 7: [sys, user "CRITICAL: ...summarise"]
+                        turn 8: [sys, user "<summary>", user "<system-reminder>", user "go on"]
+                                 -> same trajectory, turn 8 history_rewritten
+    lane "s/agent-a":   [sub-agent sys, user "find the tests"]  -> new, parent = the main one
+
 Retries do not fork. A call whose request equals the trajectory's last request is the same turn
 when the client says it is a retry (`x-stainless-retry-count` > 0) or when it started after that
 call finished and within `retry_window_s` of it. Requiring "started after it finished" keeps two
@@ -77,6 +104,7 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from storage.records import CallRecord, LinkDecision, LinkKeys, TrajectoryState
@@ -207,6 +235,13 @@ def _hashes(
     return h, prefixes, tool_calls
 
 
+def _lane_hash(owner: str | None, lane: str | None) -> str | None:
+    """A session lane as stored: hashed with the owner's seed (never the header's value)."""
+    if lane is None:
+        return None
+    return hashlib.sha256(f"{_owner_seed(owner)}\nlane:{lane}".encode()).hexdigest()
+
+
 def opening_hash(messages: Sequence[dict[str, Any]]) -> str | None:
     """The chained hash of `messages` up to and including the first assistant message: what
     every turn of one conversation repeats, in the linker's canonical form, so a client's own
@@ -244,7 +279,11 @@ _VOLATILE = [
 ]
 
 
+@lru_cache(maxsize=32)
 def _stable_text(text: str) -> str:
+    """`text` with its volatile parts masked. Cached: every call of a session repeats its system
+    prompt (tens of kilobytes for a coding agent, about 2 ms of regular expressions each), and
+    linking runs inside the writer's transaction."""
     for pattern, replacement in _VOLATILE:
         text = pattern.sub(replacement, text)
     return text.strip()
@@ -279,7 +318,7 @@ def agent_signature(messages: Sequence[dict[str, Any]], tools: Sequence[Any] | N
 @dataclass
 class PrefixLinker:
     """Links calls by explicit id, retry detection, then the longest assistant-ending prefix
-    (by the chain, or by a rewritten turn's tool-call ids)."""
+    (by the chain, or by a rewritten turn's tool-call ids), then the session lane."""
 
     retry_window_s: float = 10.0
     """A same-request call that starts within this many seconds after the last call finished
@@ -300,6 +339,7 @@ class PrefixLinker:
             ids = _tool_call_ids(answer)
             if ids is not None:
                 next_tool_call_hash = _tool_call_hash(request_hash, ids)
+        lane = _lane_hash(record.owner_key_id, record.session_lane)
         return LinkKeys(
             prefix_hashes=prefix_hashes,
             request_hash=request_hash,
@@ -307,6 +347,9 @@ class PrefixLinker:
             task_signature=task_signature(messages, record.tools),
             tool_call_hashes=tool_call_hashes,
             next_tool_call_hash=next_tool_call_hash,
+            session_lane=lane,
+            parent_lane=_lane_hash(record.owner_key_id, record.parent_lane) if lane else None,
+            agent_signature=agent_signature(messages, record.tools) if lane else None,
         )
 
     def _same_turn(self, record: CallRecord, keys: LinkKeys, t: TrajectoryState) -> str | None:
@@ -336,7 +379,11 @@ class PrefixLinker:
         keys: LinkKeys,
         explicit: TrajectoryState | None,
         candidates: Sequence[TrajectoryState],
+        lanes: Sequence[TrajectoryState] = (),
     ) -> LinkDecision:
+        """Where `record` goes. `candidates`: the open trajectories its keys point at (its
+        prefix, tool-call and request hashes, its lane with its agent signature); `lanes`: the
+        newest trajectory, of any status, of its lane and of its parent lane."""
         if record.explicit_trajectory_id is not None:
             if explicit is None:
                 return LinkDecision("new", record.explicit_trajectory_id)
@@ -368,4 +415,38 @@ class PrefixLinker:
             return LinkDecision("append", by_ids.id)  # a rewritten tool call; see the module
         if chained is not None:
             return LinkDecision("append", chained.id)
-        return LinkDecision("new")
+        return self._by_lane(record, keys, candidates, lanes)
+
+    def _by_lane(
+        self,
+        record: CallRecord,
+        keys: LinkKeys,
+        candidates: Sequence[TrajectoryState],
+        lanes: Sequence[TrajectoryState],
+    ) -> LinkDecision:
+        """The session lane's rule, when nothing else matched; see the module."""
+        if keys.session_lane is None:
+            return LinkDecision("new")
+        same_agent = max(
+            (
+                t
+                for t in candidates
+                if t.status == "open"
+                and t.session_lane == keys.session_lane
+                and t.agent_signature == keys.agent_signature
+            ),
+            key=lambda t: (t.updated_at, t.id),
+            default=None,
+        )
+        if same_agent is not None:
+            return LinkDecision("append", same_agent.id, history_rewritten=True)
+
+        def newest(lane: str | None) -> TrajectoryState | None:
+            in_lane = (t for t in lanes if lane is not None and t.session_lane == lane)
+            return max(in_lane, key=lambda t: (t.updated_at, t.id), default=None)
+
+        own = newest(keys.session_lane)
+        if own is not None and own.agent_signature != keys.agent_signature and not record.tools:
+            return LinkDecision("new", parent_trajectory_id=own.id)  # a side call of that agent
+        parent = newest(keys.parent_lane)
+        return LinkDecision("new", parent_trajectory_id=parent.id if parent else None)

@@ -469,6 +469,38 @@ def _m011_tool_call_link_key(conn: Connection) -> None:
     )
 
 
+def _m012_session_lanes(conn: Connection) -> None:
+    """Linking's last key (`storage.linking`): a trajectory's coding-agent session lane (hashed
+    with the owner) and agent signature, looked up newest first within one lane and agent (a
+    rewritten history continues there) and within one lane (a new trajectory's parent); the
+    parent itself, listed by `?parent=`; and on each call whether it continued by the lane only
+    (`history_rewritten`, false for every call before). Trajectories stored before have no lane
+    until their next call that has one."""
+    for column in ("session_lane", "agent_signature", "parent_trajectory_id"):
+        conn.execute(text(f"ALTER TABLE trajectories ADD COLUMN {column} VARCHAR"))
+    conn.execute(
+        text(
+            "CREATE INDEX ix_trajectories_lane_lookup "
+            "ON trajectories (status, session_lane, agent_signature, updated_at, id)"
+        )
+    )
+    conn.execute(
+        text(
+            "CREATE INDEX ix_trajectories_lane_newest "
+            "ON trajectories (session_lane, updated_at, id)"
+        )
+    )
+    conn.execute(
+        text(
+            "CREATE INDEX ix_trajectories_parent "
+            "ON trajectories (parent_trajectory_id, created_at, id)"
+        )
+    )
+    conn.execute(
+        text("ALTER TABLE calls ADD COLUMN history_rewritten BOOLEAN NOT NULL DEFAULT FALSE")
+    )
+
+
 def _json(value: object) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
@@ -485,6 +517,7 @@ MIGRATIONS: list[Migration] = [
     Migration(9, "m009_replicas", _m009_replicas),
     Migration(10, "m010_prompt_chunks", _m010_prompt_chunks),
     Migration(11, "m011_tool_call_link_key", _m011_tool_call_link_key),
+    Migration(12, "m012_session_lanes", _m012_session_lanes),
 ]
 
 

@@ -72,6 +72,12 @@ class Trajectory(Base):
     owner_key_id: Mapped[str | None] = mapped_column(String)
     # Linking's second key: hash(last request + the ids of its answer's tool calls), or None.
     next_tool_call_hash: Mapped[str | None] = mapped_column(String)
+    # Linking's last key (storage.linking): the coding-agent session lane of its latest call
+    # that had one (hashed with the owner) and that call's agent signature; the trajectory of
+    # the agent that started this one (a sub-agent's main agent), if any.
+    session_lane: Mapped[str | None] = mapped_column(String)
+    agent_signature: Mapped[str | None] = mapped_column(String)
+    parent_trajectory_id: Mapped[str | None] = mapped_column(String)
 
     __table_args__ = (
         # Linking's lookups (storage.trajectory_view): newest first within one hash.
@@ -87,6 +93,18 @@ class Trajectory(Base):
             "updated_at",
             "id",
         ),
+        # The newest open trajectory of a lane and agent (rewritten histories), and the newest of
+        # a lane whatever its status or agent (a new trajectory's parent).
+        Index(
+            "ix_trajectories_lane_lookup",
+            "status",
+            "session_lane",
+            "agent_signature",
+            "updated_at",
+            "id",
+        ),
+        Index("ix_trajectories_lane_newest", "session_lane", "updated_at", "id"),
+        Index("ix_trajectories_parent", "parent_trajectory_id", "created_at", "id"),
         Index("ix_trajectories_status_updated_at", "status", "updated_at"),
         Index("ix_trajectories_created_at_id", "created_at", "id"),
         Index("ix_trajectories_status_created_at_id", "status", "created_at", "id"),
@@ -135,6 +153,8 @@ class Call(Base):
     message_refs: Mapped[Any] = mapped_column(JSONText, nullable=False)
     tool_refs: Mapped[Any] = mapped_column(JSONText, nullable=True)
     token_refs: Mapped[Any] = mapped_column(JSONText, nullable=True)
+    # Linked by its session lane only: the agent rewrote the history before this turn.
+    history_rewritten: Mapped[bool] = mapped_column(Boolean)
 
     __table_args__ = (
         Index("ix_calls_trajectory_id_turn_index", "trajectory_id", "turn_index"),

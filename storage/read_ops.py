@@ -47,6 +47,8 @@ class TrajectoryFilter:
     """Created before (epoch seconds)."""
     owner: str | None = None
     """Only this API key's trajectories (None: every one)."""
+    parent: str | None = None
+    """Only the trajectories this one started (`parent_trajectory_id`)."""
 
 
 def encode_cursor(created_at: float, trajectory_id: str) -> str:
@@ -88,6 +90,9 @@ def _summary(row: Row[Any]) -> TrajectorySummary:
         task_signature=row.task_signature,
         explicit=bool(row.explicit),
         owner_key_id=row.owner_key_id,
+        parent_trajectory_id=row.parent_trajectory_id,
+        session_lane=row.session_lane,
+        agent_signature=row.agent_signature,
     )
 
 
@@ -105,6 +110,8 @@ async def list_trajectories(
         stmt = stmt.where(T.c.model == f.model)
     if f.owner is not None:
         stmt = stmt.where(T.c.owner_key_id == f.owner)
+    if f.parent is not None:
+        stmt = stmt.where(T.c.parent_trajectory_id == f.parent)
     if f.since is not None:
         stmt = stmt.where(T.c.created_at >= f.since)
     if f.until is not None:
@@ -168,6 +175,7 @@ def _call(row: Row[Any], prompt: Prompt, choices: list[ChoiceRecord]) -> StoredC
         recorded_at=row.recorded_at,
         retry_of=row.retry_of,
         superseded_by=row.superseded_by,
+        history_rewritten=bool(row.history_rewritten),
     )
 
 
@@ -247,6 +255,7 @@ def _turns(calls: list[StoredCall]) -> list[TurnView]:
                 attempts=len(attempts),
                 protocol=rec.protocol,
                 completion_id=rec.completion_id,
+                history_rewritten=call.history_rewritten,
             )
         )
     return turns

@@ -105,6 +105,12 @@ class CallRecord:
     time_to_first_token_s: float | None = None
     """Seconds from arrival to the first generated token (None when no token came, or the
     provider's answer arrived whole). Not stored: telemetry reads it from the record."""
+    session_lane: str | None = None
+    """The coding-agent session and agent the call came from (`proxy.chat.sessions`: a digest
+    of its session header and agent or thread id), None without a session header. Linking's
+    last key (`storage.linking`); stored only hashed with the owner, on the trajectory."""
+    parent_lane: str | None = None
+    """The lane of the agent that started this one (a sub-agent's parent), or None."""
 
     def token_counts(self) -> tuple[int | None, int | None]:
         """(prompt, completion) tokens: from `usage`, else from the stored token ids."""
@@ -132,6 +138,9 @@ class StoredCall:
     """The earlier call (same turn) this call retried."""
     superseded_by: str | None = None
     """The later call (same turn) that retried this one."""
+    history_rewritten: bool = False
+    """Linking found the call by its session lane only: the agent rewrote its history
+    (compaction) and this turn's messages do not continue the turn before (`storage.linking`)."""
 
 
 @dataclass
@@ -162,6 +171,14 @@ class TrajectorySummary:
     """True when the trajectory was created from an explicit id."""
     owner_key_id: str | None = None
     """The API key whose calls make it up (None when the server has no keys)."""
+    parent_trajectory_id: str | None = None
+    """The trajectory of the agent that started this one, in the same coding-agent session (a
+    sub-agent's main agent; the main agent of a side call such as a title); None otherwise."""
+    session_lane: str | None = None
+    """Hash of the session lane of its latest call that had one (`CallRecord.session_lane`,
+    seeded with the owner: not the header's value); None without session headers."""
+    agent_signature: str | None = None
+    """`storage.linking.agent_signature` of that call (set with `session_lane`)."""
 
 
 @dataclass
@@ -188,6 +205,9 @@ class TurnView:
     """The wire protocol of the standing call ("chat", "responses", "messages")."""
     completion_id: str | None = None
     """The id its client received (`chatcmpl-...`, `resp_...`, `msg_...`)."""
+    history_rewritten: bool = False
+    """The agent rewrote its history before this turn (compaction): its messages do not continue
+    the turn before; the trajectory continues by the session lane (`StoredCall`)."""
 
 
 @dataclass
@@ -228,6 +248,12 @@ class LinkKeys:
     next_tool_call_hash: str | None = None
     """Hash of the request messages + the ids of the answer's tool calls (choice 0); None if
     the answer made no calls or one had no id."""
+    session_lane: str | None = None
+    """Hash of `CallRecord.session_lane` seeded with the owner; None without a lane."""
+    parent_lane: str | None = None
+    """The same for `CallRecord.parent_lane` (None without a lane)."""
+    agent_signature: str | None = None
+    """`storage.linking.agent_signature` of the request, computed only for a call with a lane."""
 
 
 @dataclass(frozen=True)
@@ -248,14 +274,20 @@ class TrajectoryState:
     """How the last call ended ("completed", "error", "client_disconnected")."""
     next_tool_call_hash: str | None = None
     """`LinkKeys.next_tool_call_hash` of the call that set `next_prefix_hash`."""
+    session_lane: str | None = None
+    """`LinkKeys.session_lane` of its latest call that had one."""
+    agent_signature: str | None = None
+    """`LinkKeys.agent_signature` of that call."""
 
 
 @dataclass(frozen=True)
 class LinkDecision:
     """Where a call goes.
 
-    - "new": open a trajectory (id `trajectory_id`, or a fresh uuid when None); turn 0.
-    - "append": next turn of `trajectory_id` (reopened if it was closed).
+    - "new": open a trajectory (id `trajectory_id`, or a fresh uuid when None); turn 0; its
+      parent `parent_trajectory_id`, if any.
+    - "append": next turn of `trajectory_id` (reopened if it was closed); `history_rewritten`
+      when only the session lane found it (the agent rewrote its history).
     - "retry": the call retries `same_turn_as` (the trajectory's last call): it takes that
       turn and supersedes it.
     - "stale": the call is an earlier attempt of `same_turn_as` recorded late (its retry
@@ -266,6 +298,9 @@ class LinkDecision:
     action: Literal["new", "append", "retry", "stale"]
     trajectory_id: str | None = None
     same_turn_as: str | None = None
+    history_rewritten: bool = False
+    parent_trajectory_id: str | None = None
+    """For "new": the trajectory of the agent that started this one (see `storage.linking`)."""
 
 
 # --- groups and scores ---------------------------------------------------------------------

@@ -607,10 +607,12 @@ class Store:
         limit: int = 50,
         cursor: str | None = None,
         owner: str | None = None,
+        parent: str | None = None,
     ) -> TrajectoryPage:
         """Newest first, keyset-paged on (created_at, id); `since`/`until` bound created_at;
-        `owner`: only that API key's trajectories."""
-        f = TrajectoryFilter(status, group_key, model, since, until, owner)
+        `owner`: only that API key's trajectories; `parent`: only those that trajectory started
+        (its sub-agents and side calls)."""
+        f = TrajectoryFilter(status, group_key, model, since, until, owner, parent)
         async with self._engines.read.connect() as conn:
             return await read_ops.list_trajectories(conn, f, limit, cursor)
 

@@ -3,12 +3,15 @@
 `load_view` reads every trajectory the linking rule (`storage.linking`) could pick for a batch,
 and no other: those named by explicit ids; per prefix hash, and per tool-call hash (a rewritten
 turn's ids after the same request), the newest open trajectories that continue there (the rule
-takes the newest, and each call of the batch takes at most one); per
+takes the newest, and each call of the batch takes at most one); per session lane and agent
+signature, the newest open ones (a rewritten history), and per lane, the newest of any status (a
+new trajectory's parent); per
 request hash, the open trajectories whose standing call could be the same turn (it started
 after one of the calls did, or it failed within the retry window, or, for a call that says it is
 a retry, the newest that started before it). Every lookup is a range of an index
 (`ix_trajectories_prefix_lookup`, `ix_trajectories_tool_call_lookup`,
-`ix_trajectories_request_lookup`) bounded by the batch, by
+`ix_trajectories_request_lookup`, `ix_trajectories_lane_lookup`, `ix_trajectories_lane_newest`)
+bounded by the batch, by
 time or by failures, never by how many calls of one task are stored: linking costs the same at
 100 and at 100,000 stored runs of a task. Rows are locked with FOR UPDATE on Postgres until the
 batch commits (SQLite's BEGIN IMMEDIATE already excludes other writers).
@@ -69,6 +72,9 @@ class Trajectory:
     last_call_status: str | None
     owner_key_id: str | None
     next_tool_call_hash: str | None
+    session_lane: str | None
+    agent_signature: str | None
+    parent_trajectory_id: str | None
 
     def state(self) -> TrajectoryState:
         return TrajectoryState(
@@ -84,6 +90,8 @@ class Trajectory:
             last_call_finished_at=self.last_call_finished_at,
             last_call_status=self.last_call_status,
             next_tool_call_hash=self.next_tool_call_hash,
+            session_lane=self.session_lane,
+            agent_signature=self.agent_signature,
         )
 
 
@@ -104,6 +112,8 @@ class TrajectoryView:
         self._by_next: dict[str, set[str]] = defaultdict(set)
         self._by_tool_calls: dict[str, set[str]] = defaultdict(set)
         self._by_request: dict[str, set[str]] = defaultdict(set)
+        self._by_agent: dict[tuple[str, str | None], set[str]] = defaultdict(set)
+        self._by_lane: dict[str, set[str]] = defaultdict(set)  # any status
         self.new: set[str] = set()
         self.dirty: set[str] = set()
         for t in rows:
@@ -111,7 +121,11 @@ class TrajectoryView:
             self._index(t)
 
     def _index(self, t: Trajectory) -> None:
+        if t.session_lane is not None:
+            self._by_lane[t.session_lane].add(t.id)
         if t.status == "open":
+            if t.session_lane is not None:
+                self._by_agent[(t.session_lane, t.agent_signature)].add(t.id)
             if t.next_prefix_hash is not None:
                 self._by_next[t.next_prefix_hash].add(t.id)
             if t.next_tool_call_hash is not None:
@@ -120,6 +134,9 @@ class TrajectoryView:
                 self._by_request[t.last_request_hash].add(t.id)
 
     def _unindex(self, t: Trajectory) -> None:
+        if t.session_lane is not None:
+            self._by_lane[t.session_lane].discard(t.id)
+            self._by_agent[(t.session_lane, t.agent_signature)].discard(t.id)
         if t.next_prefix_hash is not None:
             self._by_next[t.next_prefix_hash].discard(t.id)
         if t.next_tool_call_hash is not None:
@@ -135,7 +152,18 @@ class TrajectoryView:
             ids |= self._by_tool_calls.get(h, set())
         if keys.request_hash is not None:
             ids |= self._by_request.get(keys.request_hash, set())
+        if keys.session_lane is not None:
+            ids |= self._by_agent.get((keys.session_lane, keys.agent_signature), set())
         return [self.by_id[i].state() for i in sorted(ids)]
+
+    def lanes(self, keys: LinkKeys) -> list[TrajectoryState]:
+        """The newest trajectory, any status, of the call's lane and of its parent lane."""
+        out = []
+        for lane in (keys.session_lane, keys.parent_lane):
+            rows = [self.by_id[i] for i in self._by_lane.get(lane or "", ())]
+            if rows:
+                out.append(max(rows, key=lambda t: (t.updated_at, t.id)).state())
+        return out
 
     def change(self, t: Trajectory, **values: Any) -> None:
         self._unindex(t)
@@ -175,6 +203,14 @@ async def load_view(
     for tool_calls, uses in sorted(Counter(h for k in keys for h in k.tool_call_hashes).items()):
         # The same for the second key, a rewritten turn's tool-call ids (storage.linking).
         lookups.add("next_tool_call_hash = {}", tool_calls, newest=uses)
+
+    agents = Counter((k.session_lane, k.agent_signature) for k in keys if k.session_lane)
+    for (lane, signature), uses in sorted(agents.items()):
+        # A rewritten history joins the newest open trajectory of its lane and agent.
+        lookups.add("session_lane = {} AND agent_signature = {}", lane, signature, newest=uses)
+    for lane in sorted({h for k in keys for h in (k.session_lane, k.parent_lane) if h}):
+        # A new trajectory's parent: the newest of its lane or of its parent lane, any status.
+        lookups.add("session_lane = {}", lane, only_open=False, newest=1)
 
     by_request: dict[str, list[CallRecord]] = defaultdict(list)
     for record, k in zip(records, keys, strict=True):

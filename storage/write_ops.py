@@ -53,6 +53,8 @@ _SKIP = frozenset(
         "tools",
         "prompt_token_ids",
         "owner_key_id",
+        "session_lane",  # the trajectory keeps it, hashed with the owner (storage.linking)
+        "parent_lane",
     }
 )
 
@@ -119,7 +121,7 @@ async def record_calls(
             record = replace(record, explicit_trajectory_id=None)
             explicit_id, explicit = None, None
         decision = linker.choose(
-            record, k, explicit.state() if explicit else None, view.candidates(k)
+            record, k, explicit.state() if explicit else None, view.candidates(k), view.lanes(k)
         )
         # The rule only ever names a trajectory the view holds: the explicit one, or an open
         # candidate (closed trajectories are never continued implicitly).
@@ -145,6 +147,9 @@ async def record_calls(
                 last_call_status=record.status,
                 owner_key_id=record.owner_key_id,
                 next_tool_call_hash=k.next_tool_call_hash,
+                session_lane=k.session_lane,
+                agent_signature=k.agent_signature,
+                parent_trajectory_id=decision.parent_trajectory_id,
             )
             view.add(t)
             turn = 0
@@ -175,9 +180,13 @@ async def record_calls(
                 if k.next_prefix_hash is not None:  # a failed call keeps the continuation point
                     changes["next_prefix_hash"] = k.next_prefix_hash
                     changes["next_tool_call_hash"] = k.next_tool_call_hash
+                if k.session_lane is not None:  # a call without session headers keeps it
+                    changes["session_lane"] = k.session_lane
+                    changes["agent_signature"] = k.agent_signature
             view.change(t, **changes)
 
         row = _call_row(record, k, t.id, turn, now, prompts)
+        row["history_rewritten"] = decision.history_rewritten
         if decision.action == "retry" and decision.same_turn_as is not None:
             row["retry_of"] = decision.same_turn_as
             if decision.same_turn_as in pending:

@@ -13,9 +13,11 @@ the prompt runs once.
 A turn is not packed onto the one before when the tokens differ: a chat template that renders
 the previous answer differently from how it was sampled (another tokenization of the same text:
 the sampler may pick `f` + `ind` where the tokenizer writes `find`; a template that drops
-earlier reasoning), or when anything the loss reads differs between the turns (sample,
-advantage, weight, the version that sampled it, how its logprobs were stored), or when the row
-would exceed `max_len`. Such a turn starts a row of its own, exactly as without packing.
+earlier reasoning; a coding agent that compacted its history, whose next prompt is a summary:
+`storage.records.TurnView.history_rewritten`), or when anything the loss reads differs between
+the turns (sample, advantage, weight, the version that sampled it, how its logprobs were
+stored), or when the row would exceed `max_len`. Such a turn starts a row of its own, exactly as
+without packing.
 """
 
 from __future__ import annotations

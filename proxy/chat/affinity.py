@@ -16,7 +16,8 @@ the same server (`proxy.engines.vllm_replicas.ReplicaPool.pick`). The key, first
    sub-agents each have their own thread and key), and a key names one;
 3. a session header coding agents send on every call of a session: OpenCode's
    `x-session-affinity` (meant for exactly this) and `x-session-id`, Claude Code's
-   `X-Claude-Code-Session-Id`, Codex's `session-id`, pi's `session_id` on Responses;
+   `X-Claude-Code-Session-Id`, Codex's `session-id`, pi's `session_id` on Responses
+   (`proxy.chat.sessions.SESSION_HEADERS`, which names the call's session lane for linking too);
 4. the conversation's task signature (`storage.linking.task_signature`: the system prompt, the
    first user message and the tool schemas, in the linker's canonical form), the hash grouping
    already uses for repeated runs of one task. Every turn of a conversation that keeps its
@@ -39,16 +40,8 @@ from __future__ import annotations
 import hashlib
 
 from proxy.chat.record import CallInfo, RequestDump
+from proxy.chat.sessions import SESSION_HEADERS
 from storage.linking import task_signature
-
-SESSION_HEADERS = (
-    "x-session-affinity",  # OpenCode
-    "x-claude-code-session-id",  # Claude Code
-    "session-id",  # Codex
-    "session_id",  # pi (Responses)
-    "x-session-id",  # OpenCode
-)
-"""Session headers, lower case, in the order they are looked for."""
 
 
 def affinity_key(call: CallInfo, dumped: RequestDump) -> str:

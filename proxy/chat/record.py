@@ -6,9 +6,9 @@
 `CallInfo` is what is known when a request arrives (the request, its id, its headers, when it
 started); `call_record` completes it with how the call ended. Both the local service and the
 upstream service build their records here, so the explicit ids a client may send (trajectory
-and group keys) and the retry count are read one way only; the caller (`owner`, `client_ref`)
-comes from `proxy.api.auth`. The linking rule
-itself lives in `storage.linking` and runs inside the store.
+and group keys), the retry count and the session lane (`proxy.chat.sessions`) are read one way
+only; the caller (`owner`, `client_ref`) comes from `proxy.api.auth`. The linking rule itself
+lives in `storage.linking` and runs inside the store.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 
 from proxy.chat.budget import RECORD_KEY as OUTPUT_BUDGET
 from proxy.chat.budget import OutputBudget
+from proxy.chat.sessions import session_lane
 from proxy.protocols.chat import ChatCompletionRequest, completion_id
 from storage.records import LOGPROBS_AFTER_GRAMMAR, CallRecord, CallStatus, ChoiceRecord
 
@@ -157,6 +158,7 @@ def call_record(
         params[OUTPUT_BUDGET] = output_budget.as_params()
     if call.wire is not None:
         params[call.protocol] = call.wire
+    lane = session_lane(headers)
     return CallRecord(
         id=uuid.uuid4().hex,
         request_id=call.request_id,
@@ -187,6 +189,8 @@ def call_record(
         time_to_first_token_s=None if call.first_token is None else call.first_token - call.started,
         protocol=call.protocol,
         retrievable=call.retrievable,
+        session_lane=lane.lane if lane else None,
+        parent_lane=lane.parent if lane else None,
     )
 
 

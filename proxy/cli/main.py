@@ -266,10 +266,12 @@ async def export_jsonl(
     model: str | None = None,
     group_key: str | None = None,
 ) -> int:
-    """Write one fine-tuning line per trajectory with a completed answer; return the count."""
+    """Write the fine-tuning lines of every trajectory with a completed answer (one, or one per
+    part where a coding agent rewrote its history: `storage.export.to_finetune_lines`); return
+    how many trajectories gave lines."""
     from proxy.cli.progress import progress
     from proxy.database import opened_store
-    from storage.export import to_finetune_line
+    from storage.export import to_finetune_lines
 
     count = 0
     async with opened_store(settings) as store:
@@ -279,9 +281,10 @@ async def export_jsonl(
             async for detail in store.iter_trajectories_for_export(
                 status=status, model=model, group_key=group_key
             ):
-                line = to_finetune_line(detail)
-                if line is not None:
+                lines = to_finetune_lines(detail)
+                for line in lines:
                     out.write(json.dumps(line, ensure_ascii=False) + "\n")
+                if lines:
                     count += 1
                 bar.update(1)
     return count

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.chat.affinity import SESSION_HEADERS, affinity_key
+from proxy.chat.affinity import affinity_key
 from proxy.chat.record import CallInfo, RequestDump
+from proxy.chat.sessions import SESSION_HEADERS
 from proxy.protocols.chat import ChatCompletionRequest
 from storage.linking import task_signature
 

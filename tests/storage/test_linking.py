@@ -453,3 +453,140 @@ def test_the_agent_signature_ignores_what_changes_between_sessions_of_one_agent(
     assert agent_signature(system("2026-12-05", "/x/y", "1", "0"), [tool("find", [])]) != a
     responses_tool = {"type": "function", "name": "find", "parameters": {}}
     assert agent_signature([], [responses_tool]) == agent_signature([], [tool("find", ["z"])])
+
+
+# --- session lanes: a coding agent's session, and which agent of it -------------------------
+# Claude Code compacts its history: a summarisation call, then a REWRITTEN history (the summary,
+# re-read files, the new message) that neither the chain nor the tool-call ids find. The call's
+# session lane (`CallRecord.session_lane`, from the agent's session headers) and its agent
+# signature find the trajectory instead, and the turn is marked as a rewritten history.
+
+AGENT_SYSTEM = "You are Claude Code. Today's date is 2026-12-05. Working directory: /home/ana/x"
+AGENT_TOOLS = [{"type": "function", "function": {"name": n}} for n in ("Read", "Bash", "Task")]
+MAIN = [{"role": "system", "content": AGENT_SYSTEM}, {"role": "user", "content": "fix the test"}]
+REWRITTEN = [
+    {"role": "system", "content": AGENT_SYSTEM},
+    {"role": "user", "content": "This session is being continued. Summary: fixed half of it."},
+    {"role": "user", "content": "<system-reminder>contents of test_x.py</system-reminder>"},
+    {"role": "user", "content": "go on"},
+]
+
+
+def _in_lane(messages: list[dict[str, Any]], lane: str | None = "s1", **kw: Any) -> CallRecord:
+    return _call(messages, tools=AGENT_TOOLS, session_lane=lane, **kw)
+
+
+def _lane_state(tid: str, record: CallRecord, **kw: Any) -> TrajectoryState:
+    """A trajectory whose last call was `record` (its lane and agent signature)."""
+    keys = PrefixLinker().keys(record)
+    fields: dict[str, Any] = {
+        "next_prefix_hash": keys.next_prefix_hash,
+        "last_request_hash": keys.request_hash,
+        "session_lane": keys.session_lane,
+        "agent_signature": keys.agent_signature,
+    }
+    return _state(tid, **(fields | kw))
+
+
+def test_a_rewritten_history_in_the_same_lane_continues_with_a_boundary() -> None:
+    linker = PrefixLinker()
+    main = _lane_state("main", _in_lane(MAIN))
+    record = _in_lane(REWRITTEN)
+    keys = linker.keys(record)
+    assert keys.session_lane is not None and keys.agent_signature is not None
+    assert linker.choose(record, keys, None, [main]) == LinkDecision(
+        "append", "main", history_rewritten=True
+    )
+    # The most recently updated trajectory of the lane and agent takes it.
+    newer = _lane_state("newer", _in_lane(MAIN), updated_at=980.0)
+    assert linker.choose(record, keys, None, [main, newer]).trajectory_id == "newer"
+    # Another lane, another agent or a closed trajectory: a new one.
+    other = _in_lane(REWRITTEN, lane="s2")
+    assert linker.choose(other, linker.keys(other), None, [main]).action == "new"
+    closed = replace(main, status="closed")
+    assert linker.choose(record, keys, None, [closed]).action == "new"
+
+
+def test_without_a_lane_nothing_changes() -> None:
+    linker = PrefixLinker()
+    main = _lane_state("main", _in_lane(MAIN))
+    record = _in_lane(REWRITTEN, lane=None)
+    keys = linker.keys(record)
+    assert (keys.session_lane, keys.parent_lane, keys.agent_signature) == (None, None, None)
+    assert linker.choose(record, keys, None, [main], [main]) == LinkDecision("new")
+
+
+def test_the_chain_and_the_ids_win_over_the_lane() -> None:
+    linker = PrefixLinker()
+    first = _in_lane(MAIN, answer="a1")
+    chained = _lane_state("chained", first, updated_at=900.0)
+    newest = _lane_state("newest", _in_lane(MAIN, answer="other answer"), updated_at=999.0)
+    turn2 = [*MAIN, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q"}]
+    record = _in_lane(turn2)
+    keys = linker.keys(record)
+    assert linker.choose(record, keys, None, [newest, chained]) == LinkDecision("append", "chained")
+
+
+def test_a_sub_agent_is_its_own_trajectory_with_its_parent() -> None:
+    """Claude Code's sub-agent: the session's header and its own agent id, so its own lane; its
+    parent lane is the main agent's (the session without an agent id)."""
+    linker = PrefixLinker()
+    main = _lane_state("main", _in_lane(MAIN), updated_at=990.0)
+    side = _lane_state("side", _in_lane(MAIN, lane="s1/agent-b"), updated_at=995.0)
+    task = [{"role": "system", "content": "You are a search agent."}, MAIN[1]]
+    record = _in_lane(task, lane="s1/agent-a", parent_lane="s1")
+    keys = linker.keys(record)
+    assert keys.parent_lane == linker.keys(_in_lane(MAIN)).session_lane
+    decision = linker.choose(record, keys, None, [], [main, side])
+    assert decision == LinkDecision("new", parent_trajectory_id="main")
+    # No trajectory in the parent lane (yet): no parent.
+    assert linker.choose(record, keys, None, [], [side]) == LinkDecision("new")
+
+
+def test_another_agent_in_the_same_lane_is_its_own_trajectory_with_a_parent() -> None:
+    """OpenCode's title call: same session header, another system prompt and no tools."""
+    linker = PrefixLinker()
+    main = _lane_state("main", _in_lane(MAIN))
+    title = [{"role": "system", "content": "Write a title."}, MAIN[1]]
+    record = _call(title, session_lane="s1")
+    keys = linker.keys(record)
+    assert keys.agent_signature != main.agent_signature
+    assert linker.choose(record, keys, None, [], [main]) == LinkDecision(
+        "new", parent_trajectory_id="main"
+    )
+    # A call with tools is not a side call: OpenCode's title ends (and is linked) before the
+    # first answer of the main agent, which must not become the title's child.
+    first_answer = _in_lane(MAIN)
+    title_first = _lane_state("title", record)
+    decision = linker.choose(first_answer, linker.keys(first_answer), None, [], [title_first])
+    assert decision == LinkDecision("new")
+    # The same agent again after its trajectory closed: a new episode, no parent.
+    closed = replace(main, status="closed")
+    again = _in_lane(REWRITTEN)
+    assert linker.choose(again, linker.keys(again), None, [], [closed]) == LinkDecision("new")
+
+
+def test_lanes_are_hashed_per_api_key() -> None:
+    linker = PrefixLinker()
+    mine = linker.keys(_in_lane(MAIN, owner_key_id="k1"))
+    theirs = linker.keys(_in_lane(MAIN, owner_key_id="k2"))
+    unkeyed = linker.keys(_in_lane(MAIN))
+    assert len({mine.session_lane, theirs.session_lane, unkeyed.session_lane}) == 3
+    assert "s1" not in (mine.session_lane or "")
+    main = _lane_state("main", _in_lane(MAIN, owner_key_id="k1"))
+    record = _in_lane(REWRITTEN, owner_key_id="k2")
+    decision = linker.choose(record, linker.keys(record), None, [main], [main])
+    assert decision == LinkDecision("new")
+
+
+def test_the_lane_hash_is_computed_as_before() -> None:
+    """Stored in `trajectories.session_lane`: pinned, like the chain's hashes."""
+    keys = PrefixLinker().keys(_in_lane(MAIN, lane="s1/agent-a", parent_lane="s1"))
+    assert (keys.session_lane, keys.parent_lane) == (
+        "a944129527c498a08679817c456c8ed5aa0071f9aaba1a2e6f40130284451ca7",
+        "a56869403de1fd4d6f6ebf78ddf9b8874d915565e4c1cc7366f8e3484cd09406",
+    )
+    keyed = PrefixLinker().keys(_in_lane(MAIN, lane="s1/agent-a", owner_key_id="k1"))
+    assert keyed.session_lane == (
+        "6dc062f11f78490dca8624b9e0717fd51fa177974c5b17d13427503c421604bb"
+    )

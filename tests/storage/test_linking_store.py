@@ -350,7 +350,8 @@ async def test_a_trajectory_from_before_the_id_key_gets_it_at_its_next_answer(
             columns = ", ".join(row)
             values = ", ".join(f":{c}" for c in row)
             await conn.execute(text(f"INSERT INTO trajectories ({columns}) VALUES ({values})"), row)
-        assert await migrations.migrate(engines.write) == ["m011_tool_call_link_key"]
+        applied = await migrations.migrate(engines.write)
+        assert applied == [m.name for m in migrations.MIGRATIONS[10:]]  # m011 and after
     finally:
         await engines.dispose()
 
@@ -428,3 +429,240 @@ async def test_linking_by_tool_call_ids_reads_a_bounded_number_of_rows(
     tid2, rows = await _rows_per_call(store, rewritten)
     assert tid2 == tid
     assert rows <= 2, f"read {rows} trajectory rows after {history} runs"
+
+
+# --- session lanes: compaction, sub-agents, side calls -----------------------------------
+# A coding agent's calls carry its session (`CallRecord.session_lane`, from its headers); a
+# sub-agent's, its own agent id too (`parent_lane`: the main agent's lane). See storage.linking.
+
+CLAUDE = "You are Claude Code. Today's date is 2026-12-05. Working directory: /home/ana/proj"
+CLAUDE_TOOLS = [
+    {"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+    for n in ("Read", "Bash", "Task")
+]
+SUMMARISE = "CRITICAL: Respond with TEXT ONLY. Summarise the conversation so far."
+
+
+def _session(**lane: Any) -> Any:
+    """make_call for one agent of a session: its tools and its lane."""
+
+    def call(make_call: Any, messages: list[dict[str, Any]], answer: Any = "ok", **kw: Any) -> Any:
+        return make_call(messages, answer, tools=CLAUDE_TOOLS, **(lane | kw))
+
+    return call
+
+
+MAIN_LANE = _session(session_lane="sess-1")
+
+
+async def _two_turns(store: Store, make_call: Any, **kw: Any) -> tuple[str, list[dict[str, Any]]]:
+    """A main agent's first two turns; returns the trajectory and the history so far."""
+    msgs = [{"role": "system", "content": CLAUDE}, {"role": "user", "content": "Fix the test"}]
+    read = _tool_call("toolu_1", "Read", {"file_path": "test_x.py"})
+    tid = await store.record_call(MAIN_LANE(make_call, msgs, read, **kw))
+    msgs = [*msgs, read, {"role": "tool", "tool_call_id": "toolu_1", "content": "def test(): ..."}]
+    assert await store.record_call(MAIN_LANE(make_call, msgs, "Found it.", **kw)) == tid
+    return tid, [*msgs, {"role": "assistant", "content": "Found it."}]
+
+
+async def test_compaction_continues_the_session_with_a_boundary(
+    store: Store, make_call: Any
+) -> None:
+    tid, history = await _two_turns(store, make_call)
+    # The summarisation call repeats the history: the chain finds it, no boundary.
+    summary = "Summary: the user asked to fix test_x.py; it was read."
+    compact = [*history, {"role": "user", "content": SUMMARISE}]
+    assert await store.record_call(MAIN_LANE(make_call, compact, summary)) == tid
+    # Then the rewritten history: found by the lane only.
+    rewritten = [
+        {"role": "system", "content": CLAUDE.replace("2026-12-05", "2026-12-06")},
+        {"role": "user", "content": f"This session is being continued. {summary}"},
+        {"role": "user", "content": "<system-reminder>def test(): ...</system-reminder>"},
+        {"role": "user", "content": "Now run it"},
+    ]
+    assert await store.record_call(MAIN_LANE(make_call, rewritten, "Running.")) == tid
+    # And the turn after goes on by the chain again.
+    after = [*rewritten, {"role": "assistant", "content": "Running."}]
+    after += [{"role": "user", "content": "thanks"}]
+    assert await store.record_call(MAIN_LANE(make_call, after, "bye")) == tid
+
+    detail = await store.get_trajectory(tid)
+    assert detail is not None and detail.summary.turn_count == 5
+    assert [t.history_rewritten for t in detail.turns] == [False, False, False, True, False]
+    assert detail.summary.parent_trajectory_id is None
+    assert detail.summary.session_lane is not None
+    assert "sess-1" not in detail.summary.session_lane
+    stored = await store.get_call(detail.turns[3].call_id)
+    assert stored is not None and stored.history_rewritten
+
+
+async def test_sub_agents_are_their_own_trajectories_with_the_main_one_as_parent(
+    store: Store, make_call: Any
+) -> None:
+    main, history = await _two_turns(store, make_call)
+    subs = []
+    for agent in ("agent-a", "agent-b"):
+        sub = _session(session_lane=f"sess-1/{agent}", parent_lane="sess-1")
+        msgs = [{"role": "system", "content": "You are a search agent."}]
+        msgs += [{"role": "user", "content": "Find the tests"}]
+        tid = await store.record_call(sub(make_call, msgs, _tool_call("toolu_9", "Bash", {})))
+        cont = [*msgs, _tool_call("toolu_9", "Bash", {})]
+        cont += [{"role": "tool", "tool_call_id": "toolu_9", "content": "tests/"}]
+        assert await store.record_call(sub(make_call, cont, "tests/ has them")) == tid
+        subs.append(tid)
+    assert len({main, *subs}) == 3
+    for tid in subs:
+        detail = await store.get_trajectory(tid)
+        assert detail is not None and detail.summary.turn_count == 2
+        assert detail.summary.parent_trajectory_id == main
+        assert not any(t.history_rewritten for t in detail.turns)
+    # The main agent goes on with the sub-agents' answers, by the chain.
+    cont = [*history, {"role": "user", "content": "go on"}]
+    assert await store.record_call(MAIN_LANE(make_call, cont, "done")) == main
+    page = await store.list_trajectories(parent=main)
+    assert sorted(t.id for t in page.items) == sorted(subs)
+
+
+async def test_another_agent_in_the_session_is_its_own_trajectory_with_a_parent(
+    store: Store, make_call: Any
+) -> None:
+    """OpenCode's title call: same session header, another system prompt, no tools."""
+    main, _ = await _two_turns(store, make_call)
+    title = [{"role": "system", "content": "Generate a short title."}]
+    title += [{"role": "user", "content": "Fix the test"}]
+    side = await store.record_call(make_call(title, "Fixing a test", session_lane="sess-1"))
+    assert side != main
+    detail = await store.get_trajectory(side)
+    assert detail is not None and detail.summary.parent_trajectory_id == main
+    # A rewritten history of the main agent still finds the main trajectory, not the title.
+    rewritten = [{"role": "system", "content": CLAUDE}, {"role": "user", "content": "Summary."}]
+    assert await store.record_call(MAIN_LANE(make_call, rewritten, "ok")) == main
+
+
+async def test_a_title_linked_before_the_first_answer_is_no_ones_parent(
+    store: Store, make_call: Any
+) -> None:
+    """Calls are linked when they end: OpenCode's title ends before the main agent's first
+    answer. Neither is the other's parent then (a side call has no tools; the agent has)."""
+    title = [{"role": "system", "content": "Generate a short title."}]
+    title += [{"role": "user", "content": "Fix the test"}]
+    side = await store.record_call(make_call(title, "Fixing a test", session_lane="sess-1"))
+    main, _ = await _two_turns(store, make_call)
+    assert main != side
+    for tid in (main, side):
+        detail = await store.get_trajectory(tid)
+        assert detail is not None and detail.summary.parent_trajectory_id is None
+
+
+async def test_lanes_of_different_api_keys_never_link(store: Store, make_call: Any) -> None:
+    mine, _ = await _two_turns(store, make_call, owner_key_id="k1")
+    rewritten = [{"role": "system", "content": CLAUDE}, {"role": "user", "content": "Summary."}]
+    theirs = await store.record_call(MAIN_LANE(make_call, rewritten, owner_key_id="k2"))
+    assert theirs != mine
+    detail = await store.get_trajectory(theirs)
+    assert detail is not None and detail.summary.parent_trajectory_id is None
+    assert not detail.turns[0].history_rewritten
+    sub = _session(session_lane="sess-1/agent-a", parent_lane="sess-1")
+    sub_tid = await store.record_call(sub(make_call, rewritten, owner_key_id="k3"))
+    detail = await store.get_trajectory(sub_tid)
+    assert detail is not None and detail.summary.parent_trajectory_id is None
+
+
+async def test_without_session_headers_a_rewritten_history_starts_a_trajectory(
+    store: Store, make_call: Any
+) -> None:
+    no_lane = _session(session_lane=None)
+    msgs = [{"role": "system", "content": CLAUDE}, {"role": "user", "content": "Fix the test"}]
+    tid = await store.record_call(no_lane(make_call, msgs, "Looking."))
+    rewritten = [{"role": "system", "content": CLAUDE}, {"role": "user", "content": "Summary."}]
+    other = await store.record_call(no_lane(make_call, rewritten, "ok"))
+    assert other != tid
+    for t in (tid, other):
+        detail = await store.get_trajectory(t)
+        assert detail is not None
+        assert detail.summary.parent_trajectory_id is None
+        assert detail.summary.session_lane is None and detail.summary.agent_signature is None
+        assert not any(turn.history_rewritten for turn in detail.turns)
+
+
+async def test_the_chain_wins_over_the_lane(store: Store, make_call: Any) -> None:
+    """Two open trajectories of one agent in one lane: a call that continues the older by the
+    chain goes there, not to the newest of the lane, and marks no boundary."""
+    older, history = await _two_turns(store, make_call)
+    fresh = [{"role": "system", "content": CLAUDE}, {"role": "user", "content": "New task"}]
+    newer = await store.record_call(MAIN_LANE(make_call, fresh, explicit_trajectory_id="b"))
+    assert newer == "b"
+    cont = [*history, {"role": "user", "content": "go on"}]
+    assert await store.record_call(MAIN_LANE(make_call, cont, "done")) == older
+    detail = await store.get_trajectory(older)
+    assert detail is not None and not any(t.history_rewritten for t in detail.turns)
+    # Nothing chains: the most recently updated trajectory of the lane and agent (now `older`).
+    rewritten = [{"role": "system", "content": CLAUDE}, {"role": "user", "content": "Summary."}]
+    assert await store.record_call(MAIN_LANE(make_call, rewritten)) == older
+
+
+@pytest.mark.parametrize("history", [20, 200])
+async def test_linking_by_lane_reads_a_bounded_number_of_rows(
+    store: Store, make_call: Any, history: int
+) -> None:
+    """Many sessions of one agent and many side calls in one session's lane: a call of the
+    session reads the newest of its lane and agent, not all of them."""
+    rewritten = [{"role": "system", "content": CLAUDE}, {"role": "user", "content": "Summary."}]
+    for i in range(history):
+        await store.record_call(_session(session_lane=f"other-{i}")(make_call, rewritten))
+        side = [{"role": "system", "content": "Title"}, {"role": "user", "content": f"t{i}"}]
+        await store.record_call(make_call(side, f"title {i}", session_lane="sess-1"))
+    main = await store.record_call(MAIN_LANE(make_call, rewritten, "first"))
+    tid, rows = await _rows_per_call(store, MAIN_LANE(make_call, rewritten, "again"))
+    assert tid == main
+    assert rows <= 4, f"read {rows} trajectory rows after {history} sessions"
+    sub = _session(session_lane="sess-1/agent-a", parent_lane="sess-1")
+    tid, rows = await _rows_per_call(store, sub(make_call, rewritten))
+    detail = await store.get_trajectory(tid)
+    assert detail is not None and detail.summary.parent_trajectory_id == main
+    assert rows <= 4, f"read {rows} trajectory rows after {history} sessions"
+
+
+async def test_a_trajectory_from_before_lanes_gets_its_lane_at_its_next_call(
+    db: Database, make_call: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trajectories stored before m012 have no lane: they continue by the chain, and their next
+    call with a lane gives them one."""
+    msgs = [{"role": "system", "content": CLAUDE}, {"role": "user", "content": "Fix the test"}]
+    first = MAIN_LANE(make_call, msgs, "Looking.")
+    keys = PrefixLinker().keys(first)
+    engines = create_engines(db.url, postgres_schema=db.schema)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:11])
+            await migrations.migrate(engines.write)
+        async with engines.write.begin() as conn:
+            row = {
+                "id": "t-old",
+                "status": "open",
+                "created_at": first.created_at,
+                "updated_at": first.finished_at,
+                "turn_count": 1,
+                "call_count": 1,
+                "explicit": False,
+                "next_prefix_hash": keys.next_prefix_hash,
+                "last_request_hash": keys.request_hash,
+                "last_call_id": first.id,
+                "last_call_created_at": first.created_at,
+                "last_call_finished_at": first.finished_at,
+                "last_call_status": "completed",
+            }
+            columns = ", ".join(row)
+            values = ", ".join(f":{c}" for c in row)
+            await conn.execute(text(f"INSERT INTO trajectories ({columns}) VALUES ({values})"), row)
+        assert await migrations.migrate(engines.write) == ["m012_session_lanes"]
+    finally:
+        await engines.dispose()
+
+    store = await db.open()
+    rewritten = [{"role": "system", "content": CLAUDE}, {"role": "user", "content": "Summary."}]
+    assert await store.record_call(MAIN_LANE(make_call, rewritten)) != "t-old"  # no lane yet
+    cont = [*msgs, {"role": "assistant", "content": "Looking."}, {"role": "user", "content": "go"}]
+    assert await store.record_call(MAIN_LANE(make_call, cont, "ok")) == "t-old"
+    detail = await store.get_trajectory("t-old")
+    assert detail is not None and detail.summary.session_lane is not None

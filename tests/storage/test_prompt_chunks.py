@@ -206,6 +206,7 @@ _OLD_JSON = ("request_messages", "tools", "params", "response", "prompt_token_id
 def _old_call_row(record: CallRecord, tid: str, turn: int) -> dict[str, Any]:
     """A `calls` row as the code before m010 wrote it: the whole prompt in the row."""
     skip = {"choices", "shadow_samples", "time_to_first_token_s", "owner_key_id"}
+    skip |= {"session_lane", "parent_lane"}  # never columns (the trajectory keeps a hash)
     row = {f.name: getattr(record, f.name) for f in dataclasses.fields(CallRecord)}
     row = {k: v for k, v in row.items() if k not in skip}
     for k in _OLD_JSON:

@@ -17,7 +17,7 @@ from storage import (
     StoreClosed,
     TrajectoryNotFound,
 )
-from storage.export import to_finetune_line
+from storage.export import to_finetune_line, to_finetune_lines
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -243,6 +243,39 @@ async def test_export_finetune_lines(store: Store, make_call: Any) -> None:
         {"role": "tool", "content": "x=1", "tool_call_id": "call_1"},
         {"role": "assistant", "content": "x is 1"},
     ]
+
+
+async def test_export_writes_each_part_of_a_rewritten_history(store: Store, make_call: Any) -> None:
+    """A coding agent that compacted its history: the turns before the rewrite and the turns
+    after it are each a whole conversation, one line each (the last turn alone would drop the
+    first part)."""
+    tools = [{"type": "function", "function": {"name": "Read", "parameters": {}}}]
+    first = _q("fix the test")
+    tid = await store.record_call(make_call(first, "Read it.", tools=tools, session_lane="s"))
+    second = [*first, {"role": "assistant", "content": "Read it."}]
+    second += [{"role": "user", "content": "go"}]
+    assert (
+        await store.record_call(make_call(second, "Done half.", tools=tools, session_lane="s"))
+        == tid
+    )
+    rewritten = [SYSTEM, {"role": "user", "content": "Summary: half done."}]
+    assert (
+        await store.record_call(make_call(rewritten, "Done all.", tools=tools, session_lane="s"))
+        == tid
+    )
+    await store.end_trajectory(tid)
+    (detail,) = [d async for d in store.iter_trajectories_for_export()]
+    assert [t.history_rewritten for t in detail.turns] == [False, False, True]
+    lines = to_finetune_lines(detail)
+    assert [line["messages"][-1]["content"] for line in lines] == ["Done half.", "Done all."]
+    assert lines[0]["messages"][1:] == [
+        {"role": "user", "content": "fix the test"},
+        {"role": "assistant", "content": "Read it."},
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "Done half."},
+    ]
+    assert lines[1]["messages"][1]["content"] == "Summary: half done."
+    assert lines[-1] == to_finetune_line(detail)
 
 
 async def test_closed_store_refuses_writes(db: Any, make_call: Any) -> None:

@@ -82,6 +82,23 @@ def test_a_tool_call_the_client_rewrote_keeps_its_own_row() -> None:
     assert row.completion_mask == (True,) * 3 + (False,) * 4 + (True,) * 2
 
 
+def test_a_rewritten_history_starts_a_row_of_its_own() -> None:
+    """A coding agent's compaction: the session goes on in the same trajectory (storage.linking
+    links it by its session lane, `history_rewritten`), but the turn's prompt is the summary and
+    the new message, not the earlier turns' tokens, so it starts a row; the turns after it fold
+    into that new row as usual."""
+    first, second = two_turns()
+    summary = [*SYSTEM, 50, 51, 52]  # the summary, re-read files, the new message
+    rewritten = turn(summary, [16, 17])
+    after = turn([*summary, 16, 17, 23], [18])
+    rows = pack_turns([first, second, rewritten, after], max_len=100)
+    assert len(rows) == 2
+    assert rows[0].completion_ids == ANSWER_1 + BETWEEN + ANSWER_2
+    assert rows[1].prompt_ids == summary and rows[1].completion_ids == [16, 17, 23, 18]
+    assert [turns_in(r) for r in rows] == [2, 2]
+    assert {r.advantage for r in rows} == {0.5}  # one episode, one reward, one advantage
+
+
 @pytest.mark.parametrize(
     "second",
     [
@@ -177,3 +194,78 @@ async def test_the_loop_keeps_a_row_per_turn_when_the_answer_was_rendered_again(
 ) -> None:
     rows = await _rows(store, tmp_path, [*SYSTEM, 10, 99, *BETWEEN])
     assert len(rows) == 4 and all(turns_in(r) == 1 for r in rows)
+
+
+async def _compacted_session(store: Store, session: str, reward: float) -> None:
+    """A coding agent's session in one trajectory, linked without explicit ids: two turns by
+    the chain, then a rewritten history (compaction) by its session lane."""
+    now = time.time()
+    system = {"role": "system", "content": "You are a coding agent."}
+    ask = {"role": "user", "content": "fix the test"}
+    turns = [
+        ([system, ask], SYSTEM, ANSWER_1),
+        (
+            [system, ask, {"role": "assistant", "content": "a"}, {"role": "user", "content": "go"}],
+            SYSTEM + ANSWER_1 + BETWEEN,
+            ANSWER_2,
+        ),
+        (
+            [system, {"role": "user", "content": "Summary: half done. Go on."}],
+            [*SYSTEM, 50, 51],
+            [16, 17],
+        ),
+    ]
+    for n, (messages, prompt, answer) in enumerate(turns):
+        tid = await store.record_call(
+            CallRecord(
+                id=f"{session}-{n}",
+                created_at=now + n,
+                finished_at=now + n + 0.1,
+                model_requested="rlproxy",
+                engine="local",
+                request_messages=messages,
+                params={},
+                prompt_token_ids=prompt,
+                explicit_group_key="task",
+                session_lane=session,
+                choices=[
+                    ChoiceRecord(
+                        index=0,
+                        message={"role": "assistant", "content": "a"},
+                        finish_reason="stop",
+                        completion_token_ids=answer,
+                        completion_logprobs=[-1.0] * len(answer),
+                    )
+                ],
+            )
+        )
+    detail = await store.get_trajectory(tid)
+    assert detail is not None
+    assert [t.history_rewritten for t in detail.turns] == [False, False, True]
+    await store.add_reward(tid, reward, "env")
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_a_compacted_session_is_one_episode_in_two_rows(store: Store, tmp_path: Path) -> None:
+    """One reward for the whole session: every row of it carries the same advantage."""
+    for i, session in enumerate(("sess-a", "sess-b")):
+        await _compacted_session(store, session, float(i))
+    (group_id,) = (await store.form_groups(SignatureGrouper(min_size=2))).ready
+    assert await store.claim_group(group_id) == group_id
+    await store.finish_scoring(
+        group_id, JudgeOutcome(status="scored", scores=[], judge_model="explicit")
+    )
+    trainer = RecordingTrainer(TrainerConfig(groups_per_step=1))
+    loop = TrainingLoop(store, trainer, tmp_path, policy="rlproxy")  # type: ignore[arg-type]
+    assert await loop.step_once() is not None
+    (rows,) = trainer.seen
+    assert len(rows) == 4  # per session: the turns before the rewrite, and the rewritten one
+    by_sample: dict[str, list[Any]] = {}
+    for row in rows:
+        by_sample.setdefault(row.sample_id, []).append(row)
+    assert len(by_sample) == 2
+    for sample_rows in by_sample.values():
+        assert [turns_in(r) for r in sample_rows] == [2, 1]
+        assert sample_rows[1].prompt_ids == [*SYSTEM, 50, 51]
+        assert len({r.advantage for r in sample_rows}) == 1
+    assert sorted({r.advantage for r in rows}) == pytest.approx([-1.0, 1.0], abs=1e-5)

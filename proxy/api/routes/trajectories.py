@@ -1,7 +1,8 @@
 """`/rl/trajectories`: read stored trajectories, reward them, end them (JSON).
 
     GET  /rl/trajectories                 list, newest first: ?status=&group_key=&model=&since=
-                                          &until=&limit=&cursor= (since/until: epoch seconds)
+                                          &until=&parent=&limit=&cursor= (since/until: epoch
+                                          seconds; parent: the trajectories that one started)
     GET  /rl/trajectories/{id}            one trajectory: its turns in order, its rewards
     POST /rl/trajectories/{id}/reward     {"reward": float, "source": str}; closes it
     POST /rl/trajectories/{id}/end        closes it
@@ -54,6 +55,7 @@ async def list_trajectories(
     model: str | None = None,
     since: float | None = None,
     until: float | None = None,
+    parent: str | None = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: str | None = None,
 ) -> dict[str, Any]:
@@ -67,6 +69,7 @@ async def list_trajectories(
             limit=limit,
             cursor=cursor,
             owner=caller.visible_owner(),
+            parent=parent,
         )
     except ValueError as exc:
         raise InvalidRequestError(str(exc), param="cursor") from exc
