@@ -63,7 +63,7 @@ none of the keys above finds a trajectory, a call with a lane:
   it). `lanes` holds those two, whatever their status. Only a call without tools takes a
   parent in its own lane: calls are linked when they end, and a title ends before the first
   answer of the agent beside it, which must not become the title's child. The same agent
-  after its trajectory closed starts a new episode with no parent.
+  after its trajectory closed starts a new episode (a sub-agent's again under its parent lane).
 
     main lane "s":      [sys, user "fix it"] ... turn 7: [sys, user "CRITICAL: ...summarise"]
                         turn 8: [sys, user "<summary>", user "<system-reminder>", user "go on"]
