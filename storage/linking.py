@@ -105,6 +105,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import takewhile
 from typing import Any
 
 from storage.records import CallRecord, LinkDecision, LinkKeys, TrajectoryState
@@ -272,6 +273,8 @@ def task_signature(messages: Sequence[dict[str, Any]], tools: Sequence[Any] | No
 # agents write the date, the working directory, their version and git state into it
 # (Claude Code, Codex, OpenCode, pi all do). Masked before hashing, so the agent keeps one key.
 _VOLATILE = [
+    # Claude Code's billing line: `cc_version=2.1.332.822;`, its suffix changing call to call.
+    (re.compile(r"cc_version=[^;\s]*"), "cc_version=<v>"),
     (re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.@~+-]+){2,}[\\/]?"), "<path>"),  # /home/u/x, C:\x\y
     (re.compile(r"\b(?=[0-9a-fA-F-]*\d)[0-9a-fA-F]{7,}(?:-[0-9a-fA-F]{4,})*\b"), "<hex>"),  # ids
     (re.compile(r"\d+"), "0"),  # dates, times, versions, counts
@@ -301,15 +304,17 @@ def _tool_name(tool: Any) -> str:
 
 
 def agent_signature(messages: Sequence[dict[str, Any]], tools: Sequence[Any] | None) -> str:
-    """Hash of what stays the same across one agent's tasks: its system prompt(s) with the
-    volatile parts masked (numbers, paths, hex ids) and the *names* of its tools.
+    """Hash of what stays the same across one agent's tasks: its system prompt (the system and
+    developer messages before the first other message) with the volatile parts masked (numbers,
+    paths, hex ids, Claude Code's billing-line version) and the *names* of its tools.
 
     Tool descriptions and parameter schemas are left out on purpose: agents put task-specific
-    values in them (an enum of the task's choices), and the same agent must keep one key."""
+    values in them (an enum of the task's choices), and the same agent must keep one key. So are
+    system messages inside the conversation: Claude Code writes its environment there, and after
+    a compaction a note on deferred tools; the agent is the same."""
     head = [
         _stable_text(canonical_message(m)["content"])
-        for m in messages
-        if m.get("role") in ("system", "developer")
+        for m in takewhile(lambda m: m.get("role") in ("system", "developer"), messages)
     ]
     names = sorted({_tool_name(t) for t in tools or []})
     return hashlib.sha256(_canonical_json([head, names]).encode()).hexdigest()

@@ -180,7 +180,10 @@ async def record_calls(
                 if k.next_prefix_hash is not None:  # a failed call keeps the continuation point
                     changes["next_prefix_hash"] = k.next_prefix_hash
                     changes["next_tool_call_hash"] = k.next_tool_call_hash
-                if k.session_lane is not None:  # a call without session headers keeps it
+                if k.session_lane is not None and t.session_lane is None:
+                    # A trajectory stored before lanes takes its lane at its next call; one that
+                    # has a lane keeps it and the agent that opened it: Codex's summarising
+                    # call comes without tools, and the session after it is the same agent's.
                     changes["session_lane"] = k.session_lane
                     changes["agent_signature"] = k.agent_signature
             view.change(t, **changes)

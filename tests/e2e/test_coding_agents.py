@@ -287,6 +287,7 @@ class Session:
         self.workdir = root / "work"
         self.workdir.mkdir(parents=True)
         self.env = configure(cli, root / "home", server, output_cap, tools)
+        self.runs: list[Run] = []
 
     def run(self, message: str, resume: bool = False) -> Run:
         start = time.monotonic()
@@ -299,7 +300,72 @@ class Session:
             text=True,
             timeout=CLI_TIMEOUT_S,
         )
-        return Run(done.returncode, done.stdout, done.stderr, time.monotonic() - start)
+        self.runs.append(Run(done.returncode, done.stdout, done.stderr, time.monotonic() - start))
+        return self.runs[-1]
+
+
+# ----------------------------------------------------------------------------- the result file
+
+RESULT_FILE = Path(__file__).resolve().parents[2] / "bench" / "results" / "coding-agents.json"
+RESULTS: list[dict[str, Any]] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def result_file() -> Iterator[None]:
+    """Write what the passing tests measured (each CLI run's time, each stored session's shape)
+    to bench/results/coding-agents.json once the module is done; the docs cite that file."""
+    load = os.getloadavg()
+    yield
+    if not RESULTS:
+        return
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=RESULT_FILE.parents[2]
+    ).stdout.strip()
+    RESULT_FILE.parent.mkdir(parents=True, exist_ok=True)
+    RESULT_FILE.write_text(
+        json.dumps(
+            {
+                "command": "make test-coding-agents",
+                "commit": commit,
+                "machine": {
+                    "cpus": os.cpu_count(),
+                    "loadavg_1_5_15_at_start": load,
+                    "loadavg_1_5_15_at_end": os.getloadavg(),
+                },
+                "clis": {c.name: f"{c.package}@{c.version}" for c in ALL},
+                "passed": RESULTS,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+
+
+def report(session: Session, model: str, trajectories: list[dict[str, Any]]) -> None:
+    """Record a passing test: its CLI runs' seconds and the shape of what was stored."""
+    RESULTS.append(
+        {
+            "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0].split("::", 1)[-1],
+            "cli": session.cli.name,
+            "model": model,
+            "runs_s": [round(r.seconds, 1) for r in session.runs],
+            "trajectories": [
+                {
+                    "turns": len(t["turns"]),
+                    "tool_calls": [
+                        [c["function"]["name"] for c in m.get("tool_calls") or []]
+                        for turn in t["turns"]
+                        for m in turn["response_messages"][:1]
+                    ],
+                    "history_rewritten": [
+                        bool(turn.get("history_rewritten")) for turn in t["turns"]
+                    ],
+                    "parent": t.get("parent_trajectory_id") is not None,
+                }
+                for t in trajectories
+            ],
+        }
+    )
 
 
 # ----------------------------------------------------------------------------- what is stored
@@ -415,6 +481,7 @@ class TestOnTheEmbeddedModel:
         main, side = first_task(session)
         assert_side_calls(cli, side)
         assert main["turns"][0]["prompt_tokens"] < 8192
+        report(session, f"embedded SmolLM2-135M, answers capped at {EMBEDDED_OUTPUT_CAP}", [main])
 
 
 # ----------------------------------------------------------------------------- a long context
@@ -457,6 +524,7 @@ class TestOnALongContextModel:
         assert len(resumed["turns"]) == len(main["turns"]) + 1
         assert_in_order(resumed, cli.protocol)
         assert_answered(again, resumed, FOLLOW_UP)
+        report(session, "tiny random, 65,536-token context", [resumed])
 
 
 # ----------------------------------------------------------------------------- using tools
@@ -464,7 +532,8 @@ class TestOnALongContextModel:
 TOOL_TASK = "Read notes.txt, then run a shell command that makes done.txt, then say what you did."
 MARKERS = ("Agriculture", "Mindfulness")  # in notes.txt, and in what the shell command prints
 COMMAND = "touch done.txt && cat sec*.txt"  # its text holds neither marker; its output does
-FINAL = "Both tools ran: I read the note and made done.txt."
+# The final answer names both words, so a summary of the session (compaction) holds them too.
+FINAL = f"Both tools ran: the note says {MARKERS[0]} and the command printed {MARKERS[1]}."
 
 
 def tool_scripts(cli: CLI, workdir: Path) -> list[str]:
@@ -528,7 +597,7 @@ class TestASessionThatUsesTools:
             main, side = main_and_side(changed({}, stored(server)))
             assert_side_calls(cli, side)
             assert_tool_session(main, cli, server, folder)
-        print(f"{cli.name}: {run.seconds:.1f} s, {len(main['turns'])} turns")
+        report(session, "scripted (tests/scripted_model.py)", [main])
 
 
 def assert_tool_session(trajectory: dict[str, Any], cli: CLI, server: Server, model: Path) -> None:
@@ -553,3 +622,124 @@ def assert_tool_session(trajectory: dict[str, Any], cli: CLI, server: Server, mo
         assert answer.get("tool_calls"), answer
         results = [m for m in turns[phase + 1]["request_messages"] if m["role"] == "tool"]
         assert results and MARKERS[phase] in str(results[-1]["content"]), results
+
+
+# ----------------------------------------------------------------------- compaction, sub-agents
+
+SUB_AGENT_CALL = hermes_call(
+    "Agent",
+    {
+        "description": "Say the word",
+        "prompt": f"Say {MARKERS[1]}.",  # the sub-agent starts in phase 2 and answers at once
+        "subagent_type": "general-purpose",
+        "run_in_background": False,  # the main agent waits for the hand-back
+    },
+)
+
+
+def scripted_server(root: Path, model_data_dir: Path, scripts: list[str]) -> Any:
+    from proxy.engines.loader import ensure_fp32_cache
+
+    folder = build_scripted_model(
+        root / "model", ensure_fp32_cache(model_data_dir), scripts, MARKERS
+    )
+    return own_server(root / "data", root / "cache", {"RLPROXY_BASE_MODEL": str(folder)})
+
+
+def continues(before: dict[str, Any], turn: dict[str, Any]) -> bool:
+    """Whether `turn`'s request is `before`'s request plus the answer it got (and more)."""
+    history = [shape(m) for m in before["request_messages"] + before["response_messages"]]
+    return [shape(m) for m in turn["request_messages"][: len(history)]] == history
+
+
+class TestRewrittenSessions:
+    """What docs/concepts/trajectories.md says an episode is when a CLI rewrites its history
+    (compaction: Claude Code's and Codex's) or Claude Code starts a sub-agent (its Agent tool),
+    with the real CLIs."""
+
+    def test_a_compacted_session_is_one_episode_with_its_boundaries_recorded(
+        self, cli_cache: Path, model_data_dir: Path, tmp_path: Path
+    ) -> None:
+        """The tool session, then `/compact` (the summarising call on the whole history), then
+        a message on the rewritten history (the summary and the files read again): one
+        trajectory, whose turns that do not continue the turn before are marked so."""
+        cli = CLAUDE_CODE
+        binary = installed(cli, cli_cache)
+        workdir = tmp_path / "work"
+        with scripted_server(tmp_path, model_data_dir, tool_scripts(cli, workdir)) as server:
+            session = Session(cli, binary, server, tmp_path, tools=True)
+            (workdir / "notes.txt").write_text(MARKERS[0] + "\n")
+            (workdir / "second.txt").write_text(MARKERS[1] + "\n")
+            runs = [session.run(TOOL_TASK)]
+            runs.append(session.run("/compact", resume=True))
+            runs.append(session.run(FOLLOW_UP, resume=True))
+            for run in runs:
+                assert run.returncode == 0, run.why()
+            (main,) = stored(server).values()
+        turns = main["turns"]
+        rewritten = [t["history_rewritten"] for t in turns]
+        assert rewritten == [False] + [not continues(a, b) for a, b in pairwise(turns)]
+        assert any(rewritten), "no call after /compact rewrote the history"
+        compacting = [t for t in turns if "TEXT ONLY" in str(t["request_messages"][-1])]
+        assert compacting, "no summarising call stored in the session's trajectory"
+        users = [m for m in turns[-1]["request_messages"] if m["role"] == "user"]
+        assert "".join(FOLLOW_UP.split()) in text_of(users[-1])
+        report(session, "scripted (tests/scripted_model.py)", [main])
+
+    def test_a_codex_session_that_compacts_is_one_episode_with_its_boundary_recorded(
+        self, cli_cache: Path, model_data_dir: Path, tmp_path: Path
+    ) -> None:
+        """Codex compacts on its own once a turn's context passes
+        `model_auto_compact_token_limit`: set just under the tool session's last prompt, the
+        next message starts with the summarising call, then goes on from the summary. One
+        trajectory, the turn after the summary marked as a rewritten history."""
+        cli = CODEX
+        binary = installed(cli, cli_cache)
+        workdir = tmp_path / "work"
+        with scripted_server(tmp_path, model_data_dir, tool_scripts(cli, workdir)) as server:
+            session = Session(cli, binary, server, tmp_path, tools=True)
+            (workdir / "notes.txt").write_text(MARKERS[0] + "\n")
+            (workdir / "second.txt").write_text(MARKERS[1] + "\n")
+            first = session.run(TOOL_TASK)
+            assert first.returncode == 0, first.why()
+            (main,) = stored(server).values()
+            limit = main["turns"][-1]["prompt_tokens"] - 50
+            config = tmp_path / "home" / ".codex" / "config.toml"
+            config.write_text(f"model_auto_compact_token_limit = {limit}\n" + config.read_text())
+            again = session.run(FOLLOW_UP, resume=True)
+            assert again.returncode == 0, again.why()
+            (main,) = stored(server).values()
+        turns = main["turns"]
+        rewritten = [t["history_rewritten"] for t in turns]
+        assert rewritten == [False] + [not continues(a, b) for a, b in pairwise(turns)]
+        assert any(rewritten), "no call after the compaction rewrote the history"
+        assert any("COMPACTION" in str(t["request_messages"][-1]) for t in turns), turns
+        report(session, "scripted (tests/scripted_model.py)", [main])
+
+    def test_a_sub_agent_is_its_own_trajectory_linked_to_its_parent(
+        self, cli_cache: Path, model_data_dir: Path, tmp_path: Path
+    ) -> None:
+        """The main agent calls its Agent tool; the sub-agent (its own system prompt and tools,
+        the prompt it was given) answers; the main agent answers with the hand-back in its
+        context: two trajectories, the sub-agent's naming the main one as its parent."""
+        cli = CLAUDE_CODE
+        binary = installed(cli, cli_cache)
+        with scripted_server(tmp_path, model_data_dir, [SUB_AGENT_CALL, FINAL, FINAL]) as server:
+            session = Session(cli, binary, server, tmp_path, tools=True)
+            run = session.run("Ask a helper agent to say a word.")
+            assert run.returncode == 0, run.why()
+            trajectories = list(stored(server).values())
+        (main,) = [t for t in trajectories if t["parent_trajectory_id"] is None]
+        (sub,) = [t for t in trajectories if t is not main]
+        assert sub["parent_trajectory_id"] == main["id"]
+        assert_in_order(main, cli.protocol)
+        assert len(main["turns"]) == 2
+        (call,) = main["turns"][0]["response_messages"][0]["tool_calls"]
+        assert call["function"]["name"] == "Agent"
+        (answer,) = sub["turns"]
+        users = [m for m in answer["request_messages"] if m["role"] == "user"]
+        assert f"Say{MARKERS[1]}." in text_of(users[-1]), users
+        hand_back = [m for m in main["turns"][1]["request_messages"] if m["role"] == "tool"]
+        assert hand_back and text_of(answer["response_messages"][0]) in text_of(hand_back[-1])
+        assert "".join(FINAL.split()) in "".join(run.stdout.split())
+        report(session, "scripted (tests/scripted_model.py)", [main, sub])

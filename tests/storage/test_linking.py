@@ -455,6 +455,31 @@ def test_the_agent_signature_ignores_what_changes_between_sessions_of_one_agent(
     assert agent_signature([], [responses_tool]) == agent_signature([], [tool("find", ["z"])])
 
 
+def test_the_agent_signature_is_the_system_prompt_before_the_conversation() -> None:
+    """Claude Code's system prompt opens with a billing line whose version suffix changes from
+    call to call (`cc_version=2.1.332.822`, then `.fcf`, `.cf6`), and it puts system messages
+    inside the conversation (its environment; after a compaction, a note on deferred tools).
+    Neither is the agent: its signature is the system messages before the first other message,
+    volatile parts masked, so a compacted session keeps its agent (measured with Claude Code
+    2.1.332: the continuation after /compact had another suffix and another inner message)."""
+
+    def call(suffix: str, inner: str) -> list[dict[str, Any]]:
+        head = f"x-anthropic-billing-header: cc_version=2.1.332.{suffix}; cc_entrypoint=sdk-cli;"
+        return [
+            {"role": "system", "content": head + " You are a Claude agent."},
+            {"role": "user", "content": "fix it"},
+            {"role": "system", "content": inner},
+        ]
+
+    tools = [{"type": "function", "function": {"name": "Read", "parameters": {}}}]
+    first = agent_signature(call("822", "# Environment\nPrimary working directory: /w"), tools)
+    later = agent_signature(call("cf6", "The following deferred tools are now available"), tools)
+    assert first == later
+    assert agent_signature(call("822", "x")[:1] + [{"role": "user", "content": "y"}], tools) == first
+    other = [{"role": "system", "content": "You are a Claude agent. Another."}]
+    assert agent_signature(other, tools) != first
+
+
 # --- session lanes: a coding agent's session, and which agent of it -------------------------
 # Claude Code compacts its history: a summarisation call, then a REWRITTEN history (the summary,
 # re-read files, the new message) that neither the chain nor the tool-call ids find. The call's

@@ -496,6 +496,27 @@ async def test_compaction_continues_the_session_with_a_boundary(
     assert stored is not None and stored.history_rewritten
 
 
+async def test_a_summarising_call_without_tools_leaves_the_trajectory_its_agent(
+    store: Store, make_call: Any
+) -> None:
+    """Codex 0.171 sends its compaction call without tools (the chain finds it); the session
+    then goes on from the summary with its tools again. The trajectory stays the agent that
+    opened it, so the rewritten history still finds it by the lane."""
+    tid, history = await _two_turns(store, make_call)
+    compact = [*history, {"role": "user", "content": SUMMARISE}]
+    summary = make_call(compact, "Summary: test_x.py was read.", tools=None, session_lane="sess-1")
+    assert await store.record_call(summary) == tid
+    rewritten = [
+        {"role": "system", "content": CLAUDE},
+        {"role": "user", "content": "Another model began this task; its summary: ..."},
+        {"role": "user", "content": "Now run it"},
+    ]
+    assert await store.record_call(MAIN_LANE(make_call, rewritten, "Running.")) == tid
+    detail = await store.get_trajectory(tid)
+    assert detail is not None
+    assert [t.history_rewritten for t in detail.turns] == [False, False, False, True]
+
+
 async def test_sub_agents_are_their_own_trajectories_with_the_main_one_as_parent(
     store: Store, make_call: Any
 ) -> None:
