@@ -127,8 +127,10 @@ test-scale: setup haproxy
 # needed only then). Needs Node.js 20+ and npm on PATH: without them, or with a CLI whose binary
 # does not start, the tests skip and say so, or fail with CI set (as .ci/run sets it). See
 # docs/quickstart/coding-agents.md.
+# What the passing tests measured goes to bench/results/coding-agents.json.
 test-coding-agents: setup
-	$(BIN)/python -m pytest -q -m coding_agents tests/e2e/test_coding_agents.py
+	RLPROXY_CODING_AGENTS_RESULTS=bench/results/coding-agents.json \
+	  $(BIN)/python -m pytest -q -m coding_agents tests/e2e/test_coding_agents.py
 
 # Every suite, one after another: what CI runs, then the slow, fuzz and deploy suites it leaves
 # out for time (the fuzz suite alone takes about 10 min; test-deploy needs root and podman).

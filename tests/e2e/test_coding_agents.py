@@ -306,23 +306,27 @@ class Session:
 
 # ----------------------------------------------------------------------------- the result file
 
-RESULT_FILE = Path(__file__).resolve().parents[2] / "bench" / "results" / "coding-agents.json"
+REPO = Path(__file__).resolve().parents[2]
 RESULTS: list[dict[str, Any]] = []
 
 
 @pytest.fixture(scope="module", autouse=True)
 def result_file() -> Iterator[None]:
     """Write what the passing tests measured (each CLI run's time, each stored session's shape)
-    to bench/results/coding-agents.json once the module is done; the docs cite that file."""
+    to the file RLPROXY_CODING_AGENTS_RESULTS names once the module is done: `make
+    test-coding-agents` names bench/results/coding-agents.json, which the docs cite; a run of
+    a few tests names none and leaves it alone."""
     load = os.getloadavg()
     yield
-    if not RESULTS:
+    target = os.environ.get("RLPROXY_CODING_AGENTS_RESULTS")
+    if not RESULTS or not target:
         return
+    result = REPO / target
     commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=RESULT_FILE.parents[2]
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO
     ).stdout.strip()
-    RESULT_FILE.parent.mkdir(parents=True, exist_ok=True)
-    RESULT_FILE.write_text(
+    result.parent.mkdir(parents=True, exist_ok=True)
+    result.write_text(
         json.dumps(
             {
                 "command": "make test-coding-agents",
@@ -564,6 +568,24 @@ def tool_scripts(cli: CLI, workdir: Path) -> list[str]:
     return [*calls, FINAL]
 
 
+def scripted_server(root: Path, model_data_dir: Path, scripts: list[str]) -> Any:
+    from proxy.engines.loader import ensure_fp32_cache
+
+    folder = build_scripted_model(
+        root / "model", ensure_fp32_cache(model_data_dir), scripts, MARKERS
+    )
+    return own_server(root / "data", root / "cache", {"RLPROXY_BASE_MODEL": str(folder)})
+
+
+def tool_session(cli: CLI, binary: Path, server: Server, root: Path) -> Session:
+    """A session of `cli` with its tools allowed, in a folder holding the two files the tool
+    scripts read: notes.txt (the first marker) and second.txt (the second)."""
+    session = Session(cli, binary, server, root, tools=True)
+    (session.workdir / "notes.txt").write_text(MARKERS[0] + "\n")
+    (session.workdir / "second.txt").write_text(MARKERS[1] + "\n")
+    return session
+
+
 @pytest.mark.parametrize("cli", ALL, ids=lambda c: c.name)
 class TestASessionThatUsesTools:
     """Each CLI, its own tools allowed as a user allows them (docs/quickstart/coding-agents.md),
@@ -575,28 +597,17 @@ class TestASessionThatUsesTools:
     def test_two_tools_run_and_the_session_is_stored_turn_by_turn(
         self, cli: CLI, cli_cache: Path, model_data_dir: Path, tmp_path: Path
     ) -> None:
-        from proxy.engines.loader import ensure_fp32_cache
-
         binary = installed(cli, cli_cache)
         workdir = tmp_path / "work"
-        folder = build_scripted_model(
-            tmp_path / "model",
-            ensure_fp32_cache(model_data_dir),
-            tool_scripts(cli, workdir),
-            MARKERS,
-        )
-        env = {"RLPROXY_BASE_MODEL": str(folder)}
-        with own_server(tmp_path / "data", tmp_path / "cache", env) as server:
-            session = Session(cli, binary, server, tmp_path, tools=True)
-            (workdir / "notes.txt").write_text(MARKERS[0] + "\n")
-            (workdir / "second.txt").write_text(MARKERS[1] + "\n")
+        with scripted_server(tmp_path, model_data_dir, tool_scripts(cli, workdir)) as server:
+            session = tool_session(cli, binary, server, tmp_path)
             run = session.run(TOOL_TASK)
             assert run.returncode == 0, run.why()
             assert (workdir / "done.txt").exists(), f"the shell tool did not run: {run.why()}"
             assert "".join(FINAL.split()) in "".join(run.stdout.split()), run.stdout
             main, side = main_and_side(changed({}, stored(server)))
             assert_side_calls(cli, side)
-            assert_tool_session(main, cli, server, folder)
+            assert_tool_session(main, cli, server, tmp_path / "model")
         report(session, "scripted (tests/scripted_model.py)", [main])
 
 
@@ -637,15 +648,6 @@ SUB_AGENT_CALL = hermes_call(
 )
 
 
-def scripted_server(root: Path, model_data_dir: Path, scripts: list[str]) -> Any:
-    from proxy.engines.loader import ensure_fp32_cache
-
-    folder = build_scripted_model(
-        root / "model", ensure_fp32_cache(model_data_dir), scripts, MARKERS
-    )
-    return own_server(root / "data", root / "cache", {"RLPROXY_BASE_MODEL": str(folder)})
-
-
 def continues(before: dict[str, Any], turn: dict[str, Any]) -> bool:
     """Whether `turn`'s request is `before`'s request plus the answer it got (and more)."""
     history = [shape(m) for m in before["request_messages"] + before["response_messages"]]
@@ -667,9 +669,7 @@ class TestRewrittenSessions:
         binary = installed(cli, cli_cache)
         workdir = tmp_path / "work"
         with scripted_server(tmp_path, model_data_dir, tool_scripts(cli, workdir)) as server:
-            session = Session(cli, binary, server, tmp_path, tools=True)
-            (workdir / "notes.txt").write_text(MARKERS[0] + "\n")
-            (workdir / "second.txt").write_text(MARKERS[1] + "\n")
+            session = tool_session(cli, binary, server, tmp_path)
             runs = [session.run(TOOL_TASK)]
             runs.append(session.run("/compact", resume=True))
             runs.append(session.run(FOLLOW_UP, resume=True))
@@ -697,9 +697,7 @@ class TestRewrittenSessions:
         binary = installed(cli, cli_cache)
         workdir = tmp_path / "work"
         with scripted_server(tmp_path, model_data_dir, tool_scripts(cli, workdir)) as server:
-            session = Session(cli, binary, server, tmp_path, tools=True)
-            (workdir / "notes.txt").write_text(MARKERS[0] + "\n")
-            (workdir / "second.txt").write_text(MARKERS[1] + "\n")
+            session = tool_session(cli, binary, server, tmp_path)
             first = session.run(TOOL_TASK)
             assert first.returncode == 0, first.why()
             (main,) = stored(server).values()
