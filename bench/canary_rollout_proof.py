@@ -387,6 +387,9 @@ def measure_and_roll_out(
         "RLPROXY_REWARD_POLICY": "explicit",
         "RLPROXY_PUBLISH_ADAPTERS": "true",
         "RLPROXY_ADAPTER_POLL_S": "1",
+        # The canary's decision is what this proves; the forgetting check, which runs before a
+        # canary starts, could hold a version trained far on the task (proof_loop.py says why).
+        "RLPROXY_FORGETTING_CHECK": "false",
         "RLPROXY_ROLLOUT": "true",
         "RLPROXY_ROLLOUT_SHARE": "0.5",
         "RLPROXY_ROLLOUT_MARGIN": str(args.margin),

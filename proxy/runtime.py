@@ -20,7 +20,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +32,7 @@ from proxy.adapters.deployment import (
     trainer_lease_name,
     trainer_presence_name,
 )
+from proxy.adapters.forgetting import ForgettingCheck, Render, forgetting_config
 from proxy.adapters.manager import AdapterManager
 from proxy.adapters.publisher import Publisher
 from proxy.adapters.registry import ServedModels
@@ -337,6 +338,7 @@ async def _serve(
         max_queued_rows=settings.limits.max_queued_rows,
         tool_format=settings.tool_format,
     )
+    forgetting = forgetting_config(settings.forgetting)
     publisher = Publisher(
         adapters,
         store,
@@ -344,6 +346,9 @@ async def _serve(
         replica_id=replica_id,
         lease_s=settings.lease_s,
         shared=shared,
+        forgetting=None
+        if forgetting is None
+        else ForgettingCheck(engine, rendered_by(chat), forgetting),
     )
     served = Served(engine, registry, chat, adapters, publisher)
     if settings.publish_adapters:
@@ -371,10 +376,22 @@ async def _serve(
     return served
 
 
+def rendered_by(chat: ChatService) -> Render:
+    """A conversation's prompt ids as the chat service renders them (the model's template)."""
+
+    def render(messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        text = chat.template.render(messages, None)
+        return list(chat.tokenizer.encode(text, add_special_tokens=False))
+
+    return render
+
+
 def _observe(settings: Settings, rt: Runtime, telemetry: Telemetry, served: Served) -> None:
     """Metrics read the serving parts at scrape time and hear every commit; scored groups reach
     telemetry (judge figures, Langfuse scores)."""
-    sources = Sources(rt.store, served.engine, served.registry, served.adapters)
+    sources = Sources(
+        rt.store, served.engine, served.registry, served.adapters, served.publisher.forgetting
+    )
     telemetry.metrics.watch(sources, cache_s=settings.telemetry.metrics_cache_s)
     rt.store.observe_commits(telemetry.metrics.observe_commit)
     if rt.scorer is not None:

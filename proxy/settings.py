@@ -1,15 +1,16 @@
 """rlproxy's settings: pydantic-settings classes by concern, every variable prefixed `RLPROXY_`.
 
 `Settings` holds what serving itself needs (bind, data, names, the local engine, adapters, base
-model) and one sub-model per concern: `judge`, `judge_checks`, `groups`, `rollout`, `vllm`,
-`limits`, `telemetry`, `trainer`. Each concern reads its own variables (its `env_prefix`, or a
-`validation_alias` where a variable's name does not share the prefix), so every variable has one
-name, e.g. `RLPROXY_PORT=9000`, `RLPROXY_JUDGE_MODEL=openai/o3` (`settings.judge.model`),
-`RLPROXY_ALIASES='["gpt-4o-mini"]'`. Each concern builds the typed configuration of the part it
-sets (`JudgeChecksSettings.config`, `GroupSettings.grouper`, ...), in one place. The canary
-rollout's is built in its own room (`proxy.adapters.rollout.rollout_config`) and the request
-limits from `LimitSettings.request_bounds`: proxy.engines imports this module and may import
-neither room.
+model) and one sub-model per concern: `judge`, `judge_checks`, `groups`, `rollout`,
+`forgetting`, `vllm`, `limits`, `telemetry`, `trainer`. Each concern reads its own variables
+(its `env_prefix`, or a `validation_alias` where a variable's name does not share the prefix),
+so every variable has one name, e.g. `RLPROXY_PORT=9000`, `RLPROXY_JUDGE_MODEL=openai/o3`
+(`settings.judge.model`), `RLPROXY_ALIASES='["gpt-4o-mini"]'`. Each concern builds the typed
+configuration of the part it sets (`JudgeChecksSettings.config`, `GroupSettings.grouper`, ...),
+in one place. The canary rollout's and the forgetting check's are built in their own room
+(`proxy.adapters.rollout.rollout_config`, `proxy.adapters.forgetting.forgetting_config`) and the
+request limits from `LimitSettings.request_bounds`: proxy.engines imports this module and may
+import neither room.
 
 Built by the app factory or the CLI, never at import time; a value out of bounds, or a key of
 `RLPROXY_TRAINER` that `TrainerConfig` does not know, stops the build (`error_lines` words it by
@@ -451,6 +452,41 @@ class RolloutSettings(Concern):
                 f"RLPROXY_ROLLOUT_MIN_GROUPS ({self.min_groups})"
             )
         return self
+
+
+class ForgettingSettings(Concern):
+    """The forgetting check of new adapter versions (proxy/adapters/forgetting.py)."""
+
+    model_config = SettingsConfigDict(env_prefix="RLPROXY_FORGETTING_")
+    title = "Forgetting check"
+
+    enabled: bool = Field(
+        default=True,
+        validation_alias="RLPROXY_FORGETTING_CHECK",
+        description="Before a new adapter version serves (or goes on canary), compare it with "
+        "the base model on the general prompts that ship with rlproxy: the base's greedy "
+        "answers teacher-forced through both, KL(base || version) per answer token. A version "
+        "over RLPROXY_FORGETTING_MAX_KL is held: recorded, never served; what served before "
+        "keeps serving. The vllm engine cannot run it (no whole distributions over its API) "
+        "and says so for each version. False: versions serve without the check (a held one "
+        "serves only if activated by hand, POST /rl/adapters/N/activate).",
+    )
+    max_kl: float = Field(
+        default=0.4,
+        gt=0,
+        description="A version whose mean KL(base || version) over the general prompts' answer "
+        "tokens is above this (nats per token) is held. Measured on the embedded model: trained "
+        "versions that still answered general prompts stayed at or under 0.26, versions that "
+        "no longer did (bare numbers, repetition, word salad) started at 0.65 "
+        "(bench/results/forgetting_threshold.json).",
+    )
+    answer_tokens: int = Field(
+        default=32,
+        ge=1,
+        le=256,
+        description="Greedy tokens of the base's answer to each general prompt that the check "
+        "compares (the base's answers are generated once per process).",
+    )
 
 
 class VLLMSettings(Concern):
@@ -913,6 +949,7 @@ class Settings(BaseSettings):
     judge_checks: JudgeChecksSettings = Field(default_factory=JudgeChecksSettings)
     groups: GroupSettings = Field(default_factory=GroupSettings)
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
+    forgetting: ForgettingSettings = Field(default_factory=ForgettingSettings)
     vllm: VLLMSettings = Field(default_factory=VLLMSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)

@@ -16,10 +16,18 @@ rollout promotes it or rolls it back; newer versions wait meanwhile. On start, t
 version that was ever active and is not rejected serves again (and a canary that was running
 resumes, with the evidence gathered before the restart).
 
-Never published again, whatever the setting: a version a rollout rejected (rolled back), and
-one trained from a rolled-back version (its trainer state's `parent` chain passes through one; a
-version without `parent`, written before the trainer recorded it, counts as trained from the
-version before it). A version the engine refused is tried again after a restart, as before.
+With the forgetting check (`forgetting` given; `proxy.adapters.forgetting`): a version that has
+loaded is first compared with the base on general prompts; one that forgot them is held (recorded
+rejected, with the verdict: `proxy.adapters.held`), unloaded, and never served; what served before
+keeps serving, and an older unseen version may be published instead. It runs here, in the
+publisher's background loop, never on a request's path; on an engine that cannot run it (vLLM)
+the version serves and its verdict says the check was skipped.
+
+Never published again, whatever the setting: a version the forgetting check held, a version a
+rollout rejected (rolled back), and one trained from a rolled-back version (its trainer state's
+`parent` chain passes through one; a version without `parent`, written before the trainer
+recorded it, counts as trained from the version before it). A version the engine refused is
+tried again after a restart, as before.
 
 Several replicas on one database (`proxy.adapters.deployment`): what the policy name serves is
 the policy's state in the database (active version, canary and share), written by whoever
@@ -41,6 +49,8 @@ import logging
 import time
 
 from proxy.adapters.deployment import LeaseKeeper, SharedVersions, publisher_lease_name
+from proxy.adapters.forgetting import ForgettingCheck
+from proxy.adapters.held import HELD, held_rollout
 from proxy.adapters.manager import AdapterManager
 from proxy.adapters.rollout import ROLLED_BACK, Rollout, RolloutConfig
 from proxy.errors import APIError
@@ -61,10 +71,13 @@ class Publisher:
         replica_id: str | None = None,
         lease_s: float | None = None,
         shared: SharedVersions | None = None,
+        forgetting: ForgettingCheck | None = None,
     ) -> None:
         """`lease_s`: hold the publisher lease (as `replica_id`) to publish and decide; None:
-        always publish (one replica alone). `shared`: write this replica's heartbeat."""
+        always publish (one replica alone). `shared`: write this replica's heartbeat.
+        `forgetting`: check each new version against the base before it serves (None: off)."""
         self.adapters = adapters
+        self.forgetting = forgetting
         self.store = store
         self.policy = adapters.registry.policy
         self.replica_id = replica_id
@@ -126,6 +139,9 @@ class Publisher:
                 await self._note(version, status="rejected", error=exc.message)
                 self._seen.add(version)
                 continue
+            if not await self._passes_check(version):
+                self._seen.add(version)
+                continue
             if not self._leading():  # loading took long enough for the lease to run out
                 logger.warning("adapter %d not published: the publisher lease ran out", version)
                 return None
@@ -139,6 +155,34 @@ class Publisher:
             self._seen.update(unseen)
             return version
         return None
+
+    async def _passes_check(self, version: int) -> bool:
+        """Run the forgetting check on loaded `version`: True when it may serve (passed, or
+        the check is off or cannot run here); False when it is held (recorded and unloaded)."""
+        if self.forgetting is None:
+            return True
+        check = asyncio.ensure_future(self.forgetting.check(version))
+        try:
+            while self.lease is not None and not check.done():
+                # On a CPU it outlasts the lease: renewed meanwhile, as each poll renews it.
+                await asyncio.wait({check}, timeout=self.lease.renew_every_s)
+                if not check.done():
+                    await self.lease.tick()
+            verdict = await check
+        finally:
+            check.cancel()  # stopping (the publisher's task cancelled): the check stops too
+        if verdict.state != HELD:
+            return True
+        serving = self.adapters.registry.active or "the base model"
+        logger.error("adapter %d held, still serving %s: %s", version, serving, verdict.reason)
+        await self._note(
+            version,
+            status="rejected",
+            error=verdict.reason,
+            rollout=held_rollout(verdict.to_dict()),
+        )
+        await self.adapters.evict()  # not kept: unloaded (on a shared engine, once none needs it)
+        return False
 
     def _leading(self) -> bool:
         """Whether this replica may still write as the publisher (checked before each write of
@@ -174,6 +218,10 @@ class Publisher:
                 continue
             record = records.get(version)
             try:
+                await self.adapters.load(version)  # checked before it goes on canary
+                if not await self._passes_check(version):
+                    self._seen.add(version)
+                    continue
                 started = await rollout.start(version, previous=record.rollout if record else None)
             except APIError as exc:
                 logger.error("adapter %d rejected, not put on canary: %s", version, exc.message)

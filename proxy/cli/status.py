@@ -7,6 +7,7 @@
     groups          per status, how many a training step used
     rewards         explicit rewards and judge scores stored
     adapters        versions per status, the one activated last
+    held            versions the forgetting check held back (the newest, with its reason)
     trainer         the newest version it wrote (its step metrics) and the groups waiting for it
     judge           which judge, the newest scored and failed group
     reward per version
@@ -28,6 +29,7 @@ from typing import Any, TextIO
 
 from sqlalchemy.engine import make_url
 
+from proxy.adapters.held import held_record, shown_status
 from proxy.errors import longer_context
 from proxy.settings import EMBEDDED_CONTEXT, Settings
 from proxy.telemetry.waiting import why_not_training
@@ -73,7 +75,7 @@ def build_report(
     newest = adapters[-1] if adapters else None
     by_status: dict[str, int] = {}
     for a in adapters:
-        by_status[a.status] = by_status.get(a.status, 0) + 1
+        by_status[shown_status(a)] = by_status.get(shown_status(a), 0) + 1
     return {
         "database": _shown_url(settings.resolved_database_url),
         "policy": settings.model_name,
@@ -88,6 +90,7 @@ def build_report(
             "last_activated": None
             if last_active is None
             else {"version": last_active.version, "at": last_active.activated_at},
+            "held": [_held(a) for a in adapters if held_record(a) is not None],
         },
         "trainer": {
             "runs_beside_serve": settings.trainer.enabled,
@@ -115,6 +118,19 @@ def build_report(
         "why_not_training": [
             asdict(a) for a in why_not_training(queue.waiting, settings, judge=judged)
         ],
+    }
+
+
+def _held(record: AdapterRecord) -> dict[str, Any]:
+    """A version the forgetting check held: why, and its divergence beside the limit."""
+    verdict = held_record(record) or {}
+    divergence = verdict.get("divergence") or {}
+    return {
+        "version": record.version,
+        "reason": record.error,
+        "mean_kl": divergence.get("mean_kl"),
+        "max_kl": verdict.get("max_kl"),
+        "at": verdict.get("at"),
     }
 
 
@@ -165,6 +181,11 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
     else:
         versions = "no versions yet"
     line("adapters", versions + activated)
+    if adapters["held"]:
+        newest_held = adapters["held"][-1]
+        more = len(adapters["held"]) - 1
+        others = f" ({more} more held before it)" if more else ""
+        line("held", f"v{newest_held['version']}: {newest_held['reason']}{others}")
     trainer = report["trainer"]
     newest = trainer["newest_version"]
     if newest is None:

@@ -11,9 +11,12 @@ HTTP, chat messages or OpenAI wire types.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -127,3 +130,19 @@ class Engine(Protocol):
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
+
+
+@runtime_checkable
+class TeacherForcing(Protocol):
+    """An engine that scores a given continuation instead of sampling one: the local engine.
+    The vllm engine does not (vLLM's API returns the top few logprobs of prompt tokens, never
+    the whole distribution), so what needs it says so and does without (the forgetting check,
+    `proxy.adapters.forgetting`)."""
+
+    async def forced_logprobs(
+        self, prompt_ids: list[int], answer_ids: list[int], adapters: Sequence[str | None]
+    ) -> torch.Tensor:
+        """The next-token log-distribution over the whole vocabulary that each of `adapters`
+        (None: the base model) gives at each position of `answer_ids` after `prompt_ids`, the
+        answer teacher-forced: (len(adapters), len(answer_ids), V) float32 on the CPU."""
+        ...

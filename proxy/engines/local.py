@@ -24,7 +24,9 @@ reads grouped-query heads in place (`attention.py`).
 
 Adapter loads and unloads run on the worker thread between two steps. A request keeps the
 adapter it started with: an unload waits until no request in flight (queued, decoding, or not yet
-read to the end) uses it, then frees its weights.
+read to the end) uses it, then frees its weights. So does a teacher-forced pass
+(`forced_logprobs`: the whole next-token distribution along a given answer, under the base and
+loaded adapters, for the forgetting check): one short forward pass, nothing sampled or cached.
 
 The engine knows nothing about chat messages, tools or HTTP: it takes token ids and returns
 token ids, logprobs and text deltas.
@@ -40,7 +42,7 @@ import time
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Hashable
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -313,6 +315,15 @@ class LocalEngine:
     async def unload_adapter(self, name: str) -> None:
         await self._control(lambda: self._unload_adapter(name))
 
+    async def forced_logprobs(
+        self, prompt_ids: list[int], answer_ids: list[int], adapters: Sequence[str | None]
+    ) -> torch.Tensor:
+        """`TeacherForcing`: the log-distribution each of `adapters` (None: the base model)
+        gives at each position of `answer_ids` after `prompt_ids`, (A, T, V) float32 on the
+        CPU. One forward pass of A rows on the worker thread, between two decode steps."""
+        names = list(adapters)
+        return await self._control(lambda: self._forced_logprobs(prompt_ids, answer_ids, names))
+
     async def _control(self, action: Callable[[], Any]) -> Any:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
@@ -416,6 +427,31 @@ class LocalEngine:
                 warnings.simplefilter("ignore", UserWarning)
                 self.model.delete_adapter(name)
         logger.info("adapter %s unloaded", name)
+
+    def _forced_logprobs(
+        self, prompt_ids: list[int], answer_ids: list[int], adapters: list[str | None]
+    ) -> torch.Tensor:
+        if not prompt_ids or not answer_ids or not adapters:
+            raise ValueError("teacher forcing needs a prompt, an answer and at least one adapter")
+        with self._adapter_lock:
+            missing = [
+                a
+                for a in adapters
+                if a is not None and (a not in self._adapters or a in self._pending_unload)
+            ]
+        if missing:
+            raise EngineError(f"adapter {missing[0]!r} is not loaded")
+        # (A, P + T - 1): the answer's last token is predicted, never fed
+        ids = torch.tensor([prompt_ids + answer_ids[:-1]] * len(adapters), dtype=torch.long)
+        names = [a or BASE_NAME for a in adapters]
+        kwargs = {} if self.model is self.base_model else {"adapter_names": names}
+        out = self.model(
+            input_ids=ids.to(self.device),
+            use_cache=False,
+            logits_to_keep=len(answer_ids),  # positions P-1 .. P+T-2 predict the T answer tokens
+            **kwargs,
+        )
+        return torch.log_softmax(out.logits.float(), dim=-1).cpu()  # (A, T, V)
 
     # ----------------------------------------------------------------- users first
 

@@ -12,7 +12,9 @@ Two kinds of figures:
   and tokens, store commits (seconds, payloads per commit), judge runs (seconds, retries,
   failures), rewards, and telemetry's own losses (spans dropped, Langfuse scores failed);
 - state, read when scraped: the engine's rows running and queued, its tokens/s, the store's
-  writer, the active adapter version and swap count, and, from the database, the trajectories
+  writer, the active adapter version and swap count, the forgetting check's held versions and
+  the divergence of the version it checked last (`proxy.adapters.forgetting`), and, from the
+  database, the trajectories
   still open, the groups still forming, ready or being scored, and the trainer's newest step
   (loss, mean reward, tokens/s, step time, staleness) with its run's counts of groups trained on
   and dropped or down-weighted for staleness (`StaleGroups`). The database figures are index
@@ -44,6 +46,7 @@ from storage.records import AdapterRecord, CallRecord, JudgeOutcome
 from storage.store import LIVE_GROUPS, LIVE_TRAJECTORIES, Store
 
 if TYPE_CHECKING:
+    from proxy.adapters.forgetting import ForgettingCheck
     from proxy.adapters.manager import AdapterManager
     from proxy.adapters.registry import ServedModels
     from proxy.engines.base import Engine
@@ -117,6 +120,8 @@ class Sources:
     engine: Engine
     registry: ServedModels
     adapters: AdapterManager
+    forgetting: ForgettingCheck | None = None
+    """The publisher's forgetting check (None: off)."""
 
 
 class Metrics:
@@ -351,6 +356,8 @@ class _StateCollector:
         yield from self._engine(s.engine.health().detail)
         yield from self._store(s.store)
         yield from self._adapters(s)
+        if s.forgetting is not None:
+            yield from _forgetting(s.forgetting)
         if self._counts is not None:
             yield _by_status(
                 "rlproxy_trajectories",
@@ -483,6 +490,50 @@ class _StateCollector:
             "Activations that changed the version the policy name serves.",
             value=s.adapters.swaps,
         )
+
+
+def _forgetting(check: ForgettingCheck) -> Iterator[Metric]:
+    """The forgetting check's alarm: versions held (by this replica, since it started) and the
+    divergence of the version it checked last, beside the limit."""
+    held = CounterMetricFamily(
+        "rlproxy_versions_held",
+        "New adapter versions held back instead of served, by reason: forgetting (their mean "
+        "KL to the base on the general prompts was over RLPROXY_FORGETTING_MAX_KL), "
+        "check_failed (the check itself failed). Alert on any increase.",
+        labels=["reason"],
+    )
+    for reason, count in check.held.items():
+        held.add_metric([reason], count)
+    yield held
+    outcomes = CounterMetricFamily(
+        "rlproxy_forgetting_checks",
+        "Forgetting checks of new adapter versions by outcome: passed, held, skipped (the "
+        "engine cannot teacher-force: vllm).",
+        labels=["outcome"],
+    )
+    for outcome, count in check.outcomes.items():
+        outcomes.add_metric([outcome], count)
+    yield outcomes
+    yield GaugeMetricFamily(
+        "rlproxy_forgetting_max_kl",
+        "The forgetting check's limit: mean KL(base || version) per answer token, nats.",
+        value=check.config.max_kl,
+    )
+    last = check.last
+    if last is None or last.divergence is None:
+        return
+    yield GaugeMetricFamily(
+        "rlproxy_forgetting_divergence",
+        "Mean KL(base || version) per answer token on the general prompts (nats) of the version "
+        "checked last (rlproxy_forgetting_checked_version); over rlproxy_forgetting_max_kl it "
+        "was held.",
+        value=last.divergence.mean_kl,
+    )
+    yield GaugeMetricFamily(
+        "rlproxy_forgetting_checked_version",
+        "The adapter version the forgetting check measured last.",
+        value=last.version,
+    )
 
 
 def _by_status(name: str, help_: str, statuses: Iterable[str], counts: dict[str, int]) -> Metric:

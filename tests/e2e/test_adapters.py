@@ -36,8 +36,12 @@ def complete(client: OpenAI, model: str) -> str:
     return r.choices[0].message.content or ""
 
 
-def write_random_lora(model_data_dir: Path, target: Path) -> None:
-    """Save a random, clearly non-zero LoRA for the embedded model as a PEFT folder."""
+def write_random_lora(model_data_dir: Path, target: Path, *, scale: float = 3.0) -> None:
+    """Save a random, clearly non-zero LoRA for the embedded model as a PEFT folder: A and B
+    drawn as PEFT's `init_lora_weights=False` draws them, B times `scale`. At the default 3 every
+    answer changes (to runs of spaces: the forgetting check holds it, so the suites that publish
+    it turn the check off); 0.1 changes some greedy answers and passes; 0 is PEFT's fresh
+    initialisation, the base exactly (bench/results/forgetting_threshold.json)."""
     from peft import LoraConfig, get_peft_model
 
     from proxy.engines.loader import load_model
@@ -54,7 +58,7 @@ def write_random_lora(model_data_dir: Path, target: Path) -> None:
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
-                param.mul_(3)
+                param.mul_(scale)
     peft_model.save_pretrained(str(target), safe_serialization=True)
     assert (target / "adapter_model.safetensors").is_file()
     assert (target / "adapter_config.json").is_file()

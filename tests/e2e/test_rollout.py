@@ -134,6 +134,9 @@ def rserver(
     env = {
         "RLPROXY_PUBLISH_ADAPTERS": "true",
         "RLPROXY_ADAPTER_POLL_S": "0.5",
+        # The tests' random LoRA is word salad by the forgetting check's measure: it would be
+        # held. This suite is about the canary; the check's: test_forgetting.py.
+        "RLPROXY_FORGETTING_CHECK": "false",
         "RLPROXY_ROLLOUT": "true",
         "RLPROXY_ROLLOUT_SHARE": "0.5",
         "RLPROXY_ROLLOUT_MIN_GROUPS": str(MIN_GROUPS),
@@ -335,7 +338,11 @@ def _adapter_in(listing: dict[str, Any], version: int) -> dict[str, Any]:
 def test_with_the_setting_off_a_new_version_serves_everything_at_once(
     tmp_path: Path, model_data_dir: Path, lora: Path
 ) -> None:
-    env = {"RLPROXY_PUBLISH_ADAPTERS": "true", "RLPROXY_ADAPTER_POLL_S": "0.5"}
+    env = {
+        "RLPROXY_PUBLISH_ADAPTERS": "true",
+        "RLPROXY_ADAPTER_POLL_S": "0.5",
+        "RLPROXY_FORGETTING_CHECK": "false",  # as above: the random LoRA would be held
+    }
     with own_server(tmp_path / "data", model_data_dir, env) as server:
         assert _listing(server)["rollout"] == {"enabled": False}
         _publish(server, lora, 1, parent=None)

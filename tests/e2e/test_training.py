@@ -57,10 +57,12 @@ def test_one_step_trains_and_the_new_version_serves(tserver: Server) -> None:
             assert r.status_code == 200, r.text
 
         def published() -> bool:
-            ids = [m.id for m in c.models.list().data]
-            return "rlproxy@1" in ids
+            # Listed once loaded; serving the policy name only after the forgetting check.
+            health = httpx.get(f"{tserver.url}/health", timeout=30).json()
+            return health["active_version"] == 1
 
-        wait_for(published, 300, "rlproxy@1 in /v1/models (see trainer.log)")
+        wait_for(published, 300, "rlproxy serving version 1 (see trainer.log)")
+        assert "rlproxy@1" in [m.id for m in c.models.list().data]
 
         def logprobs(model: str) -> list[float]:
             out = c.chat.completions.create(

@@ -1,8 +1,11 @@
 """`/rl/adapters`: adapter versions (status, step metrics), load one, make one current.
 
-GET  /rl/adapters                  every version: loaded/active/canary, status, error, metrics,
-                                   rollout (canary state and every decision with its figures);
-                                   `rollout` at the top: on or off, the canary running, the test
+GET  /rl/adapters                  every version: loaded/active/canary, status ("held": the
+                                   forgetting check held it), error, metrics, rollout (canary
+                                   state and every decision with its figures), forgetting (the
+                                   check's verdict and figures); at the top, `rollout` (on or
+                                   off, the canary running, the test) and `forgetting` (on or
+                                   off, its limit, whether this engine can run it)
 POST /rl/adapters/{version}/load   load into the engine (validated first)
 POST /rl/adapters/{version}/unload unload from the engine (not the active version; requests in
                                    flight on it finish first)
@@ -18,10 +21,13 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from proxy.adapters.forgetting import Verdict
+from proxy.adapters.held import held_record, shown_status
 from proxy.adapters.manager import AdapterManager
 from proxy.adapters.publisher import Publisher
 from proxy.api.body import TextJSONRoute
 from proxy.api.deps import Adapters, PublisherDep, StoreDep
+from storage.records import AdapterRecord
 
 router = APIRouter(prefix="/rl/adapters", route_class=TextJSONRoute)
 
@@ -31,10 +37,12 @@ async def list_adapters(
     adapters: Adapters, store: StoreDep, publisher: PublisherDep
 ) -> dict[str, object]:
     records = {a.version: a for a in await store.list_adapters(adapters.registry.policy)}
+    checked = publisher.forgetting.verdicts if publisher.forgetting is not None else {}
     data: list[dict[str, Any]] = []
     for item in adapters.describe():
-        record = records.pop(int(item["version"]), None)  # type: ignore[call-overload]
-        data.append({**item, **_record_fields(record)})
+        version = int(item["version"])  # type: ignore[call-overload]
+        record = records.pop(version, None)
+        data.append({**item, **_record_fields(record, checked.get(version))})
     for version, record in sorted(records.items()):  # recorded, but the folder is gone
         data.append(
             {
@@ -44,13 +52,16 @@ async def list_adapters(
                 "loaded": False,
                 "active": False,
                 "canary": False,
-                **_record_fields(record),
+                **_record_fields(record, checked.get(version)),
             }
         )
     return {
         "object": "list",
         "data": sorted(data, key=lambda d: d["version"]),
         "rollout": _rollout(adapters, publisher),
+        "forgetting": {"enabled": False}
+        if publisher.forgetting is None
+        else publisher.forgetting.describe(),
     }
 
 
@@ -74,7 +85,10 @@ def _rollout(adapters: AdapterManager, publisher: Publisher) -> dict[str, Any]:
     }
 
 
-def _record_fields(record: Any) -> dict[str, Any]:
+def _record_fields(record: AdapterRecord | None, verdict: Verdict | None) -> dict[str, Any]:
+    """A version's row as shown; `verdict`: the forgetting check's, when this replica ran it
+    (a held version's is also in its row, so every replica shows it)."""
+    checked = None if verdict is None else verdict.to_dict()
     if record is None:
         return {
             "status": "written",
@@ -82,10 +96,15 @@ def _record_fields(record: Any) -> dict[str, Any]:
             "metrics": None,
             "activated_at": None,
             "rollout": None,
+            "forgetting": checked,
         }
     fields = asdict(record)
-    keys = ("status", "error", "metrics", "created_at", "activated_at", "rollout")
-    return {k: fields[k] for k in keys}
+    keys = ("error", "metrics", "created_at", "activated_at", "rollout")
+    return {
+        "status": shown_status(record),
+        **{k: fields[k] for k in keys},
+        "forgetting": checked or held_record(record),
+    }
 
 
 @router.post("/{version}/load")

@@ -823,7 +823,10 @@
       const isActive = v === active;
       return h("tr", { class: isActive ? "active-row" : null, data: { version: v } },
         h("td", {}, h("strong", { text: label }), " ", isActive ? h("span", { class: "pill ok", text: "serving" }) : null),
-        h("td", { text: a ? (a.status === "rejected" ? "rejected" : a.loaded ? "in memory" : "on disk") : "–" }),
+        a && a.status === "held"
+          // held by the forgetting check: it never served; its reason is under the button
+          ? h("td", {}, h("span", { class: "pill bad", title: heldTitle(a.forgetting), text: "held" }))
+          : h("td", { text: a ? (a.status === "rejected" ? "rejected" : a.loaded ? "in memory" : "on disk") : "–" }),
         metricCols.map((k) => h("td", { class: "num wide", text: m[k] === undefined ? "–" : num(m[k]) })),
         h("td", { class: "wide", text: a && a.created_at ? ago(a.created_at) : "–" }),
         h("td", {},
@@ -842,6 +845,12 @@
           h("thead", {}, h("tr", {}, h("th", { text: "version" }), h("th", { text: "status" }), metricCols.map((c) => h("th", { class: "num wide", text: c.replace(/_/g, " ") })), h("th", { class: "wide", text: "written" }), h("th", { text: "" }))),
           h("tbody", {}, [...versions].reverse().map((a) => row(a.version, `v${a.version}`, a)), row(0, "base", null)))),
     ];
+  }
+
+  function heldTitle(verdict) {
+    const d = verdict && verdict.divergence;
+    if (!d) return "held by the forgetting check";
+    return `forgetting check: mean KL to the base ${num(d.mean_kl)} nats/token over ${d.prompts} general prompts (limit ${num(verdict.max_kl)}); greedy answer changed on ${Math.round(100 * d.answer_changed)}% of them`;
   }
 
   async function activate(version, model) {
