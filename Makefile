@@ -129,7 +129,7 @@ test-scale: setup haproxy
 # docs/quickstart/coding-agents.md.
 # What the passing tests measured goes to bench/results/coding-agents.json.
 test-coding-agents: setup
-	RLPROXY_CODING_AGENTS_RESULTS=bench/results/coding-agents.json \
+	CODING_AGENTS_RESULTS=bench/results/coding-agents.json \
 	  $(BIN)/python -m pytest -q -m coding_agents tests/e2e/test_coding_agents.py
 
 # Every suite, one after another: what CI runs, then the slow, fuzz and deploy suites it leaves

@@ -313,12 +313,12 @@ RESULTS: list[dict[str, Any]] = []
 @pytest.fixture(scope="module", autouse=True)
 def result_file() -> Iterator[None]:
     """Write what the passing tests measured (each CLI run's time, each stored session's shape)
-    to the file RLPROXY_CODING_AGENTS_RESULTS names once the module is done: `make
+    to the file CODING_AGENTS_RESULTS names once the module is done: `make
     test-coding-agents` names bench/results/coding-agents.json, which the docs cite; a run of
     a few tests names none and leaves it alone."""
     load = os.getloadavg()
     yield
-    target = os.environ.get("RLPROXY_CODING_AGENTS_RESULTS")
+    target = os.environ.get("CODING_AGENTS_RESULTS")
     if not RESULTS or not target:
         return
     result = REPO / target

@@ -475,7 +475,9 @@ def test_the_agent_signature_is_the_system_prompt_before_the_conversation() -> N
     first = agent_signature(call("822", "# Environment\nPrimary working directory: /w"), tools)
     later = agent_signature(call("cf6", "The following deferred tools are now available"), tools)
     assert first == later
-    assert agent_signature(call("822", "x")[:1] + [{"role": "user", "content": "y"}], tools) == first
+    assert (
+        agent_signature([*call("822", "x")[:1], {"role": "user", "content": "y"}], tools) == first
+    )
     other = [{"role": "system", "content": "You are a Claude agent. Another."}]
     assert agent_signature(other, tools) != first
 
