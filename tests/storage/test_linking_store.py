@@ -318,18 +318,17 @@ async def test_ids_link_only_to_the_last_answer(store: Store, make_call: Any) ->
     assert await store.record_call(make_call(again, "Hm.")) != tid
 
 
-async def test_a_trajectory_from_before_the_id_key_gets_it_at_its_next_answer(
-    db: Database, make_call: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Trajectories stored before m011 have no tool-call key: they link by the chain as before,
-    and their next answer sets the key (linking reads only the trajectories table)."""
-    msgs = [{"role": "user", "content": "Show README.md"}]
-    first = make_call(msgs, _tool_call("call_0", "read", {"file": "README.md"}))
+async def _stored_before(
+    db: Database, monkeypatch: pytest.MonkeyPatch, kept: int, first: Any
+) -> list[str]:
+    """Migrate to the first `kept` migrations, store `first`'s trajectory (id "t-old") as a
+    store of then wrote it (the columns every version has), then migrate the rest; return the
+    migrations that ran last."""
     keys = PrefixLinker().keys(first)
     engines = create_engines(db.url, postgres_schema=db.schema)
     try:
         with monkeypatch.context() as m:
-            m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:10])
+            m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:kept])
             await migrations.migrate(engines.write)
         async with engines.write.begin() as conn:
             row = {
@@ -350,10 +349,20 @@ async def test_a_trajectory_from_before_the_id_key_gets_it_at_its_next_answer(
             columns = ", ".join(row)
             values = ", ".join(f":{c}" for c in row)
             await conn.execute(text(f"INSERT INTO trajectories ({columns}) VALUES ({values})"), row)
-        applied = await migrations.migrate(engines.write)
-        assert applied == [m.name for m in migrations.MIGRATIONS[10:]]  # m011 and after
+        return await migrations.migrate(engines.write)
     finally:
         await engines.dispose()
+
+
+async def test_a_trajectory_from_before_the_id_key_gets_it_at_its_next_answer(
+    db: Database, make_call: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trajectories stored before m011 have no tool-call key: they link by the chain as before,
+    and their next answer sets the key (linking reads only the trajectories table)."""
+    msgs = [{"role": "user", "content": "Show README.md"}]
+    first = make_call(msgs, _tool_call("call_0", "read", {"file": "README.md"}))
+    applied = await _stored_before(db, monkeypatch, 10, first)
+    assert applied == [m.name for m in migrations.MIGRATIONS[10:]]  # m011 and after
 
     store = await db.open()
     rewritten = [*msgs, *_rewritten("call_0")]
@@ -651,34 +660,9 @@ async def test_a_trajectory_from_before_lanes_gets_its_lane_at_its_next_call(
     call with a lane gives them one."""
     msgs = [{"role": "system", "content": CLAUDE}, {"role": "user", "content": "Fix the test"}]
     first = MAIN_LANE(make_call, msgs, "Looking.")
-    keys = PrefixLinker().keys(first)
-    engines = create_engines(db.url, postgres_schema=db.schema)
-    try:
-        with monkeypatch.context() as m:
-            m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:11])
-            await migrations.migrate(engines.write)
-        async with engines.write.begin() as conn:
-            row = {
-                "id": "t-old",
-                "status": "open",
-                "created_at": first.created_at,
-                "updated_at": first.finished_at,
-                "turn_count": 1,
-                "call_count": 1,
-                "explicit": False,
-                "next_prefix_hash": keys.next_prefix_hash,
-                "last_request_hash": keys.request_hash,
-                "last_call_id": first.id,
-                "last_call_created_at": first.created_at,
-                "last_call_finished_at": first.finished_at,
-                "last_call_status": "completed",
-            }
-            columns = ", ".join(row)
-            values = ", ".join(f":{c}" for c in row)
-            await conn.execute(text(f"INSERT INTO trajectories ({columns}) VALUES ({values})"), row)
-        assert await migrations.migrate(engines.write) == ["m012_session_lanes"]
-    finally:
-        await engines.dispose()
+    assert await _stored_before(db, monkeypatch, 11, first) == [
+        m.name for m in migrations.MIGRATIONS[11:]
+    ]  # m012 and after
 
     store = await db.open()
     rewritten = [{"role": "system", "content": CLAUDE}, {"role": "user", "content": "Summary."}]
