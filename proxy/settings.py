@@ -404,12 +404,12 @@ class RolloutSettings(Concern):
     title = "Canary rollout"
 
     enabled: bool = Field(
-        default=False,
+        default=True,
         validation_alias="RLPROXY_ROLLOUT",
-        description="Canary rollout: a new adapter version first serves RLPROXY_ROLLOUT_SHARE of "
-        "the policy name's conversations beside the active one, and takes over only once groups "
-        "scored with both show it is not worse; a worse one is rolled back and rejected. Off: "
-        "each new version serves everything as soon as it loads.",
+        description="Canary rollout (the guard): a new adapter version first serves "
+        "RLPROXY_ROLLOUT_SHARE of the policy name's conversations beside the active one, and "
+        "takes over only once groups scored with both show it is not harmful; a harmful one is "
+        "rolled back and rejected. Off: each new version serves everything as soon as it loads.",
     )
     share: float = Field(
         default=0.25,
@@ -418,30 +418,48 @@ class RolloutSettings(Concern):
         description="Share of the policy name's conversations a canary serves.",
     )
     margin: float = Field(
-        default=0.05,
-        ge=0,
-        description="Non-inferiority margin, in reward units: a canary whose mean reward is "
-        "shown to be at most this much below the active version's (within the same groups) "
-        "is promoted.",
+        default=0.2,
+        gt=0,
+        description="How much worse counts as harmful, in reward units: the test weighs 'the "
+        "canary's mean reward is this much below the active version's, in the same groups' "
+        "against 'it is as good'.",
     )
     alpha: float = Field(
         default=0.05,
         gt=0,
         lt=0.5,
-        description="Error rate of the rollout's test over all its looks (each look gets "
-        "alpha / looks).",
+        description="The chance the test rolls back a version as good as the active one.",
+    )
+    beta: float = Field(
+        default=0.1,
+        gt=0,
+        lt=0.5,
+        description="The chance the test promotes a version worse by RLPROXY_ROLLOUT_MARGIN.",
     )
     min_groups: int = Field(
-        default=8,
+        default=4,
         ge=2,
-        description="Scored groups holding both versions needed before the first decision; the "
-        "test looks again at twice, four times ... this many, up to RLPROXY_ROLLOUT_MAX_GROUPS.",
+        description="Scored groups holding both versions needed before the first decision; "
+        "from then on the test looks after every new group.",
     )
     max_groups: int = Field(
-        default=64,
+        default=32,
         ge=2,
-        description="At this many mixed groups the rollout decides: a canary not shown to be "
-        "non-inferior by then is rolled back.",
+        description="At this many mixed groups the test decides for the likelier of 'harmful' "
+        "and 'as good'.",
+    )
+    max_calls: int = Field(
+        default=200,
+        ge=1,
+        description="The most calls a canary serves on trial (the harm it can do is bounded by "
+        "this and the share): then it takes no new conversations and is decided on the "
+        "evidence of those it served.",
+    )
+    evidence_wait_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="A canary paused at its call budget is decided once no new evidence has "
+        "come for this long (rolled back if it has too little to show it is not harmful).",
     )
 
     @model_validator(mode="after")

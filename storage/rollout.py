@@ -12,6 +12,9 @@ score, side by side: which counts is the reward policy's choice (`trainer.scorin
 Only calls the policy served count (`POLICY_ENGINES`: the local or the vllm engine).
 
 Bounded: the newest `limit` groups scored since `since`, each read by its indexed id.
+
+`calls_served` counts the calls a version served since a time (a canary's call budget), over
+the calls made since then (`ix_calls_created_at`).
 Callers go through `storage.store.Store`; nothing else should import this module.
 """
 
@@ -115,3 +118,17 @@ async def paired_rewards(
         )
         out.append(GroupPair(group_id, scored_at[group_id], paired))
     return sorted(out, key=lambda p: (p.scored_at, p.group_id))
+
+
+async def calls_served(conn: AsyncConnection, *, version: int, since: float) -> int:
+    """Calls served by adapter `version` (0: the base model) since `since`, policy engines only."""
+    count = await conn.scalar(
+        select(func.count())
+        .select_from(C)
+        .where(
+            C.c.created_at >= since,
+            func.coalesce(C.c.adapter_version, 0) == version,
+            C.c.engine.in_(POLICY_ENGINES),
+        )
+    )
+    return int(count or 0)

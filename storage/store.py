@@ -506,6 +506,12 @@ class Store:
         async with self._engines.read.connect() as conn:
             return await rollout.paired_rewards(conn, old=old, new=new, since=since)
 
+    async def calls_served(self, *, version: int, since: float) -> int:
+        """Calls adapter `version` (0: the base model) served since `since` (a canary's call
+        budget)."""
+        async with self._engines.read.connect() as conn:
+            return await rollout.calls_served(conn, version=version, since=since)
+
     async def trajectory_of_completion(self, completion_id: str) -> str | None:
         """The trajectory of the call that returned this `chatcmpl-...` id, if any."""
         async with self._engines.read.connect() as conn:

@@ -260,12 +260,17 @@ class Publisher:
                 registry.end_canary()
                 await self.adapters.evict()
             return
+        paused = state.canary_share == 0.0  # its rollout spent the call budget
         if canary is not None and canary.version == state.canary_version:
+            if paused and canary.share > 0.0:
+                registry.pause_canary()
             return
-        share = state.canary_share or (self.rollout.config.share if self.rollout else 0.0)
+        share = state.canary_share or (self.rollout.config.share if self.rollout else 0.25)
         try:
             await self.adapters.load(state.canary_version)
             registry.start_canary(state.canary_version, share)
+            if paused:
+                registry.pause_canary()
         except (APIError, ValueError) as exc:
             logger.error("canary %d cannot be served here: %s", state.canary_version, exc)
             return

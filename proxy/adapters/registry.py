@@ -209,6 +209,13 @@ class ServedModels:
             self._canary = Canary(version, share)
             self.sticky.clear()
 
+    def pause_canary(self) -> None:
+        """The canary takes no new conversations (its share becomes 0); those already on it
+        stay on it. Its rollout has spent its call budget and waits for their evidence."""
+        with self._lock:
+            if self._canary is not None:
+                self._canary = Canary(self._canary.version, 0.0)
+
     def end_canary(self) -> None:
         """NAME serves the active version alone again."""
         with self._lock:

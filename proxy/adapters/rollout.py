@@ -10,7 +10,7 @@ What it does, in order (driven by `proxy.adapters.publisher.Publisher.check`):
 2. `evaluate()`: read the groups scored since the canary began that hold members of both
    versions (`Store.paired_rewards`: the judge compared them side by side; explicit rewards
    count through the reward policy, `trainer.scoring.rewards`) and run the stated test
-   (`proxy.adapters.rollout_stats`).
+   (`proxy.adapters.rollout_stats`: a sequential test, looked at on every poll).
    - promote: the version becomes active (the registry's canary ends);
    - roll back: the canary ends, the previous version serves everything again, the version is
      marked rejected with the figures in its error and rollout state; the publisher never
@@ -18,6 +18,13 @@ What it does, in order (driven by `proxy.adapters.publisher.Publisher.check`):
    - wait: the latest figures are kept when they changed.
    Every decision is kept in the version's `rollout.decisions` with its figures (`GET
    /rl/adapters`).
+3. The harm a canary can do is bounded by design: it serves `share` of the conversations, and
+   at most `max_calls` calls. At that budget it is paused (share 0: no new conversations; those
+   on it stay) and the test goes on with the evidence of what it served; once no new evidence
+   has come for `evidence_wait_s`, the test's budget rule decides (the likelier of "harmful" and
+   "as good"), or, with fewer mixed groups than the test needs, it is rolled back: nothing
+   showed it is not harmful. With no rewards and no trusted judge scores (the judge gate holds
+   them), that is what happens to every version; but then nothing trains either.
 
 Each start and decision is also written to the policy's state (`Store.set_policy_state`), which
 every replica follows (`proxy.adapters.publisher`); only the replica holding the publisher lease
@@ -43,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from proxy.adapters.manager import AdapterManager
-from proxy.adapters.rollout_stats import Comparison, RolloutTest, compare
+from proxy.adapters.rollout_stats import Comparison, RolloutTest, at_budget, compare
 from storage.store import Store
 from trainer.scoring import version_rewards
 
@@ -62,10 +69,16 @@ class RolloutConfig:
     """The share of the policy name's conversations the canary serves."""
     test: RolloutTest = field(default_factory=RolloutTest)
     reward_policy: str = "explicit"
+    max_calls: int = 200
+    """The most calls the canary serves on trial; then it is paused (see the module)."""
+    evidence_wait_s: float = 600.0
+    """Paused: decide once no new evidence has come for this long."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.share < 1.0:
             raise ValueError("the canary share must be between 0 and 1 (exclusive)")
+        if self.max_calls < 1:
+            raise ValueError("the canary's call budget must be at least 1")
 
 
 def rollout_config(settings: RolloutSettings, reward_policy: str) -> RolloutConfig | None:
@@ -78,10 +91,13 @@ def rollout_config(settings: RolloutSettings, reward_policy: str) -> RolloutConf
         test=RolloutTest(
             margin=settings.margin,
             alpha=settings.alpha,
+            beta=settings.beta,
             min_groups=settings.min_groups,
             max_groups=settings.max_groups,
         ),
         reward_policy=reward_policy,
+        max_calls=settings.max_calls,
+        evidence_wait_s=settings.evidence_wait_s,
     )
 
 
@@ -91,6 +107,11 @@ class _Trial:
     baseline: int | None
     started_at: float
     state: dict[str, Any]
+    paused_at: float | None = None
+    """When the canary spent its call budget (None: it still takes new conversations)."""
+    groups_seen: int = 0
+    evidence_at: float = 0.0
+    """When the last new mixed group came in (paused: the wait counts from here)."""
 
 
 class Rollout:
@@ -162,16 +183,18 @@ class Rollout:
             "share": self.config.share,
             "started_at": started_at,
             "test": {
-                "kind": "one-sided paired t-test, non-inferiority margin, Bonferroni over looks",
-                "margin": self.config.test.margin,
-                "alpha": self.config.test.alpha,
-                "looks": self.config.test.looks(),
+                **self.config.test.describe(),
                 "reward_policy": self.config.reward_policy,
+                "max_calls": self.config.max_calls,
+                "evidence_wait_s": self.config.evidence_wait_s,
             },
             "latest": None,
             "decisions": decisions,
         }
-        self._trial = _Trial(version, baseline, started_at, state)
+        self._trial = _Trial(version, baseline, started_at, state, evidence_at=now)
+        if previous and started_at != now and previous.get("paused_at"):
+            self._trial.paused_at = float(previous["paused_at"])
+            state["paused_at"] = self._trial.paused_at
         self._last = None
         await self._write(version, status="loaded", loaded_at=now, rollout=state)
         # the split starts once the version's record says so: a listing that shows the canary
@@ -204,6 +227,8 @@ class Rollout:
         pairs = await self.store.paired_rewards(old=old, new=new, since=trial.started_at)
         evidence = [version_rewards(p.members, old, new, self.config.reward_policy) for p in pairs]
         result = compare([(o, n) for o, n in evidence if o and n], self.config.test)
+        if result.decision == "wait":
+            result = await self._budget(trial, result)
         figures = result.to_dict()
         if result.decision in ("promote", "roll_back"):
             promote = result.decision == "promote"
@@ -230,6 +255,38 @@ class Rollout:
             trial.state["latest"] = figures
             await self._write(trial.version, rollout=trial.state)
         return result
+
+    async def _budget(self, trial: _Trial, result: Comparison) -> Comparison:
+        """The call budget: pause the canary once it has served `max_calls` calls; paused, and
+        with no new evidence for `evidence_wait_s`, decide by the test's budget rule."""
+        now = time.time()
+        if result.groups > trial.groups_seen:
+            trial.groups_seen, trial.evidence_at = result.groups, now
+        if trial.paused_at is None:
+            served = await self.store.calls_served(version=trial.version, since=trial.started_at)
+            if served < self.config.max_calls:
+                return result
+            if not self.may_write() or not await self.store.set_policy_state(
+                self.policy,
+                by=self.replica_id,
+                expect={"canary_version": trial.version},
+                canary_share=0.0,
+            ):
+                return result  # the next poll follows whatever changed, or tries again
+            self.registry.pause_canary()
+            trial.paused_at = trial.evidence_at = now
+            trial.state["paused_at"] = now
+            trial.state["paused_after_calls"] = served
+            await self._write(trial.version, rollout=trial.state)
+            logger.info(
+                "adapter %d paused on canary after %d calls: waiting for their evidence",
+                trial.version,
+                served,
+            )
+            return result
+        if now - trial.evidence_at < self.config.evidence_wait_s:
+            return result
+        return at_budget(result, self.config.test, trial.state.get("paused_after_calls"))
 
     async def _finish(
         self, trial: _Trial, state: str, result: Comparison | None, reason: str

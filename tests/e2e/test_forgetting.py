@@ -54,7 +54,11 @@ def chromium_binary() -> str:
 
 @pytest.fixture(scope="module")
 def fserver(tmp_path_factory: pytest.TempPathFactory, model_data_dir: Path) -> Iterator[Server]:
-    env = {"RLPROXY_PUBLISH_ADAPTERS": "true", "RLPROXY_ADAPTER_POLL_S": "0.5"}
+    env = {
+        "RLPROXY_PUBLISH_ADAPTERS": "true",
+        "RLPROXY_ROLLOUT": "false",  # each version serves at once (the guard: test_rollout.py)
+        "RLPROXY_ADAPTER_POLL_S": "0.5",
+    }
     with own_server(tmp_path_factory.mktemp("forgetting-data"), model_data_dir, env) as server:
         yield server
 

@@ -285,9 +285,10 @@ def test_a_published_version_starts_a_canary_and_a_judge_preferring_the_old_roll
     decision = v1["rollout"]["decisions"][-1]
     assert decision["decision"] == "rolled_back"
     figures = decision["figures"]
-    assert figures["n"] >= MIN_GROUPS
+    assert figures["groups"] >= MIN_GROUPS
     assert figures["mean_diff"] == pytest.approx(-0.8, abs=1e-6)  # 0.1 - 0.9 in every group
-    assert figures["upper"] < 0
+    assert figures["llr"] >= v1["rollout"]["test"]["roll_back_at_llr"]
+    assert "harmful" in decision["reason"]
     assert "rolled back" in v1["error"]
     assert v1["active"] is False and v1["canary"] is False
     # the base serves everything again, and the publisher never takes version 1 back: what is
@@ -312,7 +313,8 @@ def test_a_judge_preferring_the_new_version_gets_it_promoted(
     assert v2["status"] == "loaded" and v2["rollout"]["state"] == "promoted"
     figures = v2["rollout"]["decisions"][-1]["figures"]
     assert figures["mean_diff"] == pytest.approx(0.8, abs=1e-6)
-    assert figures["lower"] > -figures["margin"]
+    assert figures["llr"] <= v2["rollout"]["test"]["promote_at_llr"]
+    assert figures["lower"] > 0  # the interval shown beside it
     assert v2["activated_at"] is not None
     after = [_call(client, rserver, f"after2-{uuid.uuid4().hex[:6]}")[1] for _ in range(4)]
     assert after == [2] * 4
@@ -340,6 +342,7 @@ def test_with_the_setting_off_a_new_version_serves_everything_at_once(
 ) -> None:
     env = {
         "RLPROXY_PUBLISH_ADAPTERS": "true",
+        "RLPROXY_ROLLOUT": "false",
         "RLPROXY_ADAPTER_POLL_S": "0.5",
         "RLPROXY_FORGETTING_CHECK": "false",  # as above: the random LoRA would be held
     }

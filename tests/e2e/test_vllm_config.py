@@ -71,7 +71,11 @@ def test_a_url_ending_in_v1_serves_and_an_adapter_over_the_max_rank_says_the_fix
     """`.../v1`, as users write OpenAI base URLs, is the server's root; a version whose rank is
     over the replica's --max-lora-rank is rejected with the flag to set."""
     with replica(tmp_path, model_data_dir, rank=4) as fake:
-        publish = {"RLPROXY_PUBLISH_ADAPTERS": "true", "RLPROXY_ADAPTER_POLL_S": "0.5"}
+        publish = {
+            "RLPROXY_PUBLISH_ADAPTERS": "true",
+            "RLPROXY_ROLLOUT": "false",  # each version serves at once
+            "RLPROXY_ADAPTER_POLL_S": "0.5",
+        }
         with rlproxy(tmp_path, model_data_dir, fake.url + "/v1/", **publish) as server:
             health = httpx.get(f"{server.url}/health", timeout=30).json()
             assert health["status"] == "ok"
@@ -117,7 +121,7 @@ def test_the_policy_is_never_served_by_the_base_when_its_adapter_does_not_resolv
     client gets a 503, and no answer is stored as version 1's (training would learn nothing)."""
     _publish(lora_dir, tmp_path / "checkpoints" / "rlproxy", 1)
     with replica(tmp_path, model_data_dir, "--loras-serve-base") as fake:
-        publish = {"RLPROXY_PUBLISH_ADAPTERS": "true"}
+        publish = {"RLPROXY_PUBLISH_ADAPTERS": "true", "RLPROXY_ROLLOUT": "false"}
         with rlproxy(tmp_path, model_data_dir, fake.url, **publish) as server:
             assert httpx.get(f"{server.url}/health", timeout=30).json()["active_version"] == 1
             with (

@@ -44,7 +44,11 @@ CLIENTS = 4
 def stack(
     tmp_path_factory: pytest.TempPathFactory, model_data_dir: Path
 ) -> Iterator[tuple[Server, list[FakeReplica]]]:
-    env = {"RLPROXY_PUBLISH_ADAPTERS": "true", "RLPROXY_ADAPTER_POLL_S": "0.5"}
+    env = {
+        "RLPROXY_PUBLISH_ADAPTERS": "true",
+        "RLPROXY_ROLLOUT": "false",  # each version serves at once (the guard: test_rollout.py)
+        "RLPROXY_ADAPTER_POLL_S": "0.5",
+    }
     with vllm_stack(tmp_path_factory.mktemp("vllm-replicas"), model_data_dir, env_extra=env) as s:
         yield s
 

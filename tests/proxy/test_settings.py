@@ -118,11 +118,11 @@ def test_the_typed_configurations_come_from_their_concerns(monkeypatch: pytest.M
     assert scoring.checks is not None and scoring.checks.min_checks == 11
     assert settings.groups.grouper().alone_s == 5.0
     assert RequestLimits(**settings.limits.request_bounds()).max_schema_depth == 12
-    assert rollout_config(settings.rollout, settings.reward_policy) is None  # off by default
-    off = Settings(judge_checks={"enabled": False}, rollout={"enabled": True})
+    guard = rollout_config(settings.rollout, settings.reward_policy)  # on by default
+    assert guard is not None and guard.reward_policy == "ruler" and guard.max_calls == 200
+    off = Settings(judge_checks={"enabled": False}, rollout={"enabled": False})
     assert off.scoring_config().checks is None and off.judge_checks.config() is None
-    rollout = rollout_config(off.rollout, off.reward_policy)
-    assert rollout is not None and rollout.reward_policy == "ruler"
+    assert rollout_config(off.rollout, off.reward_policy) is None
 
 
 def test_a_misspelt_trainer_key_is_refused_naming_the_nearest_key(

@@ -77,10 +77,10 @@ def _rollout(adapters: AdapterManager, publisher: Publisher) -> dict[str, Any]:
         "canary": None if canary is None else canary.version,
         "baseline": adapters.registry.active or 0,
         "test": {
-            "margin": test.margin,
-            "alpha": test.alpha,
-            "looks": test.looks(),
+            **test.describe(),
             "reward_policy": rollout.config.reward_policy,
+            "max_calls": rollout.config.max_calls,
+            "evidence_wait_s": rollout.config.evidence_wait_s,
         },
     }
 

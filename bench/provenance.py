@@ -1,0 +1,51 @@
+"""What every result file records about the run that wrote it: the commit (and whether the tree
+had uncommitted changes), the command, the settings that differ from `rlproxy serve`'s
+defaults, the machine's load at the start and at the end, and the times.
+
+    record = provenance.start(settings={"RLPROXY_ROLLOUT": "false"})
+    ...
+    json.dump({**provenance.finish(record), "results": ...}, out)
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _git(*args: str) -> str:
+    done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def start(settings: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
+    """The run's record so far. `settings`: every RLPROXY_* value this run sets that differs
+    from `rlproxy serve`'s defaults ({} when it runs on the defaults)."""
+    return {
+        "commit": _git("rev-parse", "HEAD"),
+        "uncommitted_changes": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "settings_differing_from_defaults": dict(sorted((settings or {}).items())),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "_t0": time.monotonic(),
+        **extra,
+    }
+
+
+def finish(record: dict[str, Any], *, stopped_early: str | None = None) -> dict[str, Any]:
+    """The record with the end's figures; `stopped_early`: why the run ended before its plan."""
+    out = {k: v for k, v in record.items() if k != "_t0"}
+    out["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    out["wall_s"] = round(time.monotonic() - record["_t0"], 1)
+    out["stopped_early"] = stopped_early
+    return out
