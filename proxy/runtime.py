@@ -49,6 +49,7 @@ from proxy.telemetry.background import BackgroundWatch
 from proxy.telemetry.metrics import Metrics, Sources
 from proxy.telemetry.telemetry import Telemetry, open_telemetry
 from proxy.trainer_child import TrainerProcess
+from storage.held_out import HeldOutSplit
 from storage.store import Store
 from trainer.scoring import (
     ChatComplete,
@@ -337,6 +338,7 @@ async def _serve(
         limits=RequestLimits(**settings.limits.request_bounds()),
         max_queued_rows=settings.limits.max_queued_rows,
         tool_format=settings.tool_format,
+        held_out=HeldOutSplit(settings.eval.share),
     )
     forgetting = forgetting_config(settings.forgetting)
     publisher = Publisher(

@@ -507,6 +507,27 @@ class ForgettingSettings(Concern):
     )
 
 
+class EvalSettings(Concern):
+    """The held-out evaluation of the user's own traffic (storage/held_out.py,
+    proxy/adapters/evaluation.py; `rlproxy eval`)."""
+
+    model_config = SettingsConfigDict(env_prefix="RLPROXY_EVAL_")
+    title = "Held-out evaluation"
+
+    share: float = Field(
+        default=0.1,
+        ge=0,
+        le=0.5,
+        description="Share of tasks (by API key, agent and task signature, a stable hash) kept "
+        "out of training to measure versions on: their trajectories are stored, served and "
+        "rewarded as usual but never join a group, and half of them (another stable draw) are "
+        "answered by the base model when they ask for the policy name, the other half as any "
+        "call. `rlproxy eval`, `rlproxy status`, GET /rl/eval and the dashboard compare each "
+        "version's rewards on them with the base's over the same hours. 0: off, every task "
+        "trains.",
+    )
+
+
 class VLLMSettings(Concern):
     """The policy's tokens from vLLM servers instead of the embedded model, with
     RLPROXY_ENGINE=vllm (proxy/engines/vllm.py; README, "vLLM", says how to start them)."""
@@ -968,6 +989,7 @@ class Settings(BaseSettings):
     groups: GroupSettings = Field(default_factory=GroupSettings)
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     forgetting: ForgettingSettings = Field(default_factory=ForgettingSettings)
+    eval: EvalSettings = Field(default_factory=EvalSettings)
     vllm: VLLMSettings = Field(default_factory=VLLMSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)

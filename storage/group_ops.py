@@ -222,7 +222,8 @@ class _Forming:
 
 
 async def form_groups(conn: AsyncConnection, grouper: SignatureGrouper, now: float) -> FormResult:
-    """Put closed, ungrouped trajectories into groups; mark forming groups ready.
+    """Put closed, ungrouped trajectories into groups; mark forming groups ready. A trajectory
+    held out of training (`storage.held_out`) is never a candidate: no group holds one.
 
     On Postgres several replicas may run this at once; a transaction-scoped advisory lock makes
     them take turns, so the next one reads the memberships the last one committed (under READ
@@ -237,7 +238,7 @@ async def form_groups(conn: AsyncConnection, grouper: SignatureGrouper, now: flo
         r.id
         for r in await conn.execute(
             select(T.c.id)
-            .where(T.c.status == "closed", ~in_trajectory_group)
+            .where(T.c.status == "closed", T.c.held_out.is_(False), ~in_trajectory_group)
             .order_by(T.c.closed_at, T.c.id)
             .limit(_CANDIDATE_BATCH)
         )

@@ -15,7 +15,9 @@ Sources, in order of precedence (the first that applies wins):
    (`trainer.grpo.leave_one_out_advantages`), since its members are different tasks. On by
    default; `cohort=False` leaves lone tasks waiting for a second run.
 
-Groups never mix API keys: every key above is taken per owner (`GroupKey.owner`).
+Groups never mix API keys: every key above is taken per owner (`GroupKey.owner`). A trajectory
+of a task held out of training (`storage.held_out`) joins no group at all: the store never offers
+it to this rule.
 
 A forming group is ready when it has `min_size` members, or when its window has passed and it has
 at least two. A part never grows past `max_size`; the next member starts a new part. This module

@@ -501,6 +501,18 @@ def _m012_session_lanes(conn: Connection) -> None:
     )
 
 
+def _m013_held_out(conn: Connection) -> None:
+    """The held-out split (`storage.held_out`): a trajectory of a task kept out of training is
+    marked when it is created, and grouping never takes it; the evaluation lists them newest
+    first (`ix_trajectories_held_out`). Trajectories stored before were all trained on: false."""
+    conn.execute(
+        text("ALTER TABLE trajectories ADD COLUMN held_out BOOLEAN NOT NULL DEFAULT FALSE")
+    )
+    conn.execute(
+        text("CREATE INDEX ix_trajectories_held_out ON trajectories (held_out, created_at, id)")
+    )
+
+
 def _json(value: object) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
@@ -518,6 +530,7 @@ MIGRATIONS: list[Migration] = [
     Migration(10, "m010_prompt_chunks", _m010_prompt_chunks),
     Migration(11, "m011_tool_call_link_key", _m011_tool_call_link_key),
     Migration(12, "m012_session_lanes", _m012_session_lanes),
+    Migration(13, "m013_held_out", _m013_held_out),
 ]
 
 

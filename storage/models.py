@@ -78,6 +78,8 @@ class Trajectory(Base):
     session_lane: Mapped[str | None] = mapped_column(String)
     agent_signature: Mapped[str | None] = mapped_column(String)
     parent_trajectory_id: Mapped[str | None] = mapped_column(String)
+    # A task kept out of training (storage.held_out): never grouped, evaluated instead.
+    held_out: Mapped[bool] = mapped_column(Boolean)
 
     __table_args__ = (
         # Linking's lookups (storage.trajectory_view): newest first within one hash.
@@ -111,6 +113,7 @@ class Trajectory(Base):
         Index("ix_trajectories_group_key", "group_key"),
         Index("ix_trajectories_task_signature", "task_signature"),
         Index("ix_trajectories_owner", "owner_key_id", "created_at", "id"),
+        Index("ix_trajectories_held_out", "held_out", "created_at", "id"),
     )
 
 

@@ -93,6 +93,7 @@ def _summary(row: Row[Any]) -> TrajectorySummary:
         parent_trajectory_id=row.parent_trajectory_id,
         session_lane=row.session_lane,
         agent_signature=row.agent_signature,
+        held_out=bool(row.held_out),
     )
 
 

@@ -111,6 +111,9 @@ class CallRecord:
     last key (`storage.linking`); stored only hashed with the owner, on the trajectory."""
     parent_lane: str | None = None
     """The lane of the agent that started this one (a sub-agent's parent), or None."""
+    held_out: bool = False
+    """The call's task is held out of training (`storage.held_out`): a trajectory it opens is
+    marked `held_out` and never grouped. Stored on the trajectory only."""
 
     def token_counts(self) -> tuple[int | None, int | None]:
         """(prompt, completion) tokens: from `usage`, else from the stored token ids."""
@@ -179,6 +182,8 @@ class TrajectorySummary:
     seeded with the owner: not the header's value); None without session headers."""
     agent_signature: str | None = None
     """`storage.linking.agent_signature` of that call (set with `session_lane`)."""
+    held_out: bool = False
+    """Its task is held out of training (`storage.held_out`): never grouped, evaluated."""
 
 
 @dataclass

@@ -40,6 +40,7 @@ from storage import (
     coordination_ops,
     group_ops,
     group_reads,
+    held_out_runs,
     judge_checks,
     read_ops,
     rollout,
@@ -498,6 +499,15 @@ class Store:
         """The replicas of `policy` whose last heartbeat is not older than `since`."""
         async with self._engines.read.connect() as conn:
             return await coordination_ops.live_replicas(conn, policy, since)
+
+    async def held_out_runs(
+        self, *, limit: int = 5000, owner: str | None = None
+    ) -> list[held_out_runs.HeldOutRun]:
+        """The newest `limit` trajectories of tasks held out of training (`storage.held_out`),
+        oldest first, each with what served its calls and its latest environment reward (the
+        held-out evaluation's evidence); of API key `owner` only, unless None."""
+        async with self._engines.read.connect() as conn:
+            return await held_out_runs.held_out_runs(conn, limit=limit, owner=owner)
 
     async def paired_rewards(self, *, old: int, new: int, since: float) -> list[rollout.GroupPair]:
         """Scored groups since `since` holding members of adapter versions `old` and `new` (0:

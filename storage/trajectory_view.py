@@ -75,6 +75,7 @@ class Trajectory:
     session_lane: str | None
     agent_signature: str | None
     parent_trajectory_id: str | None
+    held_out: bool = False
 
     def state(self) -> TrajectoryState:
         return TrajectoryState(

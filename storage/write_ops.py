@@ -55,6 +55,7 @@ _SKIP = frozenset(
         "owner_key_id",
         "session_lane",  # the trajectory keeps it, hashed with the owner (storage.linking)
         "parent_lane",
+        "held_out",  # the trajectory keeps it (storage.held_out)
     }
 )
 
@@ -150,6 +151,7 @@ async def record_calls(
                 session_lane=k.session_lane,
                 agent_signature=k.agent_signature,
                 parent_trajectory_id=decision.parent_trajectory_id,
+                held_out=record.held_out,
             )
             view.add(t)
             turn = 0
@@ -203,14 +205,20 @@ async def record_calls(
 
     await insert_missing(conn, prompts)
     await _write(conn, view, records, pending, supersede)
-    await _write_shadow_samples(conn, records, tids, now)
+    held_out = {tid for tid in tids if view.by_id[tid].held_out}
+    await _write_shadow_samples(conn, records, tids, now, held_out)
     return tids
 
 
 async def _write_shadow_samples(
-    conn: AsyncConnection, records: list[CallRecord], tids: list[str], now: float
+    conn: AsyncConnection,
+    records: list[CallRecord],
+    tids: list[str],
+    now: float,
+    held_out: set[str],
 ) -> None:
-    """Store shadow samples; a completed call with samples also forms a ready "shadow" group."""
+    """Store shadow samples; a completed call with samples also forms a ready "shadow" group,
+    unless its trajectory is held out of training (`storage.held_out`): no group holds one."""
     samples, groups, members = [], [], []
     for record, tid in zip(records, tids, strict=True):
         if not record.shadow_samples:
@@ -226,7 +234,7 @@ async def _write_shadow_samples(
             }
             for c in record.shadow_samples
         ]
-        if record.status == "completed" and record.choices:
+        if record.status == "completed" and record.choices and tid not in held_out:
             group, rows = shadow_group_rows(record, tid, now)
             groups.append(group)
             members += rows

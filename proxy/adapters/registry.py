@@ -19,6 +19,10 @@ random, and the replica that served it keeps the conversation on that draw (`Sti
 on another replica its later turns follow the hash (send a trajectory id to have every turn
 agree everywhere). Pins (`NAME@N`, `NAME@base`) are never split.
 
+A task held out of training for the evaluation (`storage.held_out`) draws an arm once, by a
+stable hash of the task: its "base" arm's calls for NAME get the base model, before any canary
+draw (the control the evaluation compares versions with); its "policy" arm is routed as above.
+
 Whatever name a call asked for, its answer names the version that served it, `NAME@N` or
 `NAME@base` (`version_id`), as OpenAI's answer to an alias names the snapshot it resolved to.
 
@@ -38,6 +42,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from proxy.errors import ModelNotFoundError
+from storage.held_out import Arm
 from storage.linking import opening_hash
 
 
@@ -222,13 +227,20 @@ class ServedModels:
             self._canary = None
             self.sticky.clear()
 
-    def route(self, resolved: Resolved, key: str | None = None) -> Resolved:
-        """The version this call gets: `resolved` unchanged unless it names the policy while a
-        canary runs; then the version `key`'s conversation drew before, else a fresh draw (the
-        canary when `key`'s stable draw falls under `share`; without a key at random),
-        remembered under `key`."""
+    def route(
+        self, resolved: Resolved, key: str | None = None, *, held_out: Arm | None = None
+    ) -> Resolved:
+        """The version this call gets: `resolved` unchanged unless it names the policy. Then a
+        held-out task's base arm (`held_out` "base", `storage.held_out`) gets the base model, the
+        evaluation's control; otherwise, while a canary runs, the version `key`'s conversation
+        drew before, else a fresh draw (the canary when `key`'s stable draw falls under
+        `share`; without a key at random), remembered under `key`."""
+        if not resolved.follows_policy:
+            return resolved
+        if held_out == "base":
+            return Resolved(resolved.requested, None, follows_policy=True)
         canary = self._canary
-        if canary is None or not resolved.follows_policy:
+        if canary is None:
             return resolved
         if key is not None:
             known, version = self.sticky.get(key)

@@ -30,6 +30,7 @@ from proxy.api.redis_limits import RedisTokenBucket
 from proxy.api.routes import adapters as adapter_routes
 from proxy.api.routes import completions as completion_routes
 from proxy.api.routes import dashboard as dashboard_routes
+from proxy.api.routes import evaluation as evaluation_routes
 from proxy.api.routes import groups as group_routes
 from proxy.api.routes import judge as judge_routes
 from proxy.api.routes import messages as message_routes
@@ -95,6 +96,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(group_routes.router)
     app.include_router(judge_routes.router)
     app.include_router(stats_routes.router)
+    app.include_router(evaluation_routes.router)
     app.include_router(dashboard_routes.router)
     app.include_router(metrics_routes.router)
     install_error_handlers(app)

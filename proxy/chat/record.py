@@ -139,6 +139,7 @@ def call_record(
     token_ids_note: str | None = None,
     logprobs_after_grammar: bool = False,
     output_budget: OutputBudget | None = None,
+    held_out: bool = False,
 ) -> CallRecord:
     """The record of one finished (or failed, or abandoned) call.
 
@@ -146,7 +147,7 @@ def call_record(
     not given (the upstream service validates nothing). `output_budget`
     (the policy's calls) is stored as `params["output_budget"]`, `{"requested", "used"}`,
     beside the request's own `max_tokens` / `max_completion_tokens` (what was asked for, as
-    ever).
+    ever). `held_out`: the call's task is held out of training (`storage.held_out`).
     """
     req, headers = call.request, call.headers
     latency = time.monotonic() - call.started
@@ -191,6 +192,7 @@ def call_record(
         retrievable=call.retrievable,
         session_lane=lane.lane if lane else None,
         parent_lane=lane.parent if lane else None,
+        held_out=held_out,
     )
 
 

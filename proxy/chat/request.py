@@ -30,6 +30,7 @@ from proxy.chat.tool_formats import HERMES, ToolFormat
 from proxy.engines.base import SamplingParams
 from proxy.errors import InvalidRequestError
 from proxy.protocols.chat import ChatCompletionRequest
+from storage.held_out import Arm
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,9 @@ class PreparedChat:
     include_usage: bool
     budget: OutputBudget
     """The answer's budget: what the client asked for and what the context leaves it."""
+    held_out: Arm | None = None
+    """Its task is held out of training (`storage.held_out`), and in which arm; None: it trains
+    as usual. Set by `ChatService.prepare`."""
 
     @property
     def request(self) -> ChatCompletionRequest:

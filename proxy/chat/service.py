@@ -65,6 +65,7 @@ from proxy.protocols.chat import (
     completion_body,
     usage,
 )
+from storage.held_out import NO_HELD_OUT, HeldOutSplit
 from storage.records import CallRecord, CallStatus, ChoiceRecord
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,7 @@ class ChatService:
         max_queued_rows: int = 0,
         tool_format: str = "auto",
         background: bool = False,
+        held_out: HeldOutSplit = NO_HELD_OUT,
     ) -> None:
         self.engine = engine
         self.background = background  # its requests give way to users' (the judge's service)
@@ -150,6 +152,7 @@ class ChatService:
         self.shadow_turns = shadow_turns
         self.limits = limits
         self.max_queued_rows = max_queued_rows  # 0: no bound
+        self.held_out = held_out  # tasks kept out of training (RLPROXY_EVAL_SHARE)
         self._admissions = _Admissions()
         self._rng = random.Random()
         self._token_text: dict[int, str] = {}
@@ -166,10 +169,12 @@ class ChatService:
         Validation runs in a worker thread: tokenizing a long prompt and compiling a grammar
         never hold up the event loop (other requests, their streams, /health)."""
         prep = await self._validate(call)
+        prep.held_out = self.held_out.arm(call.owner, prep.messages, prep.tools)
         self._admit(prep)
-        if self.registry.canary is not None:  # a canary rollout: this call's version
+        if prep.held_out == "base" or self.registry.canary is not None:
+            # The evaluation's control, or a canary rollout: this call's version.
             key = conversation_key(prep.messages, prep.call.explicit_trajectory_id)
-            prep.resolved = self.registry.route(prep.resolved, key)
+            prep.resolved = self.registry.route(prep.resolved, key, held_out=prep.held_out)
         return prep
 
     def served_model(self, prep: PreparedChat) -> str:
@@ -247,6 +252,7 @@ class ChatService:
             k < 2
             or prep.n != 1
             or prep.params.temperature == 0
+            or prep.held_out is not None  # never trained on: no group to sample for
             or (
                 self.shadow_turns == "first"
                 and any(m.get("role") == "assistant" for m in prep.messages)
@@ -507,6 +513,7 @@ class ChatService:
             shadow_samples=shadow or [],
             logprobs_after_grammar=prep.grammar is not None and self.engine.logprobs_after_grammar,
             output_budget=prep.budget,
+            held_out=prep.held_out is not None,
         )
         await self.record(record)
 

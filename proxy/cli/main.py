@@ -8,6 +8,8 @@ rlproxy score [--group ID] [--pending]
 rlproxy train [--steps N]           the GRPO training loop alone (serve runs it by default)
 rlproxy status [--json]             calls, trajectories, groups, adapters, trainer and judge, from
                                     the database
+rlproxy eval [--json] [--limit N]   held-out tasks: each version's reward against the base's over
+                                    the same hours, with a 95 % interval; is it getting better?
 rlproxy keys create --name N --scope inference|admin
                                     make an API key (printed once); `keys list`, `keys revoke ID`,
                                     `keys delete-data ID`
@@ -96,6 +98,19 @@ def main(argv: list[str] | None = None) -> int:
     summary.add_argument("--data-dir", type=Path, help="data directory (RLPROXY_DATA_DIR)")
     summary.add_argument("--database-url", help="database URL (RLPROXY_DATABASE_URL)")
     summary.add_argument("--model-name", help="policy name (RLPROXY_MODEL_NAME)")
+    held_out = sub.add_parser(
+        "eval", help="is it getting better? versions against the base on held-out tasks"
+    )
+    held_out.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    held_out.add_argument(
+        "--limit",
+        type=int,
+        default=5000,
+        help="read the newest this many held-out trajectories (default 5000)",
+    )
+    held_out.add_argument("--data-dir", type=Path, help="data directory (RLPROXY_DATA_DIR)")
+    held_out.add_argument("--database-url", help="database URL (RLPROXY_DATABASE_URL)")
+    held_out.add_argument("--model-name", help="policy name (RLPROXY_MODEL_NAME)")
     keys = sub.add_parser("keys", help="create, list and revoke API keys")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     create = keys_sub.add_parser("create", help="make a key and print it (only this once)")
@@ -190,6 +205,13 @@ def main(argv: list[str] | None = None) -> int:
         from proxy.cli.status import status_command
 
         return asyncio.run(status_command(settings, as_json=args.json))
+    if args.command == "eval":
+        from proxy.cli.evaluation import eval_command
+
+        if args.limit < 1:
+            print("rlproxy eval: --limit must be at least 1", file=sys.stderr)
+            return 2
+        return asyncio.run(eval_command(settings, as_json=args.json, limit=args.limit))
     status = None if args.status == "all" else args.status
     if args.out is None:
         count = asyncio.run(export_jsonl(settings, sys.stdout, status, args.model, args.group_key))

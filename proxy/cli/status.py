@@ -10,6 +10,8 @@
     held            versions the forgetting check held back (the newest, with its reason)
     trainer         the newest version it wrote (its step metrics) and the groups waiting for it
     judge           which judge, the newest scored and failed group
+    better?         is it getting better: the newest version against the base on held-out tasks,
+                    with its 95 % interval (`rlproxy eval` for the table behind it)
     reward per version
                     mean ± standard error per adapter version (the dashboard's plot, as rows)
 
@@ -29,6 +31,7 @@ from typing import Any, TextIO
 
 from sqlalchemy.engine import make_url
 
+from proxy.adapters.evaluation import Evaluation, evaluate
 from proxy.adapters.held import held_record, shown_status
 from proxy.errors import longer_context
 from proxy.settings import EMBEDDED_CONTEXT, Settings
@@ -52,7 +55,13 @@ async def status_command(
         adapters = await store.list_adapters(settings.model_name)
         rewards = await store.reward_by_version()
         judged = await store.judge_work(since=time.time() - 3600)
-    report = build_report(settings, totals, last_hour, queue, adapters, rewards, judged)
+        evaluation = await evaluate(
+            store,
+            policy=settings.model_name,
+            reward_policy=settings.reward_policy,
+            share=settings.eval.share,
+        )
+    report = build_report(settings, totals, last_hour, queue, adapters, rewards, judged, evaluation)
     if as_json:
         print(json.dumps(report, indent=2), file=out)
     else:
@@ -68,6 +77,7 @@ def build_report(
     adapters: list[AdapterRecord],
     rewards: list[VersionReward],
     judged: JudgeWork | None = None,
+    evaluation: Evaluation | None = None,
 ) -> dict[str, Any]:
     """Everything `rlproxy status` shows, as plain JSON values."""
     activated = [a for a in adapters if a.activated_at is not None]
@@ -114,6 +124,14 @@ def build_report(
             "last_hour": None if judged is None else asdict(judged),
         },
         "reward_by_version": [asdict(r) for r in rewards],
+        "better": None
+        if evaluation is None
+        else {
+            **evaluation.headline.to_json(),
+            "share": evaluation.share,
+            "evaluated": evaluation.evaluated,
+            "left_out": evaluation.left_out,
+        },
         "waiting": asdict(queue.waiting),
         "why_not_training": [
             asdict(a) for a in why_not_training(queue.waiting, settings, judge=judged)
@@ -230,6 +248,8 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
             "the last hour; the local judge and the trainer give way to serving (GET /rl/stats "
             "for what runs now)",
         )
+    if report.get("better") is not None:
+        line("better?", report["better"]["line"])
     print_waiting(report["why_not_training"], out)
     print_rewards(report["reward_by_version"], out)
 

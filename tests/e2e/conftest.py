@@ -67,6 +67,10 @@ def start_server(
         # suites scripting a fixed reply per group do not expect; test_judge_gate.py turns
         # them on.
         "RLPROXY_JUDGE_CHECKS": "false",
+        # The held-out split keeps a share of tasks out of training and serves half of them with
+        # the base: a suite that trains on a few tasks would find one never trains. Tested by
+        # test_evaluation.py, which turns it on.
+        "RLPROXY_EVAL_SHARE": "0",
         **(env_extra or {}),
     }
     proc = subprocess.Popen(

@@ -53,12 +53,14 @@ EXPECTED: dict[str, dict[str, Any]] = {
             "session_lane str null",
             "agent_signature str null",
             "parent_trajectory_id str null",
+            "held_out bool",
         ],
         "pk": ["id"],
         "unique": [],
         "indexes": {
             "ix_trajectories_created_at_id": ["created_at", "id"],
             "ix_trajectories_owner": ["owner_key_id", "created_at", "id"],
+            "ix_trajectories_held_out": ["held_out", "created_at", "id"],
             "ix_trajectories_status_created_at_id": ["status", "created_at", "id"],
             "ix_trajectories_group_key": ["group_key"],
             "ix_trajectories_request_lookup": [
