@@ -250,16 +250,17 @@
   // --------------------------------------------------------------------------- overview
 
   async function overview() {
-    const [stats, models, judgeReport, health] = await Promise.all([
+    const [stats, models, judgeReport, health, evaluation] = await Promise.all([
       api("rl/stats"),
       api("v1/models"),
       api("rl/judge"),
       api("health", { accept: [503] }).catch(() => null),
+      api("rl/eval"),
     ]);
     const cache = (health && health.engine && health.engine.prefix_cache) || null;
     return {
-      data: { stats, models: models.data.map((m) => m.id), judge: judgeReport, cache },
-      draw: () => [drawOverview(stats, models, cache), judgePanel(judgeReport)],
+      data: { stats, models: models.data.map((m) => m.id), judge: judgeReport, cache, evaluation },
+      draw: () => [drawOverview(stats, models, cache, evaluation), judgePanel(judgeReport)],
     };
   }
 
@@ -357,7 +358,27 @@
     ], { id: "background", small: true });
   }
 
-  function drawOverview(stats, models, cache) {
+  // "Is it getting better?" (GET /rl/eval): the newest version against the base on held-out
+  // tasks, with its interval; what was evaluated and left out on hover and below.
+  function betterCard(evaluation) {
+    const head = evaluation.headline;
+    const evaluated = Object.entries(evaluation.evaluated)
+      .map(([label, n]) => `${label === "base" ? "base" : "v" + label} ${n}`)
+      .join(", ");
+    const left = Object.entries(evaluation.left_out).filter(([, n]) => n > 0);
+    const leftText = left.map(([key, n]) => `${n} ${evaluation.left_out_reasons[key]}`).join("; ");
+    return card("Is it getting better?", head.verdict, [
+      h("div", { class: "small", text: head.line }),
+      h("div", {
+        class: "small muted",
+        text: `held-out tasks (${Math.round(evaluation.share * 100)}% kept out of training): ` +
+          `evaluated ${evaluated || "none"}${left.length ? `; left out ${left.reduce((a, [, n]) => a + n, 0)}` : ""}`,
+        title: leftText,
+      }),
+    ], { id: "better", small: true });
+  }
+
+  function drawOverview(stats, models, cache, evaluation) {
     const calls = stats.calls;
     const trainer = stats.trainer;
     const judge = stats.judge;
@@ -403,6 +424,7 @@
             ? h("div", { class: "small", text: `last failure ${ago(groups.last_failed.at)}: ${groups.last_failed.failure || "?"}` })
             : null,
         ], { id: "judge", small: true }),
+        evaluation ? betterCard(evaluation) : null,
         cache ? cacheCard(cache) : null,
         stats.background ? backgroundCard(stats.background) : null,
       ),
