@@ -35,6 +35,7 @@ def start(settings: dict[str, str] | None = None, **extra: Any) -> dict[str, Any
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "settings_differing_from_defaults": dict(sorted((settings or {}).items())),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "_t0": time.monotonic(),

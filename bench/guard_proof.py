@@ -1,0 +1,294 @@
+"""The guard's proof on live traffic: each task asked once, its reward posted, on `rlproxy
+serve`'s defaults (the canary rollout on, the local trainer, scoring, publishing).
+
+The task: "Say the number N." with a fresh N for every call; the environment's reward is 1 when
+the answer holds N, else 0 (the embedded model's base gets about half right). One agent, so
+rlproxy groups the calls in cohorts (docs/concepts/groups.md) and trains on them.
+
+Scenarios (`--scenario`):
+- `burst`: the first rewards are inverted (1 - r) until the trainer has written version
+  `--burst-versions` (trained on nothing else: worse than the base), then `--calls` calls with
+  true rewards. What is measured: the share of those calls each version served, whether the
+  bad version was rolled back, and (pinned evaluation at the end) the bad version, the base and
+  what the policy name serves at the end.
+- `plain`: `--calls` calls with true rewards from the start; then the same evaluation.
+Run `plain` with the guard on (the default) and with `--guard-off` (RLPROXY_ROLLOUT=false, the
+only setting changed) to see what the guard costs a good version.
+
+Every call's served version comes from the answer's `model` (`rlproxy@N`, `rlproxy@base`). The
+rollout's decisions (calls and minutes each took), each version's wait from written to serving
+everything, and the evaluation go into `<out>/guard_<scenario>[_off]_<seed>.json`, with the
+commit, the command, the settings that differ from the defaults and the machine's load.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/guard_proof.py --scenario burst [--seed 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+import provenance  # noqa: E402
+from servers import free_port, stop, wait_healthy  # noqa: E402
+
+SYSTEM = "You are a helpful assistant. Answer briefly."
+
+
+def task(rng: random.Random, asked: set[int]) -> int:
+    while True:
+        n = rng.randint(100, 9999)
+        if n not in asked:
+            asked.add(n)
+            return n
+
+
+def reward_of(n: int, text: str) -> float:
+    return 1.0 if str(n) in text else 0.0
+
+
+class Traffic:
+    def __init__(self, url: str, rng: random.Random) -> None:
+        self.url = url
+        self.rng = rng
+        self.asked: set[int] = set()
+        self.log: list[dict[str, Any]] = []
+        self.client = httpx.AsyncClient(timeout=600)
+
+    async def ask(self, model: str, n: int) -> tuple[str, str, str]:
+        """(answer, served model, response id)."""
+        r = await self.client.post(
+            f"{self.url}/v1/chat/completions",
+            headers={"Authorization": "Bearer sk-agent"},
+            json={
+                "model": model,
+                "messages": [
+                    {"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": f"Say the number {n}."},
+                ],
+                "max_tokens": 24,
+            },
+        )
+        r.raise_for_status()
+        body = r.json()
+        return body["choices"][0]["message"]["content"] or "", body["model"], body["id"]
+
+    async def one(self, phase: str, invert: bool) -> None:
+        n = task(self.rng, self.asked)
+        started = time.time()
+        text, served, rid = await self.ask("rlproxy", n)
+        right = reward_of(n, text)
+        posted = 1.0 - right if invert else right
+        r = await self.client.post(
+            f"{self.url}/rl/trajectories/{rid}/reward",
+            json={"reward": posted, "source": "guard-proof"},
+        )
+        r.raise_for_status()
+        self.log.append(
+            {"phase": phase, "at": started, "served": served, "right": right, "posted": posted}
+        )
+
+    async def run(self, phase: str, invert: bool, calls: int | None, until: Any, workers: int):
+        """`calls` calls (or until `until()` is true), `workers` at a time."""
+        done = 0
+
+        async def worker() -> None:
+            nonlocal done
+            while True:
+                if calls is not None and done >= calls:
+                    return
+                if calls is None and await until():
+                    return
+                done += 1
+                await self.one(phase, invert)
+
+        await asyncio.gather(*(worker() for _ in range(workers)))
+
+    async def adapters(self) -> dict[str, Any]:
+        r = await self.client.get(f"{self.url}/rl/adapters")
+        r.raise_for_status()
+        return dict(r.json())
+
+    async def evaluate(self, model: str, tasks: int) -> dict[str, Any]:
+        rng = random.Random(f"eval:{model}")
+        right = []
+        sem = asyncio.Semaphore(4)
+
+        async def one() -> None:
+            async with sem:
+                n = task(rng, self.asked)
+                text, served, _ = await self.ask(model, n)
+                right.append(reward_of(n, text))
+
+        await asyncio.gather(*(one() for _ in range(tasks)))
+        mean = statistics.fmean(right)
+        se = statistics.stdev(right) / len(right) ** 0.5
+        return {"model": model, "tasks": len(right), "right": round(mean, 3), "se": round(se, 3)}
+
+
+def version_of(served: str) -> int:
+    suffix = served.rpartition("@")[2]
+    return 0 if suffix == "base" else int(suffix)
+
+
+def decisions(listing: dict[str, Any], log: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each version's rollout: its decisions with the calls (all, and the canary's) and minutes
+    from the canary's start to the decision; its wait from written to serving everything."""
+    out = []
+    for a in listing["data"]:
+        rollout = a.get("rollout") or {}
+        row: dict[str, Any] = {
+            "version": a["version"],
+            "status": a["status"],
+            "state": rollout.get("state"),
+            "created_at": a.get("created_at"),
+            "activated_at": a.get("activated_at"),
+        }
+        start = rollout.get("started_at")
+        for d in rollout.get("decisions") or []:
+            if start is None:
+                continue
+            between = [c for c in log if start <= c["at"] < d["at"]]
+            row.setdefault("decisions", []).append(
+                {
+                    "decision": d["decision"],
+                    "reason": d["reason"],
+                    "minutes": round((d["at"] - start) / 60, 2),
+                    "calls": len(between),
+                    "canary_calls": sum(version_of(c["served"]) == a["version"] for c in between),
+                    "figures": d.get("figures"),
+                }
+            )
+        if a.get("created_at") and a.get("activated_at"):
+            waited = [c for c in log if a["created_at"] <= c["at"] < a["activated_at"]]
+            row["wait_to_full_traffic"] = {
+                "minutes": round((a["activated_at"] - a["created_at"]) / 60, 2),
+                "calls": len(waited),
+            }
+        out.append(row)
+    return out
+
+
+async def main_async(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    traffic = Traffic(url, random.Random(f"guard:{args.seed}"))
+    t0 = time.time()
+    result: dict[str, Any] = {}
+    if args.scenario == "burst":
+
+        async def bad_version_written() -> bool:
+            listing = await traffic.adapters()
+            return any(a["version"] >= args.burst_versions for a in listing["data"])
+
+        await traffic.run("burst", True, None, bad_version_written, args.workers)
+        result["burst_calls"] = len(traffic.log)
+        result["burst_minutes"] = round((time.time() - t0) / 60, 2)
+        result["bad_version"] = args.burst_versions
+        print(f"burst: {len(traffic.log)} calls, version {args.burst_versions} written", flush=True)
+    t1 = time.time()
+    await traffic.run("true", False, args.calls, None, args.workers)
+    after = [c for c in traffic.log if c["phase"] == "true"]
+    served: dict[int, int] = {}
+    for c in after:
+        served[version_of(c["served"])] = served.get(version_of(c["served"]), 0) + 1
+    result["true_calls"] = len(after)
+    result["true_minutes"] = round((time.time() - t1) / 60, 2)
+    result["served_share_after_burst" if args.scenario == "burst" else "served_share"] = {
+        str(v): round(k / len(after), 3) for v, k in sorted(served.items())
+    }
+    tenth = max(1, len(after) // 10)
+    result["right_by_tenth"] = [
+        round(statistics.fmean(c["right"] for c in after[i : i + tenth]), 3)
+        for i in range(0, len(after), tenth)
+    ]
+    listing = await traffic.adapters()
+    result["serving_at_end"] = listing["rollout"] if "rollout" in listing else None
+    active = next((a["version"] for a in listing["data"] if a.get("active")), 0)
+    result["active_at_end"] = active
+    result["versions"] = decisions(listing, traffic.log)
+    print(json.dumps(result, indent=1)[:3000], flush=True)
+    evals = {"base": await traffic.evaluate("rlproxy@base", args.eval_tasks)}
+    if active:
+        evals["active_at_end"] = await traffic.evaluate(f"rlproxy@{active}", args.eval_tasks)
+    if args.scenario == "burst" and active != args.burst_versions:
+        try:  # pinned: loaded on demand, rolled back or not
+            evals["bad_version"] = await traffic.evaluate(
+                f"rlproxy@{args.burst_versions}", args.eval_tasks
+            )
+        except httpx.HTTPStatusError as exc:
+            evals["bad_version"] = {"error": exc.response.text[:500]}
+    result["evaluation"] = evals
+    result["calls"] = traffic.log
+    await traffic.client.aclose()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenario", choices=["burst", "plain"], required=True)
+    parser.add_argument("--guard-off", action="store_true")
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--burst-versions", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--eval-tasks", type=int, default=80)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--data", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = parser.parse_args()
+    settings = {"RLPROXY_ROLLOUT": "false"} if args.guard_off else {}
+    record = provenance.start(settings, scenario=args.scenario, seed=args.seed)
+    data = args.data or Path(f"/tmp/rlproxy-guard-{args.scenario}-{os.getpid()}")
+    data.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    env = {
+        **os.environ,
+        "RLPROXY_DATA_DIR": str(data),
+        "RLPROXY_MODEL_DIR": str(REPO / "rlproxy-data" / "models"),
+        "RLPROXY_PORT": str(port),
+        **settings,
+    }
+    for k in [k for k in env if k.startswith("RLPROXY_") and k not in settings]:
+        if k not in ("RLPROXY_DATA_DIR", "RLPROXY_MODEL_DIR", "RLPROXY_PORT"):
+            del env[k]  # serve's defaults, whatever the caller's shell set
+    import subprocess
+
+    log = data / "server.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy.cli", "serve"],
+            env=env,
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    stopped = None
+    result: dict[str, Any] = {}
+    try:
+        wait_healthy(f"{url}/health", proc, log, timeout_s=300)
+        result = asyncio.run(main_async(args, url))
+    except KeyboardInterrupt:
+        stopped = "interrupted by hand"
+    finally:
+        stop(proc)
+    name = f"guard_{args.scenario}{'_off' if args.guard_off else ''}_{args.seed}.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / name).write_text(
+        json.dumps({**provenance.finish(record, stopped_early=stopped), **result}, indent=1) + "\n"
+    )
+    print(f"wrote {args.out / name}")
+
+
+if __name__ == "__main__":
+    main()
