@@ -129,7 +129,7 @@ class Traffic:
         async def one() -> None:
             async with sem:
                 n = task(rng, self.asked)
-                text, served, _ = await self.ask(model, n)
+                text, _served, _ = await self.ask(model, n)
                 right.append(reward_of(n, text))
 
         await asyncio.gather(*(one() for _ in range(tasks)))
@@ -213,7 +213,7 @@ async def main_async(args: argparse.Namespace, url: str) -> dict[str, Any]:
         for i in range(0, len(after), tenth)
     ]
     listing = await traffic.adapters()
-    result["serving_at_end"] = listing["rollout"] if "rollout" in listing else None
+    result["serving_at_end"] = listing.get("rollout", None)
     active = next((a["version"] for a in listing["data"] if a.get("active")), 0)
     result["active_at_end"] = active
     result["versions"] = decisions(listing, traffic.log)

@@ -137,7 +137,8 @@ def main() -> None:
                 f"{p_old:.2f} -> {p_new:.2f}  {name[:30]:30s}  promoted {row['promoted']:.3f}  "
                 f"rolled back {row['rolled_back']:.3f}  groups {row['groups_median']:>3} "
                 f"(p90 {row['groups_p90']:>3})  conversations {row['conversations_median']:>4} "
-                f"(p90 {row['conversations_p90']:>4})  canary's {row['canary_conversations_median']:>3} "
+                f"(p90 {row['conversations_p90']:>4})  "
+                f"canary's {row['canary_conversations_median']:>3} "
                 f"(p90 {row['canary_conversations_p90']:>3})",
                 flush=True,
             )

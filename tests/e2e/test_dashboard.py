@@ -173,7 +173,7 @@ def dserver(
         # Members with explicit rewards are judged too, so a group shows both side by side.
         "RLPROXY_JUDGE_EXPLICIT_GROUPS": "true",
         "RLPROXY_PUBLISH_ADAPTERS": "true",
-        "RLPROXY_ROLLOUT": "false",  # each new version serves at once (the guard: test_rollout.py)
+        "RLPROXY_ROLLOUT": "false",  # each version serves at once (the guard: test_rollout.py)
         "RLPROXY_ADAPTER_POLL_S": "0.5",
         # The tests' random LoRA is word salad by the forgetting check's measure: it would be
         # held. This suite is about the pages; the check's: test_forgetting.py.

@@ -76,7 +76,9 @@ def test_with_no_evidence_a_canary_is_paused_at_its_budget_then_rolled_back(
         after = [_call(c, gserver, "paused")[1] for _ in range(8)]
         assert after == [0] * 8
         # no evidence came: rolled back once the wait is over
-        _wait(gserver, "version 1 rejected", lambda d: _adapter_in(d, 1).get("status") == "rejected")
+        _wait(
+            gserver, "version 1 rejected", lambda d: _adapter_in(d, 1).get("status") == "rejected"
+        )
         v1 = _adapter(gserver, 1)
         assert v1["rollout"]["state"] == "rolled_back"
         reason = v1["rollout"]["decisions"][-1]["reason"]

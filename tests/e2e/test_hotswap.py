@@ -45,7 +45,7 @@ class Answered:
 def hserver(tmp_path_factory: pytest.TempPathFactory, model_data_dir: Path) -> Iterator[Server]:
     env = {
         "RLPROXY_PUBLISH_ADAPTERS": "true",
-        "RLPROXY_ROLLOUT": "false",  # each new version serves at once (the guard: test_rollout.py)
+        "RLPROXY_ROLLOUT": "false",  # each version serves at once (the guard: test_rollout.py)
         "RLPROXY_ADAPTER_POLL_S": "0.5",
         # The tests' random LoRA is word salad by the forgetting check's measure: it would be
         # held. This suite is about swapping versions under load; the check's: test_forgetting.py.

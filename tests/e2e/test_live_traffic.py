@@ -53,7 +53,7 @@ def live_server(tmp_path_factory: pytest.TempPathFactory, model_data_dir: Path) 
         **FAST,
         "RLPROXY_TRAIN": "true",
         "RLPROXY_PUBLISH_ADAPTERS": "true",
-        "RLPROXY_ROLLOUT": "false",  # each new version serves at once (the guard: test_rollout.py)
+        "RLPROXY_ROLLOUT": "false",  # each version serves at once (the guard: test_rollout.py)
         "RLPROXY_TRAINER": json.dumps({"groups_per_step": 1, "micro_batch_size": 4}),
     }
     with own_server(tmp_path_factory.mktemp("live-data"), model_data_dir, env) as server:

@@ -32,7 +32,7 @@ def nserver(tmp_path_factory: pytest.TempPathFactory, model_data_dir: Path) -> I
         "RLPROXY_SCORING_INTERVAL_S": "1",
         "RLPROXY_TRAIN": "true",
         "RLPROXY_PUBLISH_ADAPTERS": "true",
-        "RLPROXY_ROLLOUT": "false",  # each new version serves at once (the guard: test_rollout.py)
+        "RLPROXY_ROLLOUT": "false",  # each version serves at once (the guard: test_rollout.py)
         "RLPROXY_TRAIN_POLL_S": "1",
         "RLPROXY_ADAPTER_POLL_S": "1",
         "RLPROXY_GROUP_MIN_SIZE": str(RUNS),

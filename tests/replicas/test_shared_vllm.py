@@ -45,7 +45,7 @@ def shared(
             "RLPROXY_VLLM_URLS": json.dumps([vllm.url]),
             "RLPROXY_VLLM_HEALTH_INTERVAL_S": "0.5",
             "RLPROXY_PUBLISH_ADAPTERS": "true",
-            "RLPROXY_ROLLOUT": "false",  # each new version serves at once (the guard: test_rollout.py)
+            "RLPROXY_ROLLOUT": "false",  # each version serves at once (the guard: test_rollout.py)
             "RLPROXY_ADAPTER_POLL_S": "0.5",
             "RLPROXY_LEASE_S": "3",
         }

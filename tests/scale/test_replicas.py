@@ -64,7 +64,7 @@ def pair(
         "RLPROXY_SCORING": "true",
         "RLPROXY_SCORING_INTERVAL_S": "1",
         "RLPROXY_PUBLISH_ADAPTERS": "true",
-        "RLPROXY_ROLLOUT": "false",  # each new version serves at once (the guard: test_rollout.py)
+        "RLPROXY_ROLLOUT": "false",  # each version serves at once (the guard: test_rollout.py)
         "RLPROXY_ADAPTER_POLL_S": "1",
         "RLPROXY_GROUP_MIN_SIZE": "4",
         "RLPROXY_TRAIN": "true",

@@ -46,7 +46,7 @@ def server(
     env = {
         "RLPROXY_TRAIN": "true",
         "RLPROXY_PUBLISH_ADAPTERS": "true",
-        "RLPROXY_ROLLOUT": "false",  # each new version serves at once (the guard: test_rollout.py)
+        "RLPROXY_ROLLOUT": "false",  # each version serves at once (the guard: test_rollout.py)
         "RLPROXY_SCORING": "true",
         "RLPROXY_SCORING_INTERVAL_S": "1",
         "RLPROXY_TRAIN_POLL_S": "1",

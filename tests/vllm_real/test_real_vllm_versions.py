@@ -50,7 +50,7 @@ def server(
 ) -> Iterator[Server]:
     env = {
         "RLPROXY_PUBLISH_ADAPTERS": "true",
-        "RLPROXY_ROLLOUT": "false",  # each new version serves at once (the guard: test_rollout.py)
+        "RLPROXY_ROLLOUT": "false",  # each version serves at once (the guard: test_rollout.py)
         "RLPROXY_ADAPTER_POLL_S": "0.5",
         "RLPROXY_KEEP_ADAPTERS": "1",
     }
