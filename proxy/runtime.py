@@ -25,6 +25,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.adapters.closeness import ClosenessCheck
 from proxy.adapters.deployment import (
     LeaseKeeper,
     SharedVersions,
@@ -351,6 +352,7 @@ async def _serve(
         forgetting=None
         if forgetting is None
         else ForgettingCheck(engine, rendered_by(chat), forgetting),
+        closeness=ClosenessCheck(engine, store),
     )
     served = Served(engine, registry, chat, adapters, publisher)
     if settings.publish_adapters:

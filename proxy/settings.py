@@ -461,6 +461,16 @@ class RolloutSettings(Concern):
         description="A canary paused at its call budget is decided once no new evidence has "
         "come for this long (rolled back if it has too little to show it is not harmful).",
     )
+    close_budget: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description="Promote a canary at once, before any reward, when its answers are provably "
+        "close to the active version's on the newest trajectories it served: the bound on how "
+        "much worse it can be (total variation from the KL of the two versions' answers, "
+        "Pinsker), plus that of the versions promoted this way since the last reward-tested "
+        "one, is within this many reward units. Local engine only; 0: always wait for rewards.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RolloutSettings:

@@ -14,7 +14,9 @@ Only calls the policy served count (`POLICY_ENGINES`: the local or the vllm engi
 Bounded: the newest `limit` groups scored since `since`, each read by its indexed id.
 
 `calls_served` counts the calls a version served since a time (a canary's call budget), over
-the calls made since then (`ix_calls_created_at`).
+the calls made since then (`ix_calls_created_at`); `recent_trajectories` names the newest
+trajectories a version served whole (the prompts a canary's closeness is measured on), reading
+at most `scan` of the newest calls.
 Callers go through `storage.store.Store`; nothing else should import this module.
 """
 
@@ -132,3 +134,28 @@ async def calls_served(conn: AsyncConnection, *, version: int, since: float) -> 
         )
     )
     return int(count or 0)
+
+
+async def recent_trajectories(
+    conn: AsyncConnection, *, version: int, since: float, limit: int, scan: int = 2000
+) -> list[str]:
+    """The newest `limit` trajectories (newest first) among the newest `scan` policy calls since
+    `since` whose every call there was served by adapter `version` (0: the base model)."""
+    rows = (
+        await conn.execute(
+            select(C.c.trajectory_id, func.coalesce(C.c.adapter_version, 0).label("version"))
+            .where(C.c.created_at >= since, C.c.engine.in_(POLICY_ENGINES))
+            .order_by(C.c.created_at.desc())
+            .limit(scan)
+        )
+    ).all()
+    order: list[str] = []
+    versions: dict[str, set[int]] = {}
+    for r in rows:
+        if r.trajectory_id is None:
+            continue
+        if r.trajectory_id not in versions:
+            order.append(r.trajectory_id)
+            versions[r.trajectory_id] = set()
+        versions[r.trajectory_id].add(int(r.version))
+    return [t for t in order if versions[t] == {version}][:limit]

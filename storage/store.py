@@ -522,6 +522,14 @@ class Store:
         async with self._engines.read.connect() as conn:
             return await rollout.calls_served(conn, version=version, since=since)
 
+    async def recent_trajectories(self, *, version: int, since: float, limit: int) -> list[str]:
+        """The newest `limit` trajectories adapter `version` (0: the base model) served whole
+        since `since`, newest first (a canary's closeness is measured on their calls)."""
+        async with self._engines.read.connect() as conn:
+            return await rollout.recent_trajectories(
+                conn, version=version, since=since, limit=limit
+            )
+
     async def trajectory_of_completion(self, completion_id: str) -> str | None:
         """The trajectory of the call that returned this `chatcmpl-...` id, if any."""
         async with self._engines.read.connect() as conn:

@@ -48,6 +48,7 @@ import asyncio
 import logging
 import time
 
+from proxy.adapters.closeness import ClosenessCheck
 from proxy.adapters.deployment import LeaseKeeper, SharedVersions, publisher_lease_name
 from proxy.adapters.forgetting import ForgettingCheck
 from proxy.adapters.held import HELD, held_rollout
@@ -72,17 +73,24 @@ class Publisher:
         lease_s: float | None = None,
         shared: SharedVersions | None = None,
         forgetting: ForgettingCheck | None = None,
+        closeness: ClosenessCheck | None = None,
     ) -> None:
         """`lease_s`: hold the publisher lease (as `replica_id`) to publish and decide; None:
         always publish (one replica alone). `shared`: write this replica's heartbeat.
-        `forgetting`: check each new version against the base before it serves (None: off)."""
+        `forgetting`: check each new version against the base before it serves (None: off).
+        `closeness`: with a rollout, promote a canary provably close to the active version at
+        once (`proxy.adapters.closeness`; None: every canary waits for rewards)."""
         self.adapters = adapters
         self.forgetting = forgetting
         self.store = store
         self.policy = adapters.registry.policy
         self.replica_id = replica_id
         self._seen: set[int] = set()
-        self.rollout = None if rollout is None else Rollout(adapters, store, rollout, self._note)
+        self.rollout = (
+            None
+            if rollout is None
+            else Rollout(adapters, store, rollout, self._note, closeness=closeness)
+        )
         self.lease = (
             None
             if lease_s is None

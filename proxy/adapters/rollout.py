@@ -18,7 +18,14 @@ What it does, in order (driven by `proxy.adapters.publisher.Publisher.check`):
    - wait: the latest figures are kept when they changed.
    Every decision is kept in the version's `rollout.decisions` with its figures (`GET
    /rl/adapters`).
-3. The harm a canary can do is bounded by design: it serves `share` of the conversations, and
+3. Before any reward comes, the canary's closeness to the active version is measured on the
+   newest trajectories the active version served (`proxy.adapters.closeness`: how far the two
+   versions' answer distributions can be apart there, so how much worse in reward the canary
+   can be). When that bound, plus the bounds of the versions promoted this way since the last
+   version a reward test decided (its `drift`), is within `close_budget`, the canary is promoted
+   at once; otherwise it waits for the reward test. Measured once per canary, again every
+   `close_retry_s` while the active version has served too few episodes to measure on.
+4. The harm a canary can do is bounded by design: it serves `share` of the conversations, and
    at most `max_calls` calls. At that budget it is paused (share 0: no new conversations; those
    on it stay) and the test goes on with the evidence of what it served; once no new evidence
    has come for `evidence_wait_s`, the test's budget rule decides (the likelier of "harmful" and
@@ -49,6 +56,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from proxy.adapters.closeness import ClosenessCheck
 from proxy.adapters.manager import AdapterManager
 from proxy.adapters.rollout_stats import Comparison, RolloutTest, at_budget, compare
 from storage.store import Store
@@ -73,6 +81,9 @@ class RolloutConfig:
     """The most calls the canary serves on trial; then it is paused (see the module)."""
     evidence_wait_s: float = 600.0
     """Paused: decide once no new evidence has come for this long."""
+    close_budget: float = 0.1
+    """Promote at once when the closeness bound plus the drift stays within this (0: never)."""
+    close_retry_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.share < 1.0:
@@ -98,6 +109,7 @@ def rollout_config(settings: RolloutSettings, reward_policy: str) -> RolloutConf
         reward_policy=reward_policy,
         max_calls=settings.max_calls,
         evidence_wait_s=settings.evidence_wait_s,
+        close_budget=settings.close_budget,
     )
 
 
@@ -112,6 +124,10 @@ class _Trial:
     groups_seen: int = 0
     evidence_at: float = 0.0
     """When the last new mixed group came in (paused: the wait counts from here)."""
+    closeness_at: float | None = None
+    """When closeness was last tried (None: not yet)."""
+    closeness_done: bool = False
+    """Measured and not close enough: the reward test decides."""
 
 
 class Rollout:
@@ -121,6 +137,7 @@ class Rollout:
         store: Store,
         config: RolloutConfig,
         note: Callable[..., Awaitable[None]],
+        closeness: ClosenessCheck | None = None,
     ) -> None:
         """`note(version, **changes)` writes a version's row, creating it if the trainer has
         not recorded it yet (`Publisher._note`)."""
@@ -128,6 +145,8 @@ class Rollout:
         self.store = store
         self.config = config
         self._note = note
+        self.closeness = closeness
+        """Measures a canary's closeness to the active version (None or unsupported: never)."""
         self.registry = adapters.registry
         self.policy = adapters.registry.policy
         self._trial: _Trial | None = None
@@ -223,6 +242,8 @@ class Rollout:
         if canary is None or canary.version != trial.version:
             await self._finish(trial, "abandoned", None, "the active version was changed by hand")
             return None
+        if await self._close_enough(trial):
+            return None
         old, new = trial.baseline or 0, trial.version
         pairs = await self.store.paired_rewards(old=old, new=new, since=trial.started_at)
         evidence = [version_rewards(p.members, old, new, self.config.reward_policy) for p in pairs]
@@ -255,6 +276,55 @@ class Rollout:
             trial.state["latest"] = figures
             await self._write(trial.version, rollout=trial.state)
         return result
+
+    async def _close_enough(self, trial: _Trial) -> bool:
+        """Promote the canary if it is provably close to the active version (see the module);
+        True when it was promoted."""
+        check, budget = self.closeness, self.config.close_budget
+        if check is None or not check.supported or budget <= 0 or trial.closeness_done:
+            return False
+        now = time.time()
+        if trial.closeness_at is not None and now - trial.closeness_at < self.config.close_retry_s:
+            return False
+        trial.closeness_at = now
+        drift = await self._drift(trial.baseline)
+        try:
+            measured = await check.measure(trial.baseline, trial.version, since=now - 3600.0)
+        except Exception:
+            logger.exception("adapter %d: closeness not measured", trial.version)
+            trial.closeness_done = True
+            return False
+        figures = {**measured.to_dict(), "drift_before": round(drift, 6), "budget": budget}
+        trial.state["closeness"] = figures
+        if measured.bound is None:
+            await self._write(trial.version, rollout=trial.state)
+            return False  # too few episodes yet: tried again later
+        trial.closeness_done = True
+        if drift + measured.bound > budget:
+            figures["verdict"] = "not close enough: the reward test decides"
+            await self._write(trial.version, rollout=trial.state)
+            return False
+        figures["verdict"] = "close"
+        if not self.may_write() or not await self._state(trial, trial.version):
+            return False  # the next poll follows whatever changed
+        await self.adapters.activate(trial.version)
+        trial.state["drift"] = round(drift + measured.bound, 6)
+        reason = (
+            f"close to {trial.baseline or 'the base model'}: {measured.reason}; with the drift "
+            f"since the last reward-tested version, {drift + measured.bound:.3f} <= {budget:g}"
+        )
+        await self._finish(trial, "promoted", None, reason)
+        return True
+
+    async def _drift(self, active: int | None) -> float:
+        """How far the active version may be from the last version a reward test (or nothing:
+        the base) decided: the closeness bounds of the promotions since, summed."""
+        if not active:
+            return 0.0
+        for record in await self.store.list_adapters(self.policy):
+            if record.version == active:
+                return float((record.rollout or {}).get("drift") or 0.0)
+        return 0.0
 
     async def _budget(self, trial: _Trial, result: Comparison) -> Comparison:
         """The call budget: pause the canary once it has served `max_calls` calls; paused, and

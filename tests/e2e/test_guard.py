@@ -7,6 +7,10 @@ as it is for a team with no rewards and an untrusted judge, whose scores the jud
   the active version (here the base model), and the pause is recorded.
 - Paused, with no evidence for RLPROXY_ROLLOUT_EVIDENCE_WAIT_S, it is rolled back and rejected,
   saying why (nothing showed it is not harmful); the base keeps serving everything.
+- A version provably close to the active one on the traffic it served (`proxy.adapters.
+  closeness`: a LoRA scaled down to almost nothing) is promoted at once, with no reward: the
+  bound and its figures are in its rollout record. The word-salad LoRA measures far from it and
+  waits for rewards.
 
 The promote and roll-back decisions on evidence: tests/e2e/test_rollout.py (a scripted judge);
 the test's arithmetic: tests/proxy/test_rollout_stats.py.
@@ -86,3 +90,45 @@ def test_with_no_evidence_a_canary_is_paused_at_its_budget_then_rolled_back(
         assert "rolled back" in v1["error"]
         assert _listing(gserver)["rollout"]["canary"] is None
         assert [_call(c, gserver, "end")[1] for _ in range(4)] == [0] * 4
+
+
+def test_a_version_close_to_the_active_one_is_promoted_at_once(
+    gserver: Server, tmp_path_factory: pytest.TempPathFactory, model_data_dir: Path
+) -> None:
+    # the base served every call of the test above (temperature 1): episodes to measure on
+    close = tmp_path_factory.mktemp("close") / "lora"
+    write_random_lora(model_data_dir, close, scale=0.02)
+    _publish(gserver, close, 2, parent=0)
+    listing = _wait(
+        gserver,
+        "version 2 promoted",
+        lambda d: (_adapter_in(d, 2).get("rollout") or {}).get("state") == "promoted",
+    )
+    v2 = _adapter_in(listing, 2)
+    assert v2["active"] is True
+    rollout = v2["rollout"]
+    assert rollout["state"] == "promoted"
+    assert "close to the base model" in rollout["decisions"][-1]["reason"]
+    closeness = rollout["closeness"]
+    assert closeness["verdict"] == "close" and closeness["episodes"] >= 4
+    assert 0.0 < closeness["bound"] <= closeness["budget"] == 0.1
+    assert rollout["drift"] == pytest.approx(closeness["bound"], abs=1e-6)
+    with OpenAI(base_url=gserver.base_url, api_key="sk-test", max_retries=0, timeout=300) as c:
+        assert [_call(c, gserver, "after")[1] for _ in range(4)] == [2] * 4
+
+
+def test_a_version_far_from_the_active_one_waits_for_rewards(gserver: Server, lora: Path) -> None:
+    # version 2 served the last four calls above, whole: episodes to measure the word salad on
+    _publish(gserver, lora, 3, parent=2)
+    listing = _wait(
+        gserver,
+        "version 3 measured",
+        lambda d: ((_adapter_in(d, 3).get("rollout") or {}).get("closeness") or {}).get("verdict"),
+    )
+    v3 = _adapter_in(listing, 3)
+    closeness = v3["rollout"]["closeness"]
+    assert closeness["verdict"] == "not close enough: the reward test decides"
+    assert closeness["bound"] > 0.5 and closeness["drift_before"] == pytest.approx(
+        _adapter(gserver, 2)["rollout"]["drift"]
+    )
+    assert v3["rollout"]["state"] == "canary" and listing["rollout"]["canary"] == 3
