@@ -221,13 +221,16 @@ async def main_async(args: argparse.Namespace, url: str) -> dict[str, Any]:
     evals = {"base": await traffic.evaluate("rlproxy@base", args.eval_tasks)}
     if active:
         evals["active_at_end"] = await traffic.evaluate(f"rlproxy@{active}", args.eval_tasks)
-    if args.scenario == "burst" and active != args.burst_versions:
-        try:  # pinned: loaded on demand, rolled back or not
-            evals["bad_version"] = await traffic.evaluate(
-                f"rlproxy@{args.burst_versions}", args.eval_tasks
-            )
-        except httpx.HTTPStatusError as exc:
-            evals["bad_version"] = {"error": exc.response.text[:500]}
+    if args.scenario == "burst":  # every version, pinned (loaded on demand, rolled back or not)
+        for a in listing["data"]:
+            if a["version"] == active:
+                continue
+            try:
+                evals[f"version_{a['version']}"] = await traffic.evaluate(
+                    f"rlproxy@{a['version']}", args.eval_tasks
+                )
+            except httpx.HTTPStatusError as exc:
+                evals[f"version_{a['version']}"] = {"error": exc.response.text[:300]}
     result["evaluation"] = evals
     result["calls"] = traffic.log
     await traffic.client.aclose()

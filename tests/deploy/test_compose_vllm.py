@@ -65,6 +65,9 @@ RLPROXY_ENV = {
     "RLPROXY_TRAIN_POLL_S": "1",
     "RLPROXY_ADAPTER_POLL_S": "1",
     "RLPROXY_GROUP_MIN_SIZE": "4",
+    # each trained version serves at once: the guard (tests/e2e/test_guard.py) would wait for
+    # rewards on vLLM, and this stack posts none
+    "RLPROXY_ROLLOUT": "false",
     "RLPROXY_TRAINER": json.dumps({"groups_per_step": 1, "micro_batch_size": 4}),
 }
 

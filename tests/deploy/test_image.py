@@ -94,6 +94,9 @@ def box(cpu_image: BuiltImage) -> Box:
         # held); publishing is tested here, the check in tests/e2e/test_forgetting.py.
         "-e",
         "RLPROXY_FORGETTING_CHECK=false",
+        # and it serves at once: the guard would keep it on canary (tests/e2e/test_guard.py)
+        "-e",
+        "RLPROXY_ROLLOUT=false",
         cpu_image.ref,
     )
     b = Box(cpu_image, name, volume, port, f"http://127.0.0.1:{port}", volume_path(volume))
