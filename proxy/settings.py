@@ -23,7 +23,7 @@ import difflib
 import ipaddress
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -39,6 +39,7 @@ from trainer.config import TrainerConfig
 if TYPE_CHECKING:
     from storage.grouping import SignatureGrouper
     from trainer.scoring import JudgeChecksConfig, ScoringConfig
+    from trainer.scoring.canaries import CanaryKind
 
 EMBEDDED_DEFAULT_MAX_TOKENS = 512
 """The budget of a request that sends none on the embedded SmolLM2-135M (`default_max_tokens`)."""
@@ -231,10 +232,18 @@ class JudgeChecksSettings(Concern):
         default=0.2,
         ge=0,
         le=1,
-        description="Share of judged groups that get one extra synthetic member known to be bad "
-        "(empty, a refusal, another task's answer, an answer cut in half), never trained on. The "
-        "check passes only when the judge scores it strictly below the group's median (a tie "
-        "fails).",
+        description="Share of judged groups that get one extra synthetic member made from a real "
+        "one and no better than it, never trained on. The check is pairwise: it passes when the "
+        "judge scores the canary at or below the member it was made from, and fails above it or "
+        "when every score is the same.",
+    )
+    canary_kinds: str = Field(
+        default="declined",
+        description="Canary kinds drawn in rotation, comma-separated: declined (the task answered "
+        "with a refusal, no tool call: no better than any attempt under every reward met so "
+        "far), empty, refusal, copied, truncated (each replaces only the final answer: right "
+        "only where a complete final answer is what is judged; an empty reply beats a wordy "
+        "wrong one under a reward that pays for brevity).",
     )
     position_share: float = Field(
         default=0.1,
@@ -253,19 +262,27 @@ class JudgeChecksSettings(Concern):
         ge=1,
         description="Checks of a kind (canaries, re-orderings) before it can decide.",
     )
+    gate_max_checks: int = Field(
+        default=60,
+        ge=1,
+        description="Checks of a kind at which it decides by its point estimate when its 95% "
+        "bounds have not: every kind decides within this many checks.",
+    )
     gate_min_canary_pass: float = Field(
-        default=0.8,
+        default=0.7,
         ge=0,
         le=1,
-        description="Canary pass rate a judge needs: held when the 95% Wilson upper bound of its "
-        "rate is below this.",
+        description="Canary pass rate a judge needs (a judge right on a share p of pairs passes "
+        "about p of them, a coin flip half): held when the 95% Wilson upper bound of its rate "
+        "is below this, passed when the lower bound reaches it.",
     )
     gate_min_self_tau: float = Field(
-        default=0.5,
+        default=0.25,
         ge=-1,
         le=1,
-        description="Mean Kendall's tau between two orderings a judge needs: held when its 95% "
-        "upper bound (mean + 1.96 standard errors) is below this.",
+        description="Mean Kendall's tau between two orderings a judge needs (about (2p - 1)^2 at "
+        "pair accuracy p: 0.25 is p = 0.75): held when its 95% upper bound (mean + 1.96 "
+        "standard errors) is below this, passed when the lower bound reaches it.",
     )
     gate_window: int = Field(
         default=200, ge=1, description="Newest checks per judge model and rubric the gate reads."
@@ -277,9 +294,10 @@ class JudgeChecksSettings(Concern):
         "are judged again once the judge passes. Off: a judge trains from its first group.",
     )
     gate_hold_undecided: bool = Field(
-        default=False,
-        description="Also hold scores while a kind with enough checks cannot decide (its 95% "
-        "bounds straddle the threshold). Off: such a judge trains.",
+        default=True,
+        description="Also hold scores while a kind with enough checks cannot decide yet (its "
+        "95% bounds straddle the threshold; it decides by RLPROXY_JUDGE_GATE_MAX_CHECKS). "
+        "Off: such a judge trains.",
     )
     drift_window: int = Field(
         default=50,
@@ -305,6 +323,24 @@ class JudgeChecksSettings(Concern):
         "of before count as collapsed.",
     )
 
+    @field_validator("canary_kinds")
+    @classmethod
+    def _known_kinds(cls, value: str) -> str:
+        from trainer.scoring.canaries import KINDS
+
+        kinds = [k.strip() for k in value.split(",") if k.strip()]
+        unknown = [k for k in kinds if k not in KINDS]
+        if not kinds or unknown:
+            raise ValueError(
+                f"RLPROXY_JUDGE_CANARY_KINDS must list one or more of {', '.join(KINDS)}"
+                + (f"; unknown: {', '.join(unknown)}" if unknown else "")
+            )
+        return ",".join(kinds)
+
+    def canary_kind_list(self) -> tuple[CanaryKind, ...]:
+        """RLPROXY_JUDGE_CANARY_KINDS as the kinds (checked when the settings were read)."""
+        return cast("tuple[CanaryKind, ...]", tuple(k for k in self.canary_kinds.split(",") if k))
+
     def config(self) -> JudgeChecksConfig | None:
         """The judge checks' configuration; None when they are off."""
         from trainer.scoring import JudgeChecksConfig
@@ -313,9 +349,11 @@ class JudgeChecksSettings(Concern):
             return None
         return JudgeChecksConfig(
             canary_share=self.canary_share,
+            canary_kinds=self.canary_kind_list(),
             position_share=self.position_share,
             gate=self.gate,
             min_checks=self.gate_min_checks,
+            max_checks=self.gate_max_checks,
             min_canary_pass=self.gate_min_canary_pass,
             min_self_tau=self.gate_min_self_tau,
             window=self.gate_window,

@@ -2,14 +2,17 @@
 
 Every group the judge scores gets one `JudgeCheckRecord`, stored with its scores:
 
-- canary (a share of groups, `canary_share`): one synthetic member known to be bad
-  (`trainer.scoring.canaries`) is judged with the group, never stored as a member. The check
-  passes only when the judge scores it strictly below the median of the real members' scores.
-  A tie with the median fails: a judge that cannot rank an empty answer or a refusal below real
-  answers has not told them apart (a judge that gives every member and the canary one same
-  score fails every canary check, and the gate can hold it). Each check's outcome against the
-  median, "below", "tie" or "above", follows from its stored canary score and median;
-  `/rl/judge` counts them (`canary.outcomes`).
+- canary (a share of groups, `canary_share`): one synthetic member made from a real one, its
+  source, and no better than it (`trainer.scoring.canaries`; by default `declined`: the source's
+  task answered with a refusal and nothing else) is judged with the group, never stored as a
+  member. The check is pairwise: it passes when the judge scores the canary at or below its
+  source ("below" or "tie") and fails when above it ("above"), or when the judge gave every
+  member and the canary one same score ("flat": it ordered nothing, so it told nothing apart;
+  the 135M base judge does this). A tie with the source passes because the premise is "no
+  better", not "worse": a task whose reward ignores the final words (the lookup agent's) scores
+  a refusal as its source. A judge right on a share p of pairs passes about p of these checks,
+  a coin flip half. The check's reference score is stored in `canary_median` (the column's
+  older meaning, the real members' median, holds for checks stored before the pairwise rule).
 - position (a share of groups, `position_share`): the group is judged a second time with its
   members in reverse order; Kendall's tau-b between the two scorings is kept. The first scoring
   is the one stored; the second call's tokens and cost are added to the group's.
@@ -17,24 +20,29 @@ Every group the judge scores gets one `JudgeCheckRecord`, stored with its scores
   Kendall's tau-b between the two (per group; `/rl/judge` aggregates them per rubric and day).
 - mean reward and completion lengths of the group, for the drift alarm.
 
-Checks are front-loaded: while a judge and rubric has fewer than `min_checks` checks of a kind
-(in its newest `window`), every group it judges gets that kind, whatever the share; from then on
-the shares apply. A new judge is checked on its first `min_checks` groups (about twice the judge
-calls there), not on its first `min_checks / share` (100 groups at a 20 % share).
+Checks are front-loaded: while a kind of check has not decided for a judge and rubric (fewer
+than `min_checks`, or its bounds straddle the threshold, up to `max_checks` checks of the kind in
+its newest `window`), every group it judges gets that kind, whatever the share; from then on the
+shares apply. Front-loading stops for good once a judge and rubric has
+`FRONT_LOAD_LIMIT` x `max_checks` checks stored.
 
-The gate, per judge model and rubric, over its newest `window` checks (95 % bounds):
+The gate, per judge model and rubric, over its newest `window` checks (95 % bounds). Each kind
+decides alone, with a bounded number of checks:
 
-- canary pass rate: with at least `min_checks` canaries, the judge FAILS when the upper Wilson
-  bound of its pass rate is below `min_canary_pass`, PASSES when the lower bound is at or above
-  it, and is UNDECIDED in between or with fewer canaries;
-- self-agreement: with at least `min_checks` position checks, FAILS when mean tau + 1.96 standard
-  errors is below `min_self_tau`, PASSES when mean tau - 1.96 standard errors is at or above it;
+- canary pass rate: with at least `min_checks` canaries, the kind FAILS when the upper Wilson
+  bound of its pass rate is below `min_canary_pass` and PASSES when the lower bound is at or
+  above it; at `max_checks` canaries it decides by the rate itself (at or above: pass). Below
+  `min_checks`, or in between, it is UNDECIDED;
+- self-agreement: the same with mean Kendall's tau-b ± 1.96 standard errors against
+  `min_self_tau` (at `max_checks` re-orderings, the mean decides). For a judge whose two
+  scorings err independently, tau is about (2p - 1)^2 at pair accuracy p: 0.64 at p = 0.9, 0
+  for a coin flip; 0.25 is p = 0.75;
 - a kind whose share is 0 is off: it never decides and never holds;
 - scores are held (the group becomes "held", never trained on) when either fails; while either
-  has fewer than `min_checks` checks and `hold_unchecked` is set (the default: nothing a judge
-  scores trains before its checks can decide, and a coin-flip judge is held from its first
-  group); and when either is undecided with enough checks and `hold_undecided` is set.
-  Otherwise they train.
+  has fewer than `min_checks` checks and `hold_unchecked` is set; and while either is undecided
+  with more and `hold_undecided` is set (both the defaults: a judge trains once both pass, and
+  a coin-flip judge is held from its first group). Otherwise they train.
+  bench/judge_gate_sim.py measures this rule's error rates and checks to a decision.
 
 The decision is taken for each group as it is scored, counting that group's own check. Held scores
 stay stored and visible. When the gate of a judge and rubric no longer holds (the judge has
@@ -63,7 +71,7 @@ from typing import Any, Literal
 from storage.records import GroupDetail, JudgeCheckRecord
 from storage.store import Store
 from trainer.scoring import judge_stats as st
-from trainer.scoring.canaries import KINDS, final_text, insert_canary
+from trainer.scoring.canaries import DEFAULT_KINDS, KINDS, CanaryKind, final_text, insert_canary
 from trainer.scoring.rewards import pick_reward
 from trainer.scoring.ruler import (
     Judge,
@@ -79,24 +87,35 @@ logger = logging.getLogger(__name__)
 MIN_DRIFT_CANARIES = 5
 """Canary checks each half of the drift window needs before a fall in pass rate counts."""
 
-FRONT_LOAD_LIMIT = 3
-"""Front-loading ends once a judge and rubric has this many times `min_checks` checks stored."""
+FRONT_LOAD_LIMIT = 2
+"""Front-loading ends once a judge and rubric has this many times `max_checks` checks stored, so a
+judge whose re-orderings never give a tau (it scores every member alike) does not pay two calls
+a group for ever."""
+
+CanaryOutcome = Literal["below", "tie", "above", "flat"]
+"""A canary against its source: at or below it passes, above it or one score for all fails."""
 
 
 @dataclass
 class JudgeChecksConfig:
     canary_share: float = 0.2
     """Share of judged groups that get one canary member."""
+    canary_kinds: tuple[CanaryKind, ...] = DEFAULT_KINDS
+    """The canary kinds drawn, in rotation (`trainer.scoring.canaries`)."""
     position_share: float = 0.1
     """Share of judged groups judged a second time, members in reverse order."""
     gate: bool = True
     """Hold (never train on) scores from a judge that fails its checks."""
     min_checks: int = 20
     """Checks of a kind (canaries, position checks) before that kind can decide."""
-    min_canary_pass: float = 0.8
-    """The canary pass rate a judge must reach."""
-    min_self_tau: float = 0.5
-    """The mean Kendall's tau between a group's two orderings a judge must reach."""
+    max_checks: int = 60
+    """Checks of a kind at which it decides by its point estimate if its bounds have not."""
+    min_canary_pass: float = 0.7
+    """The canary pass rate a judge must reach (a judge right on a share p of pairs passes
+    about p of its canaries; a coin flip half)."""
+    min_self_tau: float = 0.25
+    """The mean Kendall's tau between a group's two orderings a judge must reach (about
+    (2p - 1)^2 for pair accuracy p: 0.25 is p = 0.75)."""
     window: int = 200
     """Newest checks per judge model and rubric that the gate and the figures read."""
     hold_unchecked: bool = True
@@ -104,9 +123,9 @@ class JudgeChecksConfig:
     scores train only once its checks can decide. Front-loading makes that its first
     `min_checks` judged groups; the groups held then are judged again once the gate lets the
     judge train (`release_recovered`)."""
-    hold_undecided: bool = False
+    hold_undecided: bool = True
     """Also hold scores while a kind with `min_checks` checks or more has too little evidence to
-    decide (its 95 % bounds straddle the threshold)."""
+    decide (its 95 % bounds straddle the threshold); it decides by `max_checks` at the latest."""
     drift_window: int = 50
     """Groups in each half of the drift alarm's comparison."""
     drift_reward_rise: float = 0.1
@@ -130,9 +149,17 @@ class JudgeChecksConfig:
         for name in ("min_checks", "window", "drift_window", "requeue_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
-        if self.window < self.min_checks:
+        if self.max_checks < self.min_checks:
             raise ValueError(
-                f"window ({self.window}) must hold at least min_checks ({self.min_checks}) checks"
+                f"max_checks ({self.max_checks}) must be at least min_checks ({self.min_checks})"
+            )
+        if self.window < self.max_checks:
+            raise ValueError(
+                f"window ({self.window}) must hold at least max_checks ({self.max_checks}) checks"
+            )
+        if not self.canary_kinds or not set(self.canary_kinds) <= set(KINDS):
+            raise ValueError(
+                f"canary_kinds must be one or more of {', '.join(KINDS)}, not {self.canary_kinds}"
             )
 
 
@@ -152,8 +179,8 @@ class CanaryFigures:
     verdict: Verdict
     by_kind: dict[str, dict[str, int]] = field(default_factory=dict)  # kind -> checks, passed
     outcomes: dict[str, int] = field(default_factory=dict)
-    """Checks per outcome of the canary's score against the real members' median: "below"
-    (passed), "tie" or "above" (failed)."""
+    """Checks per outcome of the canary's score against its source's: "below" or "tie" (passed),
+    "above" or "flat" (failed)."""
 
 
 @dataclass
@@ -188,19 +215,17 @@ def canary_figures(checks: Sequence[JudgeCheckRecord], config: JudgeChecksConfig
     passed = sum(1 for c in done if c.canary_passed)
     low, high = st.wilson_interval(passed, len(done))
     verdict: Verdict = "off" if config.canary_share == 0 else "undecided"
-    if verdict != "off" and len(done) >= config.min_checks:
-        if high < config.min_canary_pass:
-            verdict = "fail"
-        elif low >= config.min_canary_pass:
-            verdict = "pass"
+    if verdict != "off":
+        rate = passed / len(done) if done else None
+        verdict = _verdict(len(done), rate, low, high, config.min_canary_pass, config)
     by_kind: dict[str, dict[str, int]] = {}
     for c in done:
         entry = by_kind.setdefault(c.canary_kind or "?", {"checks": 0, "passed": 0})
         entry["checks"] += 1
         entry["passed"] += int(bool(c.canary_passed))
-    outcomes = {"below": 0, "tie": 0, "above": 0}
+    outcomes = {"below": 0, "tie": 0, "above": 0, "flat": 0}
     for c in done:
-        if (outcome := canary_outcome(c.canary_score, c.canary_median)) is not None:
+        if outcome := canary_outcome(c.canary_score, c.canary_median, c.canary_passed):
             outcomes[outcome] += 1
     return CanaryFigures(
         checks=len(done),
@@ -214,12 +239,49 @@ def canary_figures(checks: Sequence[JudgeCheckRecord], config: JudgeChecksConfig
     )
 
 
-def canary_outcome(score: float | None, median: float | None) -> str | None:
-    """Where a canary's score lies against the real members' median: "below" (the check
-    passes), "tie" or "above" (it fails); None when either is unknown."""
-    if score is None or median is None:
+def _verdict(
+    n: int,
+    estimate: float | None,
+    low: float,
+    high: float,
+    threshold: float,
+    config: JudgeChecksConfig,
+) -> Verdict:
+    """One kind's verdict from its `n` checks, its estimate and 95 % bounds (module docstring)."""
+    if n < config.min_checks or estimate is None:
+        return "undecided"
+    if high < threshold:
+        return "fail"
+    if low >= threshold:
+        return "pass"
+    if n >= config.max_checks:
+        return "pass" if estimate >= threshold else "fail"
+    return "undecided"
+
+
+def judge_canary(
+    canary_score: float, source_score: float, scores: Sequence[float]
+) -> CanaryOutcome:
+    """The pairwise canary check: where the judge put the canary against the real member it was
+    made from. `scores`: every score of that judging, the canary's included. "flat" when they are
+    all one score (the judge ordered nothing); else "below", "tie" (both pass) or "above"."""
+    if len(set(scores)) <= 1:
+        return "flat"
+    if canary_score < source_score:
+        return "below"
+    return "tie" if canary_score == source_score else "above"
+
+
+def canary_outcome(
+    score: float | None, reference: float | None, passed: bool | None = None
+) -> CanaryOutcome | None:
+    """A stored check's outcome from its canary score, its reference score (the source's) and
+    whether it passed: an equal score that failed was "flat". None when a score is unknown."""
+    if score is None or reference is None:
         return None
-    return "below" if score < median else "tie" if score == median else "above"
+    if score == reference:
+        return "flat" if passed is False else "tie"
+    return "below" if score < reference else "above"
 
 
 def agreement_figures(
@@ -228,14 +290,10 @@ def agreement_figures(
     taus = [c.position_tau for c in checks if c.position_tau is not None]
     interval = st.mean_interval(taus)
     verdict: Verdict = "off" if config.position_share == 0 else "undecided"
-    if verdict != "off" and interval is not None and len(taus) >= config.min_checks:
-        if interval[2] < config.min_self_tau:
-            verdict = "fail"
-        elif interval[1] >= config.min_self_tau:
-            verdict = "pass"
+    if verdict != "off" and interval is not None:
+        verdict = _verdict(len(taus), *interval, config.min_self_tau, config)
     if interval is None:
-        mean = taus[0] if taus else None
-        return AgreementFigures(len(taus), mean, None, None, verdict)
+        return AgreementFigures(len(taus), taus[0] if taus else None, None, None, verdict)
     return AgreementFigures(len(taus), interval[0], interval[1], interval[2], verdict)
 
 
@@ -272,25 +330,22 @@ def gate_decision(checks: Sequence[JudgeCheckRecord], config: JudgeChecksConfig)
     undecided: list[str] = []
     if canary.verdict == "fail":
         failing.append(
-            f"canary pass rate {canary.passed}/{canary.checks} = {canary.pass_rate:.2f}, its 95% "
-            f"upper bound {canary.high:.2f} is below {config.min_canary_pass:g}"
+            f"canary pass rate {canary.passed}/{canary.checks} = {canary.pass_rate:.2f} "
+            f"[{canary.low:.2f}, {canary.high:.2f}] is below {config.min_canary_pass:g}"
         )
     elif canary.verdict == "undecided":
         (unchecked if canary.checks < config.min_checks else undecided).append(
-            f"canaries {canary.passed}/{canary.checks} passed (needs {config.min_checks} checks "
-            f"and a 95% bound clear of {config.min_canary_pass:g})"
+            _canary_progress(canary, config)
         )
     if agreement.verdict == "fail":
         failing.append(
             f"self-agreement mean tau {agreement.mean_tau:.2f} over {agreement.checks} "
-            f"re-orderings, its 95% upper bound {agreement.high:.2f} is below "
+            f"re-orderings{_bounds(agreement.low, agreement.high)} is below "
             f"{config.min_self_tau:g}"
         )
     elif agreement.verdict == "undecided":
-        tau = "-" if agreement.mean_tau is None else f"{agreement.mean_tau:.2f}"
         (unchecked if agreement.checks < config.min_checks else undecided).append(
-            f"self-agreement mean tau {tau} over {agreement.checks} re-orderings (needs "
-            f"{config.min_checks} and a 95% bound clear of {config.min_self_tau:g})"
+            _agreement_progress(agreement, config)
         )
     decision: Literal["train", "held"] = "train"
     reason = None
@@ -305,10 +360,34 @@ def gate_decision(checks: Sequence[JudgeCheckRecord], config: JudgeChecksConfig)
             or (bool(undecided) and config.hold_undecided)
         )
         decision = "held" if held else "train"
-        reason = ("judge not proven yet: " if held else "undecided: ") + "; ".join(
+        reason = ("judge not proven yet, being proven: " if held else "undecided: ") + "; ".join(
             unchecked + undecided
         )
     return GateDecision(decision, reason, canary, agreement, environment, len(checks))
+
+
+def _bounds(low: float | None, high: float | None) -> str:
+    return "" if low is None or high is None else f" [{low:.2f}, {high:.2f}]"
+
+
+def _canary_progress(canary: CanaryFigures, config: JudgeChecksConfig) -> str:
+    """E.g. "canaries: 12 of 20 checks, pass rate 0.83 [0.55, 0.95] (needs a bound clear of
+    0.7; decides by 60 at the latest)"."""
+    rate = "-" if canary.pass_rate is None else f"{canary.pass_rate:.2f}"
+    return (
+        f"canaries: {canary.checks} of {config.min_checks} checks, pass rate {rate}"
+        f"{_bounds(canary.low, canary.high) if canary.checks else ''} (needs a 95% bound clear "
+        f"of {config.min_canary_pass:g}; decides by {config.max_checks} at the latest)"
+    )
+
+
+def _agreement_progress(agreement: AgreementFigures, config: JudgeChecksConfig) -> str:
+    tau = "-" if agreement.mean_tau is None else f"{agreement.mean_tau:.2f}"
+    return (
+        f"self-agreement: {agreement.checks} of {config.min_checks} re-orderings, mean tau {tau}"
+        f"{_bounds(agreement.low, agreement.high)} (needs a 95% bound clear of "
+        f"{config.min_self_tau:g}; decides by {config.max_checks} at the latest)"
+    )
 
 
 @dataclass
@@ -369,19 +448,22 @@ def drift_report(
     return DriftReport(True, reason, recent, earlier)
 
 
-def front_loading_counts(
+def front_loaded(
     stored: Sequence[JudgeCheckRecord], config: JudgeChecksConfig
-) -> tuple[int, int]:
-    """The canary and position checks among `stored` that front-loading counts.
-
-    Front-loading stops at `FRONT_LOAD_LIMIT` x `min_checks` checks of any kind, so a judge whose
-    re-orderings never give a tau (it scores every member alike) does not pay two calls a group
-    for ever."""
-    if len(stored) >= FRONT_LOAD_LIMIT * config.min_checks:
-        return config.min_checks, config.min_checks
-    canaries = sum(1 for c in stored if c.canary_passed is not None)
-    positions = sum(1 for c in stored if c.position_tau is not None)
-    return canaries, positions
+) -> tuple[bool, bool]:
+    """Whether the next group gets a canary and a re-ordering whatever the shares: while that
+    kind has not decided over `stored` (this judge and rubric's newest checks) and has fewer than
+    `max_checks` checks. Front-loading stops for good at `FRONT_LOAD_LIMIT` x `max_checks`
+    checks stored, so a judge whose re-orderings never give a tau (it scores every member
+    alike) does not pay two calls a group for ever."""
+    if len(stored) >= FRONT_LOAD_LIMIT * config.max_checks:
+        return False, False
+    canary = canary_figures(stored, config)
+    agreement = agreement_figures(stored, config)
+    return (
+        canary.verdict == "undecided" and canary.checks < config.max_checks,
+        agreement.verdict == "undecided" and agreement.checks < config.max_checks,
+    )
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
@@ -434,18 +516,20 @@ class JudgeChecker:
             canary_share = 1.0 if canary_share > 0 else 0.0
             position_share = 1.0 if position_share > 0 else 0.0
         if stored is not None:
-            canaries, positions = front_loading_counts(stored, config)
-            if canary_share > 0 and canaries < config.min_checks:
+            canaries, positions = front_loaded(stored, config)
+            if canary_share > 0 and canaries:
                 canary_share = 1.0
-            if position_share > 0 and positions < config.min_checks:
+            if position_share > 0 and positions:
                 position_share = 1.0
         members = list(group.members)
         canary = None
         if self._rng.random() < canary_share:
-            kinds = [KINDS[(self._next_kind + i) % len(KINDS)] for i in range(len(KINDS))]
+            rotation = config.canary_kinds
+            n = len(rotation)
+            kinds = [rotation[(self._next_kind + i) % n] for i in range(n)]
             canary = insert_canary(members, kinds, self._rng, self._other_answer(group))
             if canary is not None:
-                self._next_kind = (KINDS.index(canary.kind) + 1) % len(KINDS)
+                self._next_kind = (rotation.index(canary.kind) + 1) % n
                 members.insert(canary.position, canary.member)
         reorder = len(members) >= 2 and self._rng.random() < position_share
         self._remember(group)
@@ -468,14 +552,13 @@ class JudgeChecker:
             canary_score = next(
                 s.score for s in first.scores if s.member_id == canary.member.member_id
             )
-            middle = st.median(list(real.values()))
+            source_score = real[canary.source_id]
+            outcome = judge_canary(canary_score, source_score, [s.score for s in first.scores])
             check.canary_kind = canary.kind
             check.canary_member_id = canary.member.member_id
             check.canary_score = canary_score
-            check.canary_median = middle
-            # Only strictly below the median passes: a tie (one score for everything, the
-            # canary included, among others) has not told the canary from a real answer.
-            check.canary_passed = canary_outcome(canary_score, middle) == "below"
+            check.canary_median = source_score  # the reference: the source's score
+            check.canary_passed = outcome in ("below", "tie")
         if second is not None and second.status == "scored":
             again = {s.member_id: s.score for s in second.scores}
             ids = [s.member_id for s in first.scores]

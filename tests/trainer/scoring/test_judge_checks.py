@@ -22,7 +22,13 @@ from storage.grouping import SignatureGrouper
 from trainer.config import TrainerConfig
 from trainer.loop import TrainingLoop
 from trainer.scoring.canaries import REFUSAL, insert_canary, make_canary
-from trainer.scoring.judge_checks import JudgeChecksConfig, drift_report, gate_decision
+from trainer.scoring.judge_checks import (
+    JudgeChecksConfig,
+    drift_report,
+    front_loaded,
+    gate_decision,
+    judge_canary,
+)
 from trainer.scoring.ruler import JudgeMember, JudgeReply
 from trainer.scoring.scoring import Scorer, ScoringConfig
 
@@ -40,9 +46,15 @@ def check(**fields: Any) -> JudgeCheckRecord:
 
 
 CONFIG = JudgeChecksConfig(
-    min_checks=20, min_canary_pass=0.8, min_self_tau=0.5, hold_unchecked=False
+    min_checks=20,
+    min_canary_pass=0.8,
+    min_self_tau=0.5,
+    hold_unchecked=False,
+    hold_undecided=False,
+    max_checks=200,
 )
-"""The gate's thresholds, holding nothing for want of checks: the tests of one kind's verdict."""
+"""Thresholds of the earlier rule, holding nothing for want of checks or evidence and never
+deciding by the point estimate: the tests of one kind's verdict by its bounds."""
 
 
 # ----------------------------------------------------------------------------- canaries
@@ -84,7 +96,7 @@ def test_a_kind_that_cannot_be_made_gives_way_to_the_next() -> None:
 def test_too_few_canaries_cannot_decide() -> None:
     gate = gate_decision([check(canary_passed=False, canary_kind="empty")] * 19, CONFIG)
     assert gate.canary.verdict == "undecided" and gate.decision == "train"
-    assert gate.reason is not None and "0/19" in gate.reason
+    assert gate.reason is not None and "canaries: 19 of 20 checks, pass rate 0.00" in gate.reason
 
 
 def test_by_default_a_judge_is_held_until_each_kind_of_check_can_decide() -> None:
@@ -92,7 +104,7 @@ def test_by_default_a_judge_is_held_until_each_kind_of_check_can_decide() -> Non
     passing = [check(canary_passed=True, position_tau=1.0)] * 19
     gate = gate_decision(passing, config)
     assert gate.decision == "held" and (gate.reason or "").startswith("judge not proven yet")
-    assert "19/19" in (gate.reason or "")
+    assert "canaries: 19 of 20 checks, pass rate 1.00" in (gate.reason or "")
     # The 20th check of each kind decides: every re-ordering agreed, canaries 20/20 pass.
     assert gate_decision([*passing, passing[0]], config).decision == "train"
     # Canaries alone are not enough while re-orderings are on and have not reached 20.
@@ -122,7 +134,7 @@ def test_between_the_bounds_the_gate_trains_unless_told_to_hold_undecided() -> N
     # 18 of 20: bounds (0.70, 0.97) straddle 0.8
     rows = [check(canary_passed=i < 18) for i in range(20)]
     assert gate_decision(rows, CONFIG).decision == "train"
-    strict = JudgeChecksConfig(min_checks=20, hold_undecided=True)
+    strict = JudgeChecksConfig(min_checks=20, min_canary_pass=0.8, hold_undecided=True)
     gate = gate_decision(rows, strict)
     assert gate.decision == "held" and gate.reason and gate.reason.startswith("judge not proven")
 
@@ -152,7 +164,7 @@ def test_with_the_gate_off_a_failing_judge_still_trains_and_says_so() -> None:
 def test_only_the_newest_window_counts() -> None:
     old_failures = [check(canary_passed=False)] * 30
     newer_passes = [check(canary_passed=True)] * 30
-    config = JudgeChecksConfig(min_checks=20, window=30, hold_unchecked=False)
+    config = JudgeChecksConfig(min_checks=20, max_checks=30, window=30, hold_unchecked=False)
     assert gate_decision([*newer_passes, *old_failures], config).decision == "train"
     assert gate_decision([*old_failures, *newer_passes], config).decision == "held"
 
@@ -315,8 +327,10 @@ async def store(tmp_path: Path) -> AsyncIterator[Store]:
 
 def _scorer(store: Store, judge: RuleJudge, **checks: Any) -> Scorer:
     """A scorer with checks; unless `checks` says otherwise it does not hold a judge for want of
-    checks (the tests of front-loading and the default hold say so)."""
-    config = JudgeChecksConfig(seed=3, **{"hold_unchecked": False, **checks})
+    checks or of evidence (the tests of front-loading and the default hold say so)."""
+    config = JudgeChecksConfig(
+        seed=3, **{"hold_unchecked": False, "hold_undecided": False, **checks}
+    )
     return Scorer(store, judge, ScoringConfig(checks=config))
 
 
@@ -341,9 +355,11 @@ async def test_a_canary_is_judged_but_never_stored_or_trained_on(store: Store) -
     member_ids = {m.member_id for m in detail.members}
     assert len(member_ids) == 3 and all(m.ruler is not None for m in detail.members)
     (row,) = await store.checks_of_judge("rule-judge", detail.summary.rubric_hash or "")
-    assert row.canary_kind == "empty" and row.canary_passed is True
+    assert row.canary_kind == "declined" and row.canary_passed is True
+    assert judge.seen[0].count(REFUSAL) == 1  # the task answered with a refusal
     assert row.canary_member_id not in member_ids and row.canary_score == 0.0
-    assert row.canary_median == pytest.approx(0.6) and row.decision == "train"
+    # The reference is the score of the member it was made from: one of 0.5, 0.6, 0.7.
+    assert row.canary_median in (0.5, 0.6, 0.7) and row.decision == "train"
     assert row.mean_reward == pytest.approx(0.6) and row.completion_tokens_mean == 3.0
     read = await _trainers_read(store)
     assert [g for g, _ in read] == [gid]
@@ -355,11 +371,21 @@ async def test_a_judge_preferring_canaries_is_held_and_released_once_it_recovers
     store: Store,
 ) -> None:
     bad = RuleJudge(prefers_canaries)
-    scorer = _scorer(store, bad, canary_share=1.0, position_share=0.0, min_checks=3, window=3)
+    scorer = _scorer(
+        store,
+        bad,
+        canary_share=1.0,
+        canary_kinds=("empty", "refusal", "copied", "truncated"),
+        position_share=0.0,
+        min_checks=3,
+        max_checks=3,
+        min_canary_pass=0.6,
+        window=3,
+    )
     groups = [await _ready_group(store, n) for n in range(4)]
     details = [await scorer.score(g) for g in groups]
     statuses = [d.summary.status if d else None for d in details]
-    # 0/1, 0/2: too few to decide; at 0/3 the Wilson upper bound (0.56) is below 0.8
+    # 0/1, 0/2: too few to decide; at 0/3 the Wilson upper bound (0.56) is below 0.6
     assert statuses == ["scored", "scored", "held", "held"]
     held = details[3]
     assert held is not None and held.summary.hold_reason is not None
@@ -377,7 +403,7 @@ async def test_a_judge_preferring_canaries_is_held_and_released_once_it_recovers
     honest_judge = RuleJudge(honest)
     scorer.judge = honest_judge
     recovering = [await scorer.score(await _ready_group(store, n)) for n in range(4, 7)]
-    # 1/3 in the window: upper bound 0.79, still held; 2/3 and 3/3: undecided, trained on.
+    # At max_checks (3) the rate decides: 1/3 in the window fails, 2/3 and 3/3 reach 0.6.
     assert [d.summary.status if d else None for d in recovering] == ["held", "scored", "scored"]
     first = recovering[0]
     assert first is not None
@@ -397,18 +423,22 @@ async def test_a_judge_preferring_canaries_is_held_and_released_once_it_recovers
 async def test_a_judge_scoring_everything_alike_fails_its_canaries_and_is_held(
     store: Store,
 ) -> None:
-    # Like the 135M base judge: one score for every member and the canary. A tie with the
-    # median has not told the canary from a real answer: each such check fails.
+    # Like the 135M base judge: one score for every member and the canary. It ordered nothing,
+    # so it told the canary from nothing: each such check fails ("flat"), though the canary
+    # ties its source.
     flat = RuleJudge(lambda answers, _: [0.0] * len(answers), "flat")
-    scorer = _scorer(store, flat, canary_share=1.0, position_share=0.0, min_checks=3, window=3)
+    scorer = _scorer(
+        store, flat, canary_share=1.0, position_share=0.0, min_checks=3, max_checks=3, window=3
+    )
     details = [await scorer.score(await _ready_group(store, n)) for n in range(3)]
     assert [d.summary.status if d else None for d in details] == ["scored", "scored", "held"]
     rows = await store.checks_of_judge("flat", details[0].summary.rubric_hash or "")  # type: ignore[union-attr]
     assert [(r.canary_score, r.canary_median, r.canary_passed) for r in rows] == [
         (0.0, 0.0, False)
     ] * 3
-    gate = gate_decision(rows, JudgeChecksConfig(min_checks=3, window=3))
-    assert gate.decision == "held" and gate.canary.outcomes == {"below": 0, "tie": 3, "above": 0}
+    gate = gate_decision(rows, JudgeChecksConfig(min_checks=3, max_checks=3, window=3))
+    outcomes = {"below": 0, "tie": 0, "above": 0, "flat": 3}
+    assert gate.decision == "held" and gate.canary.outcomes == outcomes
     assert gate.canary.checks == 3 and gate.canary.passed == 0
 
 
@@ -417,9 +447,9 @@ async def test_checks_are_front_loaded_and_a_new_judge_trains_only_once_they_dec
     store: Store,
 ) -> None:
     # The default shares (a canary in 20 % of groups, a re-ordering in 10 %) and hold; 3 checks
-    # of each kind decide here. An honest judge: every canary below the median, tau 1.
+    # of each kind decide here. An honest judge: every canary below its source, tau 1.
     judge = RuleJudge(honest)
-    scorer = _scorer(store, judge, min_checks=3, hold_unchecked=True)
+    scorer = _scorer(store, judge, min_checks=3, max_checks=3, hold_unchecked=True)
     first = [await scorer.score(await _ready_group(store, n)) for n in range(3)]
     # Each of the first three groups got a canary (4 answers) and a second, reversed call.
     assert [len(answers) for answers in judge.seen] == [4] * 6
@@ -446,7 +476,7 @@ async def test_checks_are_front_loaded_and_a_new_judge_trains_only_once_they_dec
 async def test_a_coin_flip_judge_never_trains_on_the_defaults(store: Store) -> None:
     rng = random.Random(5)
     coin = RuleJudge(lambda answers, _: [rng.random() for _ in answers], "coin")
-    scorer = _scorer(store, coin, hold_unchecked=True)  # the default thresholds: 20 checks
+    scorer = _scorer(store, coin, hold_unchecked=True, hold_undecided=True)  # the defaults
     details = [await scorer.score(await _ready_group(store, n)) for n in range(30)]
     assert {d.summary.status if d else None for d in details} == {"held"}
     reasons = [d.summary.hold_reason or "" for d in details if d]
@@ -457,35 +487,41 @@ async def test_a_coin_flip_judge_never_trains_on_the_defaults(store: Store) -> N
 
 
 @pytest.mark.asyncio(loop_scope="session")
-async def test_a_canary_tied_with_the_median_fails_and_below_it_passes(store: Store) -> None:
-    def middling(answers: list[str], prompt: str) -> list[float]:
-        """Real answers 0.5, 0.6, 0.7; the canary gets the median (0.6) on task 0, 0.3 after."""
-        canary = 0.6 if "Task 0:" in prompt else 0.3
-        return [canary if _is_bad(a, answers, prompt) else honest([a], prompt)[0] for a in answers]
+async def test_a_canary_is_checked_against_the_member_it_was_made_from(store: Store) -> None:
+    def fixed(answers: list[str], prompt: str) -> list[float]:
+        """Real answers 0.5, 0.6, 0.7; the canary always 0.6."""
+        return [0.6 if _is_bad(a, answers, prompt) else honest([a], prompt)[0] for a in answers]
 
-    scorer = _scorer(store, RuleJudge(middling, "middling"), canary_share=1.0, position_share=0)
-    tied = await scorer.score(await _ready_group(store, 0))
-    below = await scorer.score(await _ready_group(store, 1))
-    assert tied is not None and below is not None
-    rows = await store.checks_of_judge("middling", tied.summary.rubric_hash or "")
-    by_group = {r.group_id: r for r in rows}
-    t, b = by_group[tied.id], by_group[below.id]
-    assert (t.canary_score, t.canary_median, t.canary_passed) == (0.6, pytest.approx(0.6), False)
-    assert (b.canary_score, b.canary_median, b.canary_passed) == (0.3, pytest.approx(0.6), True)
-    figures = gate_decision(rows, CONFIG).canary
-    assert figures.outcomes == {"below": 1, "tie": 1, "above": 0} and figures.passed == 1
+    scorer = _scorer(store, RuleJudge(fixed, "fixed"), canary_share=1.0, position_share=0)
+    details = [await scorer.score(await _ready_group(store, n)) for n in range(12)]
+    rows = await store.checks_of_judge("fixed", details[0].summary.rubric_hash or "")  # type: ignore[union-attr]
+    assert len(rows) == 12
+    for r in rows:  # above a source of 0.5 fails; a tie with 0.6 and below 0.7 pass
+        assert r.canary_score == 0.6 and r.canary_median in (0.5, 0.6, 0.7)
+        assert r.canary_passed is (r.canary_median >= 0.6)
+    outcomes = gate_decision(rows, CONFIG).canary.outcomes
+    assert outcomes["flat"] == 0 and outcomes["below"] and outcomes["tie"] and outcomes["above"]
 
 
-def test_canary_outcomes_are_counted_against_the_median() -> None:
+def test_the_pairwise_canary_check_on_hand_made_scores() -> None:
+    # (canary, its source, every score of the judging): at or below passes, above fails, and one
+    # score for everything is "flat" (fails), even though the canary ties its source there.
+    assert judge_canary(0.1, 0.4, [0.1, 0.4, 0.9]) == "below"
+    assert judge_canary(0.4, 0.4, [0.4, 0.4, 0.9]) == "tie"
+    assert judge_canary(0.5, 0.4, [0.5, 0.4, 0.0]) == "above"
+    assert judge_canary(0.3, 0.3, [0.3, 0.3, 0.3]) == "flat"
+
+
+def test_canary_outcomes_are_counted_against_the_source() -> None:
     rows = [
         check(canary_score=0.0, canary_median=0.5, canary_passed=True),
-        check(canary_score=0.5, canary_median=0.5, canary_passed=False),
+        check(canary_score=0.5, canary_median=0.5, canary_passed=True),
         check(canary_score=0.9, canary_median=0.5, canary_passed=False),
         check(canary_score=0.0, canary_median=0.0, canary_passed=False),
     ]
     figures = gate_decision(rows, CONFIG).canary
-    assert figures.outcomes == {"below": 1, "tie": 2, "above": 1}
-    assert (figures.checks, figures.passed) == (4, 1)
+    assert figures.outcomes == {"below": 1, "tie": 1, "above": 1, "flat": 1}
+    assert (figures.checks, figures.passed) == (4, 2)
 
 
 @pytest.mark.asyncio(loop_scope="session")
@@ -531,3 +567,76 @@ async def test_agreement_with_the_environment_is_kept(store: Store) -> None:
     assert row.env_spearman == pytest.approx(0.5)
     assert row.env_kendall == pytest.approx(1 / 3)
     assert row.mean_reward == pytest.approx(0.5)  # explicit rewards win under "explicit"
+
+
+# ----------------------------------------------------------------------------- the defaults
+
+
+def test_a_declined_canary_is_the_task_answered_with_a_refusal_and_nothing_else() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "find", "arguments": "{}"}}
+    agent = JudgeMember(
+        "a",
+        [
+            {"role": "system", "content": "You look things up."},
+            {"role": "user", "content": "What is the number of the code of tulip?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "K7"},
+            {"role": "assistant", "content": "It is 41."},
+        ],
+        [{"type": "function", "function": {"name": "find"}}],
+    )
+    canary = insert_canary([agent], ["declined"], random.Random(0))
+    assert canary is not None and canary.kind == "declined" and canary.source_id == "a"
+    assert canary.member.messages == [
+        *agent.messages[:2],
+        {"role": "assistant", "content": REFUSAL},
+    ]
+    assert canary.member.tools == agent.tools and canary.member.member_id != "a"
+
+
+def test_on_the_defaults_a_kind_decides_within_max_checks() -> None:
+    config = JudgeChecksConfig()  # 20 to 60 checks, canaries 0.7, tau 0.25, hold undecided
+    assert (config.min_checks, config.max_checks) == (20, 60)
+    taus = [check(position_tau=0.9 if i % 2 else 0.5) for i in range(60)]  # passes at once
+    # 17 of 20 canaries: Wilson (0.64, 0.95) straddles 0.7: being proven, held, with progress.
+    rows = [check(canary_passed=i % 20 < 17) for i in range(20)]
+    gate = gate_decision([*rows, *taus], config)
+    assert gate.canary.verdict == "undecided" and gate.decision == "held"
+    assert gate.reason is not None and gate.reason.startswith("judge not proven yet")
+    assert "canaries: 20 of 20 checks, pass rate 0.85 [0.64, 0.95]" in gate.reason
+    # 44 of 60 (0.73): Wilson (0.61, 0.83) still straddles 0.7, but 60 checks decide by the rate.
+    rows = [check(canary_passed=i < 44) for i in range(60)]
+    assert gate_decision([*rows, *taus], config).canary.verdict == "pass"
+    rows = [check(canary_passed=i < 41) for i in range(60)]  # 0.68
+    assert gate_decision([*rows, *taus], config).canary.verdict == "fail"
+    # A coin flip's 8 of 20: upper bound 0.62 < 0.7, failed at the 20th check.
+    rows = [check(canary_passed=i < 8) for i in range(20)]
+    gate = gate_decision([*rows, *taus], config)
+    assert gate.canary.verdict == "fail" and gate.decision == "held"
+    assert "canary pass rate 8/20 = 0.40 [0.22, 0.61] is below 0.7" in (gate.reason or "")
+
+
+def test_self_agreement_decides_against_a_quarter() -> None:
+    config = JudgeChecksConfig(canary_share=0.0)
+    # A 90 % judge: two calls agree on a pair with probability 0.82, tau about 0.64.
+    good = [check(position_tau=1.0 if i % 3 else 0.0) for i in range(24)]  # mean 0.67
+    assert gate_decision(good, config).self_agreement.verdict == "pass"
+    coin = [check(position_tau=0.3 if i % 2 else -0.3) for i in range(20)]  # mean 0
+    assert gate_decision(coin, config).self_agreement.verdict == "fail"
+
+
+def test_an_undecided_kind_stays_front_loaded_until_it_decides_or_reaches_max_checks() -> None:
+    config = JudgeChecksConfig()
+    undecided = [check(canary_passed=i % 20 < 17, position_tau=1.0) for i in range(20)]
+    assert front_loaded(undecided, config) == (True, False)  # re-orderings passed at 20
+    assert front_loaded([*undecided] * 3, config) == (False, False)  # 60 canaries: decided
+    assert front_loaded([check()] * 120, config) == (False, False)  # stops for good at 2 x 60
+
+
+def test_the_checks_configuration_refuses_a_rule_that_cannot_decide() -> None:
+    with pytest.raises(ValueError, match="max_checks"):
+        JudgeChecksConfig(min_checks=30, max_checks=20)
+    with pytest.raises(ValueError, match="window"):
+        JudgeChecksConfig(max_checks=60, window=50)
+    with pytest.raises(ValueError, match="canary_kinds"):
+        JudgeChecksConfig(canary_kinds=())
