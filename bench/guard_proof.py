@@ -232,6 +232,8 @@ async def main_async(args: argparse.Namespace, url: str) -> dict[str, Any]:
             except httpx.HTTPStatusError as exc:
                 evals[f"version_{a['version']}"] = {"error": exc.response.text[:300]}
     result["evaluation"] = evals
+    r = await traffic.client.get(f"{url}/rl/eval")  # the held-out evaluation, as served
+    result["held_out_evaluation"] = r.json() if r.status_code == 200 else {"error": r.text[:300]}
     result["calls"] = traffic.log
     await traffic.client.aclose()
     return result

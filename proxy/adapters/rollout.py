@@ -172,6 +172,7 @@ class Rollout:
         now = time.time()
         started_at = now
         decisions: list[dict[str, Any]] = []
+        paused: dict[str, Any] = {}
         if (
             previous
             and previous.get("state") == "canary"
@@ -179,6 +180,8 @@ class Rollout:
         ):
             started_at = float(previous.get("started_at") or now)
             decisions = list(previous.get("decisions") or [])
+            if previous.get("paused_at"):  # it spent its call budget before the restart
+                paused = {k: previous.get(k) for k in ("paused_at", "paused_after_calls")}
         # Only the canary is written, and only over the baseline read above: an activation
         # made meanwhile on another replica holds.
         if not self.may_write():
@@ -189,7 +192,7 @@ class Rollout:
             by=self.replica_id,
             expect={"active_version": baseline or 0},
             canary_version=version,
-            canary_share=self.config.share,
+            canary_share=0.0 if paused else self.config.share,
         ):
             logger.info(
                 "adapter %d not put on canary: the active version changed while it loaded",
@@ -209,16 +212,18 @@ class Rollout:
             },
             "latest": None,
             "decisions": decisions,
+            **paused,
         }
         self._trial = _Trial(version, baseline, started_at, state, evidence_at=now)
-        if previous and started_at != now and previous.get("paused_at"):
-            self._trial.paused_at = float(previous["paused_at"])
-            state["paused_at"] = self._trial.paused_at
+        if paused:
+            self._trial.paused_at = float(paused["paused_at"])
         self._last = None
         await self._write(version, status="loaded", loaded_at=now, rollout=state)
         # the split starts once the version's record says so: a listing that shows the canary
         # always finds its rollout state
         self.registry.start_canary(version, self.config.share)
+        if paused:
+            self.registry.pause_canary()
         logger.info(
             "adapter %d on canary: %.0f%% of %s's traffic, compared with %s",
             version,
