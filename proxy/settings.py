@@ -38,8 +38,7 @@ from trainer.config import TrainerConfig
 
 if TYPE_CHECKING:
     from storage.grouping import SignatureGrouper
-    from trainer.scoring import JudgeChecksConfig, ScoringConfig
-    from trainer.scoring.canaries import CanaryKind
+    from trainer.scoring import CanaryKind, JudgeChecksConfig, ScoringConfig
 
 EMBEDDED_DEFAULT_MAX_TOKENS = 512
 """The budget of a request that sends none on the embedded SmolLM2-135M (`default_max_tokens`)."""
@@ -326,13 +325,13 @@ class JudgeChecksSettings(Concern):
     @field_validator("canary_kinds")
     @classmethod
     def _known_kinds(cls, value: str) -> str:
-        from trainer.scoring.canaries import KINDS
+        from trainer.scoring import CANARY_KINDS
 
         kinds = [k.strip() for k in value.split(",") if k.strip()]
-        unknown = [k for k in kinds if k not in KINDS]
+        unknown = [k for k in kinds if k not in CANARY_KINDS]
         if not kinds or unknown:
             raise ValueError(
-                f"RLPROXY_JUDGE_CANARY_KINDS must list one or more of {', '.join(KINDS)}"
+                f"RLPROXY_JUDGE_CANARY_KINDS must list one or more of {', '.join(CANARY_KINDS)}"
                 + (f"; unknown: {', '.join(unknown)}" if unknown else "")
             )
         return ",".join(kinds)

@@ -38,6 +38,8 @@ from proxy.settings import EMBEDDED_CONTEXT, Settings
 from proxy.telemetry.waiting import why_not_training
 from storage.records import AdapterRecord
 from storage.stats import GroupQueue, JudgeWork, Totals, VersionReward
+from storage.store import Store
+from trainer.scoring import gate_decision
 
 LABEL = 14
 
@@ -61,12 +63,38 @@ async def status_command(
             reward_policy=settings.reward_policy,
             share=settings.eval.share,
         )
-    report = build_report(settings, totals, last_hour, queue, adapters, rewards, judged, evaluation)
+        gates = await judge_gates(store, settings)
+    report = build_report(
+        settings, totals, last_hour, queue, adapters, rewards, judged, evaluation, gates
+    )
     if as_json:
         print(json.dumps(report, indent=2), file=out)
     else:
         print_report(report, out)
     return 0
+
+
+async def judge_gates(store: Store, settings: Settings) -> list[dict[str, Any]]:
+    """The gate of each judge model and rubric among the newest checks (`GET /rl/judge`'s
+    `gate`): its decision and reason; while a judge is being proven the reason says how far."""
+    config = settings.judge_checks.config()
+    if config is None:
+        return []
+    newest = await store.newest_judge_checks(limit=config.window)
+    gates = []
+    for model, rubric in sorted({(c.judge_model, c.rubric_hash) for c in newest}):
+        checks = await store.checks_of_judge(model, rubric, limit=config.window)
+        gate = gate_decision(checks, config)
+        gates.append(
+            {
+                "judge_model": model,
+                "rubric_hash": rubric,
+                "decision": gate.decision,
+                "reason": gate.reason,
+                "checks": gate.checks,
+            }
+        )
+    return gates
 
 
 def build_report(
@@ -78,6 +106,7 @@ def build_report(
     rewards: list[VersionReward],
     judged: JudgeWork | None = None,
     evaluation: Evaluation | None = None,
+    gates: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Everything `rlproxy status` shows, as plain JSON values."""
     activated = [a for a in adapters if a.activated_at is not None]
@@ -122,6 +151,7 @@ def build_report(
             "last_scored": None if queue.last_scored is None else asdict(queue.last_scored),
             "last_failed": None if queue.last_failed is None else asdict(queue.last_failed),
             "last_hour": None if judged is None else asdict(judged),
+            "gates": gates or [],
         },
         "reward_by_version": [asdict(r) for r in rewards],
         "better": None
@@ -240,6 +270,14 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
         failed = judge["last_failed"]
         parts.append(f"last failure {_ago(failed['at'], now)}: {failed['failure'] or '?'}")
     line("judge", "; ".join(parts))
+    for gate in judge.get("gates", []):
+        verdict = "trains" if gate["decision"] == "train" else "HELD"
+        reason = gate["reason"].replace("judge not proven yet, ", "") if gate["reason"] else None
+        line(
+            "judge gate",
+            f"{gate['judge_model']} (rubric {gate['rubric_hash']}): {verdict}"
+            + (f", {reason}" if reason else ", its checks pass"),
+        )
     work = judge.get("last_hour")
     if work is not None:
         line(

@@ -167,11 +167,14 @@ def test_a_judge_preferring_canaries_is_held_and_an_honest_one_passes(
     assert honest["canary"]["verdict"] == "pass" and honest["gate"]["reason"] is None
     assert honest["self_agreement"]["checks"] >= 1
     assert sum(honest["canary"]["by_kind"][k]["checks"] for k in honest["canary"]["by_kind"]) == 4
-    # Each check's outcome against the real members' median: only "below" passes.
-    assert honest["canary"]["outcomes"] == {"below": GROUPS_PER_AGENT, "tie": 0, "above": 0}
-    # The fooled judge never puts a canary below the real members. Mostly it puts it above; a
-    # tie happens when two of the three sampled answers look "bad" to the rule as well (a short
-    # reply like "The total is" seen under another task too): seen once in a CI run.
+    # Each check's outcome against the member the canary was made from (the default canary: the
+    # task answered with a refusal): the honest judge puts every one below it.
+    outcomes = honest["canary"]["outcomes"]
+    assert outcomes == {"below": GROUPS_PER_AGENT, "tie": 0, "above": 0, "flat": 0}
+    # The fooled judge never puts a canary below its source. It puts it above, or ties it when
+    # the source looks "bad" to the rule as well (a short reply like "The total is" seen under
+    # another task too, seen once in a CI run); such a tie passes, and the judge is then held
+    # as not proven instead of failed.
     outcomes = fooled["canary"]["outcomes"]
     assert outcomes["below"] == 0 and outcomes["tie"] + outcomes["above"] == GROUPS_PER_AGENT
     # The gate decides with the group it is scoring: the fourth canary failure holds the 4th group.

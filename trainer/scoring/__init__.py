@@ -15,6 +15,8 @@ Runs in the serving process (and in `rlproxy score`); the trainer process reads 
 chat requests) and no training code: no torch.
 """
 
+from trainer.scoring.canaries import KINDS as CANARY_KINDS
+from trainer.scoring.canaries import CanaryKind
 from trainer.scoring.grouping import Grouping, GroupingPass
 from trainer.scoring.judge_checks import (
     GateDecision,
@@ -39,8 +41,10 @@ from trainer.scoring.ruler import DEFAULT_RUBRIC, Judge, JudgeGroup, JudgeMember
 from trainer.scoring.scoring import Scorer, ScoresWanted, ScoringConfig
 
 __all__ = [
+    "CANARY_KINDS",
     "DEFAULT_RUBRIC",
     "REWARD_POLICIES",
+    "CanaryKind",
     "ChatComplete",
     "GateDecision",
     "Grouping",

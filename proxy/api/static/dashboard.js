@@ -266,12 +266,12 @@
 
   // The judge checks (GET /rl/judge): canaries, self-agreement, agreement with the environment,
   // the gate on training and the drift alarm.
-  // How the failed canary checks failed: tied with the members (a judge that cannot tell them
-  // apart) or scored above their median.
+  // How the failed canary checks failed: scored above the member the canary was made from, or
+  // one score for every member and the canary (a judge that ordered nothing).
   function canaryFailures(outcomes) {
     const parts = [];
-    if (outcomes.tie) parts.push(`${outcomes.tie} tied`);
-    if (outcomes.above) parts.push(`${outcomes.above} above the median`);
+    if (outcomes.above) parts.push(`${outcomes.above} above their source`);
+    if (outcomes.flat) parts.push(`${outcomes.flat} one score for all`);
     return parts.length ? `; failed: ${parts.join(", ")}` : "";
   }
 
