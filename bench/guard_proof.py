@@ -12,6 +12,11 @@ Scenarios (`--scenario`):
   bad version was rolled back, and (pinned evaluation at the end) the bad version, the base and
   what the policy name serves at the end.
 - `plain`: `--calls` calls with true rewards from the start; then the same evaluation.
+- `harmful`: no trainer (RLPROXY_TRAIN=false, the one setting changed): `--warmup` calls served
+  by the base, then a harmful version is put in place as version 1 (a random LoRA, B scaled by
+  `--harm-scale`: it passes the forgetting check but answers this task badly), then `--calls`
+  calls with true rewards. What is measured: the calls and minutes the guard took to roll it
+  back and the share of calls it served meanwhile.
 Run `plain` with the guard on (the default) and with `--guard-off` (RLPROXY_ROLLOUT=false, the
 only setting changed) to see what the guard costs a good version.
 
@@ -138,6 +143,41 @@ class Traffic:
         return {"model": model, "tasks": len(right), "right": round(mean, 3), "se": round(se, 3)}
 
 
+def write_harmful_version(data: Path, scale: float) -> None:
+    """A random LoRA (A and B drawn, B times `scale`) as version 1, written as the trainer
+    writes a version: a temporary folder, then one rename."""
+    import shutil
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    sys.path.insert(0, str(REPO))
+    from proxy.engines.loader import load_model
+
+    torch.manual_seed(0)
+    base = load_model(REPO / "rlproxy-data").model
+    model = get_peft_model(
+        base,
+        LoraConfig(
+            r=8,
+            lora_alpha=16,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            init_lora_weights=False,
+        ),
+    )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(scale)
+    root = data / "checkpoints" / "rlproxy"
+    tmp = root / ".tmp-0001-harmful"
+    shutil.rmtree(tmp, ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    (tmp / "trainer_state.json").write_text(json.dumps({"step": 1, "parent": 0}))
+    tmp.rename(root / "0001")
+
+
 def version_of(served: str) -> int:
     suffix = served.rpartition("@")[2]
     return 0 if suffix == "base" else int(suffix)
@@ -196,6 +236,12 @@ async def main_async(args: argparse.Namespace, url: str) -> dict[str, Any]:
         result["burst_minutes"] = round((time.time() - t0) / 60, 2)
         result["bad_version"] = args.burst_versions
         print(f"burst: {len(traffic.log)} calls, version {args.burst_versions} written", flush=True)
+    if args.scenario == "harmful":
+        await traffic.run("warmup", False, args.warmup, None, args.workers)
+        write_harmful_version(Path(args.data_dir), args.harm_scale)
+        result["warmup_calls"] = args.warmup
+        result["harm_scale"] = args.harm_scale
+        print(f"warmup: {args.warmup} calls; harmful version 1 in place", flush=True)
     t1 = time.time()
     await traffic.run("true", False, args.calls, None, args.workers)
     after = [c for c in traffic.log if c["phase"] == "true"]
@@ -221,7 +267,7 @@ async def main_async(args: argparse.Namespace, url: str) -> dict[str, Any]:
     evals = {"base": await traffic.evaluate("rlproxy@base", args.eval_tasks)}
     if active:
         evals["active_at_end"] = await traffic.evaluate(f"rlproxy@{active}", args.eval_tasks)
-    if args.scenario == "burst":  # every version, pinned (loaded on demand, rolled back or not)
+    if args.scenario in ("burst", "harmful"):  # every version, pinned (loaded on demand)
         for a in listing["data"]:
             if a["version"] == active:
                 continue
@@ -241,7 +287,9 @@ async def main_async(args: argparse.Namespace, url: str) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scenario", choices=["burst", "plain"], required=True)
+    parser.add_argument("--scenario", choices=["burst", "plain", "harmful"], required=True)
+    parser.add_argument("--warmup", type=int, default=60)
+    parser.add_argument("--harm-scale", type=float, default=0.3)
     parser.add_argument("--guard-off", action="store_true")
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--burst-versions", type=int, default=4)
@@ -252,14 +300,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args()
     settings = {"RLPROXY_ROLLOUT": "false"} if args.guard_off else {}
+    if args.scenario == "harmful":
+        settings["RLPROXY_TRAIN"] = "false"
     record = provenance.start(settings, scenario=args.scenario, seed=args.seed)
     data = args.data or Path(f"/tmp/rlproxy-guard-{args.scenario}-{os.getpid()}")
+    args.data_dir = str(data)
     data.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = {
         **os.environ,
         "RLPROXY_DATA_DIR": str(data),
-        "RLPROXY_MODEL_DIR": str(REPO / "rlproxy-data" / "models"),
+        "RLPROXY_MODEL_DIR": str(REPO / "rlproxy-data"),
         "RLPROXY_PORT": str(port),
         **settings,
     }
