@@ -289,7 +289,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenario", choices=["burst", "plain", "harmful"], required=True)
     parser.add_argument("--warmup", type=int, default=60)
-    parser.add_argument("--harm-scale", type=float, default=0.3)
+    parser.add_argument("--harm-scale", type=float, default=0.5)
     parser.add_argument("--guard-off", action="store_true")
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--burst-versions", type=int, default=4)
