@@ -16,7 +16,8 @@ from the server's database, and scores the preferred version 0.9, any other 0.1.
 - A judge preferring the new version's answers gets it promoted.
 - With the setting off, a new version serves everything at once, as before.
 
-Marked slow (`make test-slow`): it took 12 minutes on the shared 2-core machine.
+In the default suite since the test became sequential (about a minute on the shared 2-core
+machine; the fixed-look t-test before it needed 4 to 12 and ran in `make test-slow`).
 """
 
 from __future__ import annotations
@@ -43,9 +44,6 @@ from openai import OpenAI
 from tests.e2e.conftest import Server
 from tests.e2e.helpers import MESSAGE_LIKE, db_rows, own_server, wait_for
 from tests.e2e.test_adapters import write_random_lora
-
-# Several servers and dozens of scored groups on the 2-core machine: about 4 to 12 minutes.
-pytestmark = pytest.mark.slow
 
 GROUP_SIZE = 4
 MIN_GROUPS = 3
