@@ -207,6 +207,7 @@ def _old_call_row(record: CallRecord, tid: str, turn: int) -> dict[str, Any]:
     """A `calls` row as the code before m010 wrote it: the whole prompt in the row."""
     skip = {"choices", "shadow_samples", "time_to_first_token_s", "owner_key_id"}
     skip |= {"session_lane", "parent_lane"}  # never columns (the trajectory keeps a hash)
+    skip |= {"held_out"}  # never a column of calls (the trajectory keeps it)
     row = {f.name: getattr(record, f.name) for f in dataclasses.fields(CallRecord)}
     row = {k: v for k, v in row.items() if k not in skip}
     for k in _OLD_JSON:

@@ -436,7 +436,14 @@ async def test_turns_mode_runs_under_the_judge_checks(store: Store) -> None:
         lambda text: verdict(-1) if "[assistant]\n(empty)" in turn_of(text) else right_answers(text)
     )
     # hold_unchecked off: one group cannot make a judge proven (test_judge_checks.py tests that)
-    checks = JudgeChecksConfig(seed=3, canary_share=1.0, position_share=0.0, hold_unchecked=False)
+    # the empty-answer kind (the default, `declined`, answers at the first user message: one turn)
+    checks = JudgeChecksConfig(
+        seed=3,
+        canary_share=1.0,
+        position_share=0.0,
+        hold_unchecked=False,
+        canary_kinds=("empty",),
+    )
     config = ScoringConfig(mode="turns", votes=1, checks=checks)
     scorer = Scorer(store, judge, config)
     gid = await _ready_group(store)
