@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
 import provenance  # noqa: E402
-from servers import free_port, stop, wait_healthy  # noqa: E402
+from servers import SERVE_ONLY, start_server, stop  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Answer briefly."
 
@@ -305,34 +305,14 @@ def main() -> None:
     record = provenance.start(settings, scenario=args.scenario, seed=args.seed)
     data = args.data or Path(f"/tmp/rlproxy-guard-{args.scenario}-{os.getpid()}")
     args.data_dir = str(data)
-    data.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    env = {
-        **os.environ,
-        "RLPROXY_DATA_DIR": str(data),
-        "RLPROXY_MODEL_DIR": str(REPO / "rlproxy-data"),
-        "RLPROXY_PORT": str(port),
-        **settings,
-    }
-    for k in [k for k in env if k.startswith("RLPROXY_") and k not in settings]:
-        if k not in ("RLPROXY_DATA_DIR", "RLPROXY_MODEL_DIR", "RLPROXY_PORT"):
-            del env[k]  # serve's defaults, whatever the caller's shell set
-    import subprocess
-
-    log = data / "server.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy.cli", "serve"],
-            env=env,
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
+    for k in [k for k in os.environ if k.startswith("RLPROXY_")]:
+        del os.environ[k]  # serve's defaults, whatever the caller's shell set
+    # start_server turns training, scoring and publishing off; serve's defaults turn them on
+    defaults = {k: "true" for k in SERVE_ONLY}
+    proc, url = start_server(data, REPO / "rlproxy-data", {**defaults, **settings})
     stopped = None
     result: dict[str, Any] = {}
     try:
-        wait_healthy(f"{url}/health", proc, log, timeout_s=300)
         result = asyncio.run(main_async(args, url))
     except KeyboardInterrupt:
         stopped = "interrupted by hand"
