@@ -19,6 +19,10 @@ same task under two keys draws twice.
   marked trajectory, and its calls form no shadow group (`storage.group_ops`,
   `storage.write_ops`): no group holds one, so no training step, judge pass or canary rollout
   can read one.
+- A client can mark a call held out itself (`X-RLProxy-Held-Out: true`, or `held_out` in
+  `metadata` or the body's `rlproxy`): an evaluation run, the user's agent re-running tasks
+  pinned to `NAME@base` and `NAME@N` to compare them (`proxy.adapters.evaluation`'s re-runs).
+  It is held out whatever the draw, and in the arm its task draws.
 - Arm "base": a call for the policy name (or an alias) is served by the base model, the
   control; arm "policy": routed as any call (the active version, or a canary's draw). The
   router applies it (`proxy.adapters.registry.ServedModels.route`); pins (`NAME@N`,
@@ -67,13 +71,20 @@ class HeldOutSplit:
             )
 
     def arm(
-        self, owner: str | None, messages: Sequence[dict[str, Any]], tools: Sequence[Any] | None
+        self,
+        owner: str | None,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[Any] | None,
+        *,
+        marked: bool = False,
     ) -> Arm | None:
-        """None when the task trains as usual; else the arm of the held-out task."""
-        if self.share <= 0.0:
+        """None when the task trains as usual; else the arm of the held-out task. `marked`: the
+        client marked the call held out (an evaluation run, `X-RLProxy-Held-Out`): held out
+        whatever the share (0 included), in the arm its task draws."""
+        if self.share <= 0.0 and not marked:
             return None
         held, arm = split_draws(owner, messages, tools)
-        if held >= self.share:
+        if held >= self.share and not marked:
             return None
         return "base" if arm < 0.5 else "policy"
 

@@ -49,6 +49,8 @@ class HeldOutRun:
     explicit_reward: float | None
     """The environment's latest reward for it, or None."""
     owner_key_id: str | None = None
+    task_signature: str | None = None
+    """The task it ran (`storage.linking.task_signature`): re-runs of one task pair on it."""
 
 
 async def held_out_runs(
@@ -56,7 +58,7 @@ async def held_out_runs(
 ) -> list[HeldOutRun]:
     """The newest `limit` held-out trajectories, oldest first (of API key `owner` only, unless
     None: every key's)."""
-    stmt = select(T.c.id, T.c.created_at, T.c.status, T.c.owner_key_id).where(
+    stmt = select(T.c.id, T.c.created_at, T.c.status, T.c.owner_key_id, T.c.task_signature).where(
         T.c.held_out.is_(True)
     )
     if owner is not None:
@@ -94,6 +96,7 @@ async def held_out_runs(
             ),
             explicit_reward=rewards.get(r.id),
             owner_key_id=r.owner_key_id,
+            task_signature=r.task_signature,
         )
         for r in reversed(rows)
     ]

@@ -16,11 +16,24 @@ same hours:
                    own base (a difference of differences; the same t interval over the four
                    variances), since two versions rarely serve at the same time
 
+Re-runs: where the user's agent can run a task again, it can evaluate on demand. It runs held-out
+tasks (its own, or any marked `X-RLProxy-Held-Out: true`: held out whatever the draw) once
+pinned to `NAME@base` and once to `NAME@N`, and posts the environment's rewards. Those runs
+pair by task:
+
+    re-runs of N   held-out trajectories whose every call pinned `NAME@N`, with a reward
+    paired         the tasks run on both N and the base: per task, mean(N's) - mean(base's);
+                   the mean of those differences with a paired t interval over the tasks
+                   (n - 1 degrees of freedom), and the tasks run on one side only counted
+
+Pairing takes the task's difficulty out of the comparison, so an evaluation of a hundred tasks
+shows what the drawn arms need thousands of live runs for.
+
 A run's reward is chosen by the reward policy (`trainer.scoring.pick_reward`); held-out runs are
 never grouped, so the judge never scored one and the reward is the environment's (POST
 /rl/trajectories/{id}/reward). Which runs are left out, and why, is counted (the denominator):
-a call answered by an upstream model; a call that pinned a version (`NAME@N`, `NAME@base`: the
-client chose, not the draw); calls of more than one version (a swap mid-conversation); still
+a call answered by an upstream model; pins that are not a re-run (only some calls pinned, or
+pins of two versions); calls of more than one version (a swap mid-conversation); still
 open without a reward; closed without a reward.
 
 "Is it getting better?" is the newest version with an interval against the base: better when
@@ -56,7 +69,7 @@ DEFAULT_LIMIT = 5000
 
 LEFT_OUT = {
     "upstream": "a call was answered by an upstream model, not the policy",
-    "pinned": "a call pinned a version (NAME@N or NAME@base): the client chose, not the draw",
+    "pinned": "some of its calls pinned a version (NAME@N, NAME@base) and not all of them one",
     "several_versions": "served by more than one version (a swap mid-conversation)",
     "open": "still open, no reward yet",
     "no_reward": "closed without a reward from the environment",
@@ -146,29 +159,111 @@ class Run:
     reward: float
 
 
+@dataclass(frozen=True)
+class Rerun:
+    """A held-out trajectory whose every call pinned one version: a re-run of its task."""
+
+    trajectory_id: str
+    task: str
+    """Its task signature: what pairs it with the base's re-run of the same task."""
+    version: int
+    reward: float
+
+
 def classify(
     runs: Sequence[HeldOutRun], policy: str, reward_policy: str
-) -> tuple[list[Run], dict[str, int]]:
-    """The runs that count, and how many were left out for each reason of `LEFT_OUT`."""
+) -> tuple[list[Run], list[Rerun], dict[str, int]]:
+    """The drawn runs that count, the re-runs that count, and how many were left out for
+    each reason of `LEFT_OUT`."""
     counted: list[Run] = []
+    reruns: list[Rerun] = []
     left_out = dict.fromkeys(LEFT_OUT, 0)
     pin = f"{policy}@"
     for r in runs:
         versions = {s.version for s in r.served_by}
         reward, _ = pick_reward(reward_policy, r.explicit_reward, None)
+        pinned = [s.model_requested.startswith(pin) for s in r.served_by]
         if any(s.engine not in POLICY_ENGINES for s in r.served_by):
             reason = "upstream"
-        elif any(s.model_requested.startswith(pin) for s in r.served_by):
+        elif any(pinned) and not (all(pinned) and len(versions) == 1):
             reason = "pinned"
         elif len(versions) > 1:
             reason = "several_versions"
         elif reward is None or not versions:
             reason = "open" if r.status == "open" else "no_reward"
+        elif all(pinned):
+            task = r.task_signature or r.trajectory_id
+            reruns.append(Rerun(r.trajectory_id, task, versions.pop(), reward))
+            continue
         else:
             counted.append(Run(r.trajectory_id, r.created_at, versions.pop(), reward))
             continue
         left_out[reason] += 1
-    return counted, left_out
+    return counted, reruns, left_out
+
+
+@dataclass(frozen=True)
+class RerunResult:
+    """Version N's re-runs against the base's, paired by task."""
+
+    version: int
+    runs: int
+    """N's re-runs (every task's)."""
+    base_runs: int
+    """The base's re-runs of the same tasks."""
+    tasks: int
+    """Tasks re-run on both: the pairs."""
+    unpaired_tasks: int
+    """Tasks N re-ran that the base did not: not in the comparison."""
+    mean: float | None
+    """N's mean reward over the paired tasks (each task's mean), and the base's."""
+    base_mean: float | None
+    vs_base: Interval | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **{k: v for k, v in asdict(self).items() if k != "vs_base"},
+            "vs_base": None if self.vs_base is None else self.vs_base.to_json(),
+        }
+
+
+def paired_interval(differences: Sequence[float], level: float = LEVEL) -> Interval | None:
+    """The mean of `differences` with a paired t interval (n - 1 degrees of freedom); None
+    with fewer than `MIN_RUNS` pairs."""
+    n = len(differences)
+    if n < MIN_RUNS:
+        return None
+    mean = sum(differences) / n
+    sd = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1))
+    half = t_quantile(1.0 - (1.0 - level) / 2.0, n - 1) * sd / math.sqrt(n)
+    return Interval(mean, mean - half, mean + half, n - 1, level)
+
+
+def compare_reruns(reruns: Sequence[Rerun], level: float = LEVEL) -> list[RerunResult]:
+    """Each version's re-runs against the base's re-runs of the same tasks, oldest first."""
+    by: dict[int, dict[str, list[float]]] = {}
+    for r in reruns:
+        by.setdefault(r.version, {}).setdefault(r.task, []).append(r.reward)
+    base = by.get(0, {})
+    out: list[RerunResult] = []
+    for version in sorted(v for v in by if v != 0):
+        mine = by[version]
+        paired = sorted(t for t in mine if t in base)
+        ours = [sum(mine[t]) / len(mine[t]) for t in paired]
+        theirs = [sum(base[t]) / len(base[t]) for t in paired]
+        out.append(
+            RerunResult(
+                version=version,
+                runs=sum(len(v) for v in mine.values()),
+                base_runs=sum(len(base[t]) for t in paired),
+                tasks=len(paired),
+                unpaired_tasks=len(mine) - len(paired),
+                mean=sum(ours) / len(ours) if ours else None,
+                base_mean=sum(theirs) / len(theirs) if theirs else None,
+                vs_base=paired_interval([a - b for a, b in zip(ours, theirs, strict=True)], level),
+            )
+        )
+    return out
 
 
 @dataclass(frozen=True)
@@ -262,11 +357,28 @@ class Headline:
         }
 
 
-def headline(results: Sequence[VersionResult], share: float, base_runs: int) -> Headline:
-    """The newest version with an interval against the base, in one line."""
-    if share <= 0 and not results:
+def headline(
+    results: Sequence[VersionResult],
+    share: float,
+    base_runs: int,
+    reruns: Sequence[RerunResult] = (),
+) -> Headline:
+    """The newest version with an interval against the base, in one line: from its re-runs
+    (paired) when they are of a version at least as new as the drawn arms' newest, else from
+    the drawn arms."""
+    if share <= 0 and not results and not reruns:
         return Headline("held-out evaluation is off (RLPROXY_EVAL_SHARE=0)", "off")
     shown = [r for r in results if r.vs_base is not None]
+    paired = [r for r in reruns if r.vs_base is not None]
+    if paired and (not shown or paired[-1].version >= shown[-1].version):
+        p = paired[-1]
+        iv = p.vs_base
+        assert iv is not None
+        line = (
+            f"v{p.version} vs base, re-run on {p.tasks} held-out tasks (paired): "
+            f"{_signed(iv.estimate)} [{_signed(iv.low)}, {_signed(iv.high)}]: {iv.verdict}"
+        )
+        return Headline(line, iv.verdict, p.version, iv)
     if shown:
         r = shown[-1]
         iv = r.vs_base
@@ -283,6 +395,13 @@ def headline(results: Sequence[VersionResult], share: float, base_runs: int) -> 
             f"(n={r.runs.n} vs {r.base.n}; at least {MIN_RUNS} each)"
         )
         return Headline(line, "too few runs", r.version)
+    if reruns:
+        p = reruns[-1]
+        line = (
+            f"v{p.version} vs base, re-run: too few tasks re-run on both for an interval "
+            f"({p.tasks}; at least {MIN_RUNS})"
+        )
+        return Headline(line, "too few runs", p.version)
     line = (
         f"no version has served rewarded held-out tasks yet ({base_runs} base run"
         f"{'' if base_runs == 1 else 's'} rewarded)"
@@ -308,6 +427,10 @@ class Evaluation:
     since: float | None = None
     """The oldest held-out trajectory read (None: none)."""
     reasons: dict[str, str] = field(default_factory=lambda: dict(LEFT_OUT))
+    reruns: list[RerunResult] = field(default_factory=list)
+    """Re-runs pinned to a version, paired by task with the base's."""
+    rerun_counts: dict[str, int] = field(default_factory=dict)
+    """Counted re-runs per version, by its label."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -322,6 +445,8 @@ class Evaluation:
             "left_out": self.left_out,
             "left_out_reasons": self.reasons,
             "versions": [v.to_json() for v in self.versions],
+            "reruns_evaluated": self.rerun_counts,
+            "reruns": [r.to_json() for r in self.reruns],
             "headline": self.headline.to_json(),
         }
 
@@ -336,12 +461,17 @@ def evaluate_runs(
     level: float = LEVEL,
 ) -> Evaluation:
     """The whole evaluation of `runs` (as `Store.held_out_runs` reads them)."""
-    counted, left_out = classify(runs, policy, reward_policy)
+    counted, pinned, left_out = classify(runs, policy, reward_policy)
     evaluated: dict[str, int] = {}
     for r in sorted(counted, key=lambda r: r.version):
         label = version_label(r.version or None)
         evaluated[label] = evaluated.get(label, 0) + 1
+    rerun_counts: dict[str, int] = {}
+    for p in sorted(pinned, key=lambda p: p.version):
+        label = version_label(p.version or None)
+        rerun_counts[label] = rerun_counts.get(label, 0) + 1
     results = compare_versions(counted, level)
+    reruns = compare_reruns(pinned, level)
     return Evaluation(
         share=share,
         reward_policy=reward_policy,
@@ -350,9 +480,11 @@ def evaluate_runs(
         evaluated=evaluated,
         left_out=left_out,
         versions=results,
-        headline=headline(results, share, evaluated.get("base", 0)),
+        headline=headline(results, share, evaluated.get("base", 0), reruns),
         level=level,
         since=min((r.created_at for r in runs), default=None),
+        reruns=reruns,
+        rerun_counts=rerun_counts,
     )
 
 

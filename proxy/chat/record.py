@@ -27,6 +27,7 @@ from storage.records import LOGPROBS_AFTER_GRAMMAR, CallRecord, CallStatus, Choi
 
 TRAJECTORY_HEADER = "x-rlproxy-trajectory"
 GROUP_HEADER = "x-rlproxy-group"
+HELD_OUT_HEADER = "x-rlproxy-held-out"
 RETRY_HEADER = "x-stainless-retry-count"
 
 
@@ -111,6 +112,14 @@ class CallInfo:
         req = self.request
         named = explicit_id(self.headers, req.metadata, req.rlproxy, "trajectory")
         return named or self.chained_trajectory_id
+
+    @property
+    def marked_held_out(self) -> bool:
+        """The client marked the call's task as held out of training (an evaluation run: the
+        `X-RLProxy-Held-Out` header, `metadata.held_out` or the body's `rlproxy.held_out`, any
+        of "true", "1", "yes"), whatever `RLPROXY_EVAL_SHARE`'s draw says (`storage.held_out`)."""
+        req = self.request
+        return held_out_flag(self.headers, req.metadata, req.rlproxy)
 
     @property
     def completion_id(self) -> str:
@@ -211,6 +220,19 @@ def explicit_id(
         if value:
             return str(value)
     return None
+
+
+def held_out_flag(
+    headers: Mapping[str, str], metadata: dict[str, Any] | None, body_ext: dict[str, Any] | None
+) -> bool:
+    """The header wins, then `metadata.held_out`, then the body's `rlproxy.held_out`."""
+    value: Any = headers.get(HELD_OUT_HEADER)
+    if value is None:
+        for source in (metadata, body_ext):
+            if (source or {}).get("held_out") is not None:
+                value = (source or {})["held_out"]
+                break
+    return str(value).strip().lower() in ("true", "1", "yes")
 
 
 def retry_count(value: str | None) -> int:

@@ -169,7 +169,9 @@ class ChatService:
         Validation runs in a worker thread: tokenizing a long prompt and compiling a grammar
         never hold up the event loop (other requests, their streams, /health)."""
         prep = await self._validate(call)
-        prep.held_out = self.held_out.arm(call.owner, prep.messages, prep.tools)
+        prep.held_out = self.held_out.arm(
+            call.owner, prep.messages, prep.tools, marked=call.marked_held_out
+        )
         self._admit(prep)
         if prep.held_out == "base" or self.registry.canary is not None:
             # The evaluation's control, or a canary rollout: this call's version.

@@ -106,5 +106,20 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
                 ),
                 file=out,
             )
+    reruns = report.get("reruns") or []
+    if reruns:
+        print(file=out)
+        print("re-runs pinned to a version, paired by task with the base's:", file=out)
+        level = f"{report['level']:.0%}"
+        row = "{:<8} {:<8} {:<14} {:<14} {}"
+        print(row.format("version", "tasks", "mean reward", "base", f"vs base ({level})"), file=out)
+        for r in reruns:
+            tasks = str(r["tasks"]) + (f" (+{r['unpaired_tasks']})" if r["unpaired_tasks"] else "")
+            mean = "-" if r["mean"] is None else f"{r['mean']:.3f}"
+            base = "-" if r["base_mean"] is None else f"{r['base_mean']:.3f}"
+            print(
+                row.format(f"v{r['version']}", tasks, mean, base, _interval(r["vs_base"])), file=out
+            )
+        print("(+K: tasks this version re-ran that the base did not, not compared)", file=out)
     print(file=out)
     print(f"is it getting better? {report['headline']['line']}", file=out)

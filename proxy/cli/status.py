@@ -160,6 +160,7 @@ def build_report(
             **evaluation.headline.to_json(),
             "share": evaluation.share,
             "evaluated": evaluation.evaluated,
+            "reruns_evaluated": evaluation.rerun_counts,
             "left_out": evaluation.left_out,
         },
         "waiting": asdict(queue.waiting),

@@ -8,8 +8,15 @@ trajectory. Adapter version 1 (the tests' random LoRA) is published and active b
 The environment here is scripted: it rewards answers of v1 about 0.5 above the base's (the
 stand-in for a trained version that got better), so the evaluation must find v1 better than the
 base with an interval above 0, counting exactly the runs it should and leaving out, with the
-reason, a run pinned to a version, one closed without a reward and one still open. Held-out
-trajectories, rewarded like the others, must never join a group while the trained ones do.
+reason, a run that pinned only some of its calls, one closed without a reward and one still open.
+Held-out trajectories, rewarded like the others, must never join a group while the trained ones
+do.
+
+Then re-runs, as an agent that can run its tasks again evaluates on demand: six new tasks, each
+run once pinned to `rlproxy@base` and once to `rlproxy@1`, marked held out by the client
+(`X-RLProxy-Held-Out`, or `metadata.held_out`), rewarded by the same scripted environment: they
+must be held out whatever the draw, paired by task, and become the headline with a paired
+interval above 0.
 """
 
 from __future__ import annotations
@@ -137,8 +144,9 @@ def traffic(
             t.served[tid], t.arm[tid] = _ask(c, tid, i), arm
             served_by_v1 = t.served[tid] == "rlproxy@1"
             t.rewards[tid] = (0.7 if served_by_v1 else 0.2) + 0.05 * (n % 3)
-        t.pinned = "eval-pinned"
+        t.pinned = "eval-pinned"  # a pinned first call, then one for the policy name
         t.served[t.pinned] = _ask(c, t.pinned, tasks["base"][6], model="rlproxy@1")
+        _ask(c, t.pinned, tasks["base"][6])
         t.arm[t.pinned], t.rewards[t.pinned] = "base", 1.0
         t.unrewarded, t.still_open = "eval-unrewarded", "eval-open"
         for tid, i in ((t.unrewarded, tasks["policy"][7]), (t.still_open, tasks["policy"][8])):
@@ -156,7 +164,7 @@ def test_held_out_tasks_are_marked_and_their_base_arm_is_served_by_the_base(
     for tid, arm in traffic.arm.items():
         assert get_trajectory(eserver, tid)["held_out"] is (arm != "None"), tid
         if tid == traffic.pinned:
-            expected = "rlproxy@1"  # a pin is served as asked
+            expected = "rlproxy@1"  # a pin is served as asked (its first call)
         else:
             expected = "rlproxy@base" if arm == "base" else "rlproxy@1"
         assert traffic.served[tid] == expected, (tid, arm)
@@ -231,7 +239,7 @@ def test_rlproxy_eval_and_status_print_the_same_line(eserver: Server, traffic: T
     assert as_json["headline"]["line"] == line
     table = _rlproxy(eserver, "eval")
     assert f"is it getting better? {line}" in table
-    assert "1  a call pinned a version" in table
+    assert "1  some of its calls pinned a version" in table
     assert "v1 " in table and "better" in table
     status = _rlproxy(eserver, "status")
     assert f"better?       {line}" in status
@@ -261,3 +269,65 @@ def test_the_dashboard_shows_whether_it_is_getting_better(
             assert errors == []
         finally:
             browser.close()
+
+
+RERUN_TASKS = 6
+
+
+@pytest.fixture(scope="module")
+def reruns(eserver: Server, traffic: Traffic) -> dict[str, tuple[int, float]]:
+    """Trajectory id -> (version re-run, reward): each new task on the base and on v1."""
+    done: dict[str, tuple[int, float]] = {}
+    with OpenAI(base_url=eserver.base_url, api_key="sk-test", max_retries=0, timeout=300) as c:
+        for i in range(RERUN_TASKS):
+            task = [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"What is the number of the code of re-run {i}?"},
+            ]
+            for version, model in ((0, "rlproxy@base"), (1, "rlproxy@1")):
+                tid = f"rerun-{i}-{version}"
+                headers = {"X-RLProxy-Trajectory": tid}
+                metadata = None
+                if i == 0:  # the marker in the body's metadata
+                    metadata = {"held_out": "true"}
+                else:
+                    headers["X-RLProxy-Held-Out"] = "true"
+                answer = c.chat.completions.create(
+                    model=model,
+                    messages=task,  # type: ignore[arg-type]
+                    max_tokens=4,
+                    temperature=1.0,
+                    extra_headers=headers,
+                    **({"metadata": metadata} if metadata else {}),
+                )
+                assert answer.model == model
+                reward = (0.8 if version else 0.2) + 0.05 * (i % 3) * (1 if version else -1)
+                done[tid] = (version, reward)
+    for tid, (_, value) in done.items():
+        _reward(eserver, tid, value)
+    return done
+
+
+def test_reruns_marked_held_out_pair_by_task_and_become_the_headline(
+    eserver: Server, traffic: Traffic, reruns: dict[str, tuple[int, float]]
+) -> None:
+    for tid in reruns:
+        assert get_trajectory(eserver, tid)["held_out"] is True, tid  # whatever the draw
+    report = httpx.get(f"{eserver.url}/rl/eval", timeout=60).json()
+    # the run that pinned only its first call is not a re-run (test above)
+    assert report["reruns_evaluated"] == {"base": RERUN_TASKS, "1": RERUN_TASKS}
+    (r,) = report["reruns"]
+    assert (r["version"], r["tasks"], r["unpaired_tasks"]) == (1, RERUN_TASKS, 0)
+    wins = [reruns[f"rerun-{i}-1"][1] - reruns[f"rerun-{i}-0"][1] for i in range(RERUN_TASKS)]
+    assert r["vs_base"]["estimate"] == pytest.approx(sum(wins) / len(wins))
+    assert r["vs_base"]["df"] == RERUN_TASKS - 1 and r["vs_base"]["low"] > 0
+    head = report["headline"]
+    assert head["verdict"] == "better" and head["version"] == 1
+    assert head["line"].startswith(
+        f"v1 vs base, re-run on {RERUN_TASKS} held-out tasks (paired): +0."
+    )
+    # the drawn arms' comparison is unchanged beside it
+    assert report["versions"][0]["vs_base"]["verdict"] == "better"
+    table = _rlproxy(eserver, "eval")
+    assert "re-runs pinned to a version, paired by task with the base's:" in table
+    assert f"is it getting better? {head['line']}" in table

@@ -116,14 +116,17 @@ def test_the_denominator_says_what_was_left_out_and_why() -> None:
         _held("running", [(3, "local", "rlproxy")], None, status="open"),
         _held("silent", [(3, "local", "rlproxy")], None),
     ]
-    counted, left_out = classify(runs, "rlproxy", "explicit")
+    runs.append(_held("half-pinned", [(3, "local", "rlproxy"), (3, "local", "rlproxy@3")], 1.0))
+    counted, reruns, left_out = classify(runs, "rlproxy", "explicit")
     assert [(r.trajectory_id, r.version, r.reward) for r in counted] == [
         ("ok-base", 0, 1.0),
         ("ok-v3", 3, 0.5),
     ]
+    # every call pinned to one version: a re-run, counted apart and paired by task
+    assert [(r.trajectory_id, r.version) for r in reruns] == [("pinned", 3), ("pinned-base", 0)]
     assert left_out == {
         "upstream": 1,
-        "pinned": 2,
+        "pinned": 1,
         "several_versions": 1,
         "open": 1,
         "no_reward": 1,
@@ -155,3 +158,52 @@ def test_headlines_without_an_interval() -> None:
     few = [*base_only, _held("v", [(4, "local", "p")], 1.0)]
     ev = evaluate_runs(few, policy="p", reward_policy="explicit", share=0.1)
     assert ev.headline.verdict == "too few runs" and ev.headline.version == 4
+
+
+def _rerun(tid: str, task: str, version: int, reward: float | None) -> HeldOutRun:
+    pin = "rlproxy@base" if version == 0 else f"rlproxy@{version}"
+    served = (ServedBy(version, "local", pin),)
+    return HeldOutRun(tid, 0.0, "closed", served, reward, task_signature=task)
+
+
+def test_reruns_pair_by_task_with_a_paired_t_interval() -> None:
+    base = {"t1": [0.0], "t2": [0.0], "t3": [1.0], "t4": [0.0, 0.0]}
+    v2 = {"t1": [1.0], "t2": [0.0, 0.0], "t3": [1.0], "t4": [1.0], "t5": [1.0]}
+    runs = [_rerun(f"b-{t}-{i}", t, 0, r) for t, rs in base.items() for i, r in enumerate(rs)]
+    runs += [_rerun(f"v-{t}-{i}", t, 2, r) for t, rs in v2.items() for i, r in enumerate(rs)]
+    runs.append(_rerun("open-one", "t1", 2, None))  # no reward: left out, not paired
+    ev = evaluate_runs(runs, policy="rlproxy", reward_policy="explicit", share=0.1)
+    assert ev.rerun_counts == {"base": 5, "2": 6}
+    assert ev.evaluated == {} and ev.left_out["no_reward"] == 1
+    [r] = ev.reruns
+    # pairs t1..t4 (t5 was not run on the base); per task means, differences 1, 0, 0, 1
+    assert (r.version, r.tasks, r.unpaired_tasks, r.runs, r.base_runs) == (2, 4, 1, 6, 5)
+    assert r.mean == pytest.approx(0.75) and r.base_mean == pytest.approx(0.25)
+    half = 3.182446 * math.sqrt(1 / 3) / 2  # t(0.975, 3) * sd / sqrt(n)
+    assert r.vs_base is not None and r.vs_base.df == 3
+    assert r.vs_base.estimate == pytest.approx(0.5)
+    assert (r.vs_base.low, r.vs_base.high) == (
+        pytest.approx(0.5 - half, abs=1e-5),
+        pytest.approx(0.5 + half, abs=1e-5),
+    )
+    assert ev.headline.version == 2 and ev.headline.verdict == "not shown"
+    assert ev.headline.line.startswith("v2 vs base, re-run on 4 held-out tasks (paired): +0.500 [")
+    assert ev.to_json()["reruns"][0]["vs_base"]["verdict"] == "not shown"
+
+
+def test_a_rerun_win_is_the_headline_when_it_is_the_newest_version() -> None:
+    runs = [_rerun(f"b{i}", f"t{i}", 0, 0.0) for i in range(6)]
+    runs += [_rerun(f"v{i}", f"t{i}", 3, 1.0 if i else 0.0) for i in range(6)]
+    drawn = [_held(f"d{i}", [(2, "local", "rlproxy")], 1.0, at=i) for i in range(3)]
+    drawn += [_held(f"db{i}", [(0, "local", "rlproxy")], 0.0, at=i) for i in range(3)]
+    ev = evaluate_runs(runs + drawn, policy="rlproxy", reward_policy="explicit", share=0.1)
+    assert ev.versions[0].version == 2  # the drawn arms' newest is older than the re-runs'
+    assert ev.headline.version == 3 and ev.headline.verdict == "better"
+    few = evaluate_runs(
+        [_rerun("b", "t", 0, 0.0), _rerun("v", "t", 5, 1.0)],
+        policy="rlproxy",
+        reward_policy="explicit",
+        share=0.0,
+    )
+    assert few.headline.verdict == "too few runs"
+    assert "too few tasks re-run on both" in few.headline.line

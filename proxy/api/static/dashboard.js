@@ -367,8 +367,14 @@
       .join(", ");
     const left = Object.entries(evaluation.left_out).filter(([, n]) => n > 0);
     const leftText = left.map(([key, n]) => `${n} ${evaluation.left_out_reasons[key]}`).join("; ");
+    const reruns = Object.entries(evaluation.reruns_evaluated || {})
+      .map(([label, n]) => `${label === "base" ? "base" : "v" + label} ${n}`)
+      .join(", ");
     return card("Is it getting better?", head.verdict, [
       h("div", { class: "small", text: head.line }),
+      reruns
+        ? h("div", { class: "small muted", text: `re-runs pinned to a version, paired by task: ${reruns}` })
+        : null,
       h("div", {
         class: "small muted",
         text: `held-out tasks (${Math.round(evaluation.share * 100)}% kept out of training): ` +
