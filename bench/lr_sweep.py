@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import provenance  # noqa: E402
+import provenance
 
 REPO = Path(__file__).resolve().parent.parent
 

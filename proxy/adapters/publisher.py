@@ -99,6 +99,7 @@ class Publisher:
         if self.rollout is not None:
             self.rollout.replica_id = replica_id
             self.rollout.may_write = self._leading
+            self.rollout.renew = self._renew
         self.shared = shared
         self._restored = False
         self._left = False
@@ -191,6 +192,10 @@ class Publisher:
         )
         await self.adapters.evict()  # not kept: unloaded (on a shared engine, once none needs it)
         return False
+
+    async def _renew(self) -> bool:
+        """Renew the publisher lease now (True: this replica still holds it)."""
+        return self.lease is None or await self.lease.tick()
 
     def _leading(self) -> bool:
         """Whether this replica may still write as the publisher (checked before each write of

@@ -130,6 +130,10 @@ class _Trial:
     """Measured and not close enough: the reward test decides."""
 
 
+async def _held() -> bool:
+    return True
+
+
 class Rollout:
     def __init__(
         self,
@@ -156,6 +160,9 @@ class Rollout:
         self.may_write: Callable[[], bool] = lambda: True
         """Asked right before each write of the policy's state: False when this replica may no
         longer decide (its publisher lease ran out meanwhile); nothing is written then."""
+        self.renew: Callable[[], Awaitable[bool]] = _held
+        """Renew the publisher lease now; True while this replica holds it. Asked after a step
+        long enough to outlast the lease's renewal (measuring closeness)."""
 
     @property
     def version(self) -> int | None:
@@ -310,8 +317,17 @@ class Rollout:
             await self._write(trial.version, rollout=trial.state)
             return False
         figures["verdict"] = "close"
-        if not self.may_write() or not await self._state(trial, trial.version):
-            return False  # the next poll follows whatever changed
+        # Measuring takes seconds to minutes on a busy CPU, while nothing renews the lease.
+        if not self.may_write() and not await self.renew():
+            logger.warning(
+                "adapter %d measured close, not promoted: another replica decides now",
+                trial.version,
+            )
+            self.forget()
+            return True
+        if not await self._state(trial, trial.version):
+            await self._finish(trial, "abandoned", None, "the policy's state was changed meanwhile")
+            return True
         await self.adapters.activate(trial.version)
         trial.state["drift"] = round(drift + measured.bound, 6)
         reason = (
