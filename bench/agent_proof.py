@@ -56,6 +56,7 @@ sys.path.insert(0, str(REPO / "examples"))
 
 import lookup_agent  # noqa: E402
 import proof_loop  # noqa: E402
+import provenance  # noqa: E402
 
 TRAJECTORY_ERRORS: list[str] = []
 
@@ -184,7 +185,7 @@ def main() -> None:
         "evaluation_seconds": result.eval_s,
         "trajectory_errors": TRAJECTORY_ERRORS,
         "settings": settings,
-        "load_average_at_end": os.getloadavg(),
+        **provenance.finish(servers.record),
         "steps_detail": result.steps,
         "evals": evals,
     }

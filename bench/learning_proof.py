@@ -59,6 +59,7 @@ sys.path.insert(0, str(REPO / "examples"))
 
 import arithmetic_agent  # noqa: E402
 import proof_loop  # noqa: E402
+import provenance  # noqa: E402
 
 
 def practise(url: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -193,7 +194,7 @@ def main() -> None:
         "minutes_to_3_standard_errors": to_3se,
         "evaluation_seconds": eval_s,
         "settings": settings,
-        "load_average_at_end": os.getloadavg(),
+        **provenance.finish(servers.record),
         "steps_detail": steps,
         "evals": evals,
     }

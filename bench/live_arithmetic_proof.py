@@ -73,6 +73,7 @@ sys.path.insert(0, str(REPO / "examples"))
 import arithmetic_agent  # noqa: E402
 import learning_proof  # noqa: E402
 import proof_loop  # noqa: E402
+import provenance  # noqa: E402
 import servers as bench_servers  # noqa: E402
 from standin_judge import pair_accuracy_of  # noqa: E402
 
@@ -395,7 +396,7 @@ def main() -> None:
             finish=finish,
             stalled_s=args.stalled_s,
         )
-    report(args, traffic, result, final, servers.settings_env)
+    report(args, traffic, result, final, servers.settings_env, servers.record)
 
 
 def report(
@@ -404,6 +405,7 @@ def report(
     result: proof_loop.Run,
     final: dict[str, Any],
     server_env: dict[str, str],
+    record: dict[str, Any],
 ) -> None:
     evals = result.evals
     base, last = evals[0], evals[-1]
@@ -429,7 +431,7 @@ def report(
         "settings": {k: str(v) for k, v in vars(args).items()}
         | {"server_env": _rlproxy_environ() | server_env},
         "hardware": learning_proof.hardware(),
-        "load_average_at_end": os.getloadavg(),
+        **provenance.finish(record),
         "steps_detail": result.steps,
         "evals": evals,
     }

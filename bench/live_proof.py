@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO / "examples"))
 import agent_proof  # noqa: E402
 import lookup_agent  # noqa: E402
 import proof_loop  # noqa: E402
+import provenance  # noqa: E402
 
 EPISODES = {"practised": 0}
 ASKED: set[tuple[str, ...]] = set()
@@ -217,7 +218,7 @@ def main() -> None:
         "evaluation_seconds": result.eval_s,
         "trajectory_errors": agent_proof.TRAJECTORY_ERRORS,
         "settings": settings,
-        "load_average_at_end": os.getloadavg(),
+        **provenance.finish(servers.record),
         "steps_detail": result.steps,
         "evals": evals,
     }

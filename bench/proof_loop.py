@@ -37,7 +37,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from servers import start_server
+import provenance
+from servers import SERVE_ONLY, start_server
 
 POLL_S = 0.25
 
@@ -56,6 +57,10 @@ class Servers:
     eval_url: str
     procs: list[subprocess.Popen[bytes]]
     settings_env: dict[str, str]
+    record: dict[str, Any] = field(default_factory=dict)
+    """`bench/provenance.py`'s record, started with the servers: the commit, the command, the
+    training server's settings that differ from `rlproxy serve`'s defaults, the load. A proof
+    writes `provenance.finish(servers.record)` into its result file."""
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -112,13 +117,17 @@ def start_servers(
         }
     train_env |= train_env_extra or {}
     print(f"working in {work}", flush=True)
+    inherited = {k: v for k, v in os.environ.items() if k.startswith("RLPROXY_")}
+    record = provenance.start(
+        settings=provenance.settings_differing({**inherited, **SERVE_ONLY, **train_env})
+    )
     train_proc, train_url = start_server(train_dir, model_dir, train_env)
     try:
         eval_proc, eval_url = start_server(eval_dir, model_dir, engine_env)  # serve only
     except Exception:
         train_proc.terminate()
         raise
-    return Servers(work, train_dir, train_url, eval_url, [train_proc, eval_proc], train_env)
+    return Servers(work, train_dir, train_url, eval_url, [train_proc, eval_proc], train_env, record)
 
 
 def adapters(url: str) -> dict[int, dict[str, Any]]:

@@ -3,6 +3,8 @@ had uncommitted changes), the command, the settings that differ from `rlproxy se
 defaults, the machine's load at the start and at the end, and the times.
 
     record = provenance.start(settings={"RLPROXY_ROLLOUT": "false"})
+    # or, from the whole environment a proof gives its server:
+    record = provenance.start(settings=provenance.settings_differing(server_env))
     ...
     json.dump({**provenance.finish(record), "results": ...}, out)
 """
@@ -50,3 +52,51 @@ def finish(record: dict[str, Any], *, stopped_early: str | None = None) -> dict[
     out["wall_s"] = round(time.monotonic() - record["_t0"], 1)
     out["stopped_early"] = stopped_early
     return out
+
+
+WHERE = ("host", "port", "data_dir", "model_dir", "database_url", "replica_id")
+"""Settings that say where things are, not how rlproxy behaves: never reported as differing."""
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out |= _flatten(v, f"{prefix}{k}.")
+        return out
+    return {prefix.rstrip("."): value}
+
+
+def settings_differing(env: dict[str, str]) -> dict[str, Any]:
+    """The settings `env` (a server's RLPROXY_* variables) gives `rlproxy serve` that differ from
+    its defaults, by the settings' own field paths (`trainer.config.learning_rate`,
+    `rollout.enabled`), each with the value it takes: read by the settings class itself, so a
+    variable set to its default is not reported and a JSON object (RLPROXY_TRAINER) is compared
+    key by key. Where things live (`WHERE`) is left out."""
+    import warnings
+
+    sys.path.insert(0, str(REPO))
+    from proxy.settings import Settings
+
+    saved = {k: v for k, v in os.environ.items() if k.startswith("RLPROXY_")}
+
+    def dump() -> dict[str, Any]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # pydantic's serializer warning on TrainerConfig
+            return _flatten(Settings().model_dump(mode="json"))
+
+    try:
+        for k in saved:
+            del os.environ[k]
+        defaults = dump()
+        os.environ.update({k: v for k, v in env.items() if k.startswith("RLPROXY_")})
+        chosen = dump()
+    finally:
+        for k in [k for k in os.environ if k.startswith("RLPROXY_")]:
+            del os.environ[k]
+        os.environ.update(saved)
+    return {
+        path: value
+        for path, value in sorted(chosen.items())
+        if defaults.get(path) != value and path.split(".")[0] not in WHERE
+    }
