@@ -104,6 +104,11 @@ def start_servers(
         # version answers every prompt with a bare number, and the forgetting check holds it
         # (bench/results/forgetting_threshold.json): the proof would wait for it forever.
         "RLPROXY_FORGETTING_CHECK": "false",
+        # The proofs hold out their own tasks (never practised, evaluated on the evaluation
+        # server). The server's own split would keep a tenth of the practice tasks out of
+        # training, and the loop, counting the groups every practice round makes, would wait
+        # for versions those groups never make.
+        "RLPROXY_EVAL_SHARE": "0",
         "RLPROXY_SCORING_INTERVAL_S": str(POLL_S),
         "RLPROXY_TRAIN_POLL_S": str(POLL_S),
         "RLPROXY_ADAPTER_POLL_S": str(POLL_S),
