@@ -11,8 +11,9 @@ Per rate: the held-out reward (sampled) of the base and of every evaluated versi
 standard error, the training minutes to each, the gain of the last version over the base in
 standard errors, and the greedy exact share. The figure that decides: the gain reached within
 the same training minutes (a rate that learns in fewer steps learns in fewer minutes on this
-CPU, every step costing about the same). Writes `<out>/lr_sweep.json` with the provenance of
-`bench/provenance.py`, and each run's own file beside it (`lr_sweep_runs/learning_<rate>.json`).
+CPU, every step costing about the same). The canary rollout is off (`GUARD_OFF`). Writes
+`<out>/lr_sweep.json` with the provenance of `bench/provenance.py`, and each run's own file
+beside it (`lr_sweep_runs/learning_<rate>.json`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import provenance
 
 REPO = Path(__file__).resolve().parent.parent
+GUARD_OFF = {"RLPROXY_ROLLOUT": "false"}
+"""The canary rollout decides which version serves, not how fast the optimizer learns; and the
+learning proof waits for each version before its next practice round, so a canary waiting for
+that round's evidence would stall it. Recorded in each run's file as a differing setting."""
 
 
 def summarise(run: dict) -> dict:
@@ -70,7 +75,7 @@ def main() -> None:
     runs_dir = args.out / "lr_sweep_runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     record = provenance.start(
-        settings={},  # each rate is the one setting its run changes; see "rates"
+        settings={"rollout.enabled": False},  # and each run's rate: see "rates"
         rates=rates,
         minutes_per_rate=args.minutes,
         note="the learning proof's own settings (groups of 8, polling 0.25 s) besides the rate",
@@ -88,7 +93,7 @@ def main() -> None:
             "--out", str(tmp),
         ]  # fmt: skip
         print("running", " ".join(cmd), flush=True)
-        done = subprocess.run(cmd, cwd=REPO, env=os.environ.copy())
+        done = subprocess.run(cmd, cwd=REPO, env=os.environ | GUARD_OFF)
         if done.returncode != 0:
             results[f"{rate:g}"] = {"error": f"learning_proof exited {done.returncode}"}
             continue

@@ -570,8 +570,8 @@ class EvalSettings(Concern):
         "rewarded as usual but never join a group, and half of them (another stable draw) are "
         "answered by the base model when they ask for the policy name, the other half as any "
         "call. `rlproxy eval`, `rlproxy status`, GET /rl/eval and the dashboard compare each "
-        "version's rewards on them with the base's over the same hours. 0: off, every task "
-        "trains.",
+        "version's rewards on them with the base's over the same hours. 0: no task is drawn "
+        "(calls a client marks held out with X-RLProxy-Held-Out still are).",
     )
 
 

@@ -59,7 +59,7 @@ def split_draws(
 
 @dataclass(frozen=True)
 class HeldOutSplit:
-    """`share` of the tasks held out of training (0: none, the split is off)."""
+    """`share` of the tasks held out of training (0: none drawn; marked calls still are)."""
 
     share: float = 0.0
 

@@ -165,6 +165,10 @@ async def record_calls(
                 "call_count": t.call_count + 1,
                 "group_key": t.group_key or record.explicit_group_key,
             }
+            if record.held_out and not t.held_out:
+                # A call marked held out (an evaluation run) that joins a trajectory: the whole
+                # trajectory is held out from now on, so the marked call never trains.
+                changes["held_out"] = True
             if decision.action == "append":
                 turn = t.turn_count
                 changes["turn_count"] = t.turn_count + 1

@@ -229,12 +229,19 @@ class RerunResult:
 
 def paired_interval(differences: Sequence[float], level: float = LEVEL) -> Interval | None:
     """The mean of `differences` with a paired t interval (n - 1 degrees of freedom); None
-    with fewer than `MIN_RUNS` pairs."""
+    with fewer than `MIN_RUNS` pairs. When every difference is the same there is no spread for
+    a t interval: a nonzero one counts as shown (the interval is the point) only when a sign
+    test would say so at `level` (all n of one sign: 2 * 0.5**n below 1 - level, so n >= 6 at
+    95 %); with fewer pairs, None."""
     n = len(differences)
     if n < MIN_RUNS:
         return None
     mean = sum(differences) / n
     sd = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1))
+    if sd == 0.0:
+        if mean != 0.0 and 2.0 * 0.5**n >= 1.0 - level:
+            return None
+        return Interval(mean, mean, mean, n - 1, level)
     half = t_quantile(1.0 - (1.0 - level) / 2.0, n - 1) * sd / math.sqrt(n)
     return Interval(mean, mean - half, mean + half, n - 1, level)
 
@@ -362,11 +369,12 @@ def headline(
     share: float,
     base_runs: int,
     reruns: Sequence[RerunResult] = (),
+    base_reruns: int = 0,
 ) -> Headline:
     """The newest version with an interval against the base, in one line: from its re-runs
     (paired) when they are of a version at least as new as the drawn arms' newest, else from
     the drawn arms."""
-    if share <= 0 and not results and not reruns:
+    if share <= 0 and not results and not reruns and not base_reruns:
         return Headline("held-out evaluation is off (RLPROXY_EVAL_SHARE=0)", "off")
     shown = [r for r in results if r.vs_base is not None]
     paired = [r for r in reruns if r.vs_base is not None]
@@ -404,7 +412,9 @@ def headline(
         return Headline(line, "too few runs", p.version)
     line = (
         f"no version has served rewarded held-out tasks yet ({base_runs} base run"
-        f"{'' if base_runs == 1 else 's'} rewarded)"
+        f"{'' if base_runs == 1 else 's'} rewarded"
+        + (f", {base_reruns} base re-run{'' if base_reruns == 1 else 's'}" if base_reruns else "")
+        + ")"
     )
     return Headline(line, "no evidence")
 
@@ -480,7 +490,9 @@ def evaluate_runs(
         evaluated=evaluated,
         left_out=left_out,
         versions=results,
-        headline=headline(results, share, evaluated.get("base", 0), reruns),
+        headline=headline(
+            results, share, evaluated.get("base", 0), reruns, rerun_counts.get("base", 0)
+        ),
         level=level,
         since=min((r.created_at for r in runs), default=None),
         reruns=reruns,

@@ -219,6 +219,10 @@ class Publisher:
             await rollout.evaluate()
             if rollout.version is not None:
                 return None  # still on trial: newer versions wait for its decision
+            if not self._leading() or self.adapters.registry.canary is not None:
+                # the trial was dropped (the lease lapsed, or the state changed meanwhile):
+                # the next poll follows the policy's state before anything new is put on trial
+                return None
         active = self.adapters.registry.active or 0
         unseen = [v for v in self.adapters.available() if v > active and v not in self._seen]
         if not unseen:

@@ -76,6 +76,12 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
         for label, n in report["evaluated"].items()
     )
     print(f"read {read} held-out trajectories{newest}; evaluated: {evaluated or 'none'}", file=out)
+    reran = ", ".join(
+        f"{'base' if label == 'base' else 'v' + label} {n}"
+        for label, n in (report.get("reruns_evaluated") or {}).items()
+    )
+    if reran:
+        print(f"re-runs (every call pinned to one version): {reran}", file=out)
     left = {k: n for k, n in report["left_out"].items() if n}
     if left:
         print("left out:", file=out)

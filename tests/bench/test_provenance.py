@@ -37,9 +37,7 @@ def test_only_settings_that_change_something_are_reported() -> None:
 
 def test_the_callers_environment_is_left_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RLPROXY_EVAL_SHARE", "0.2")
-    assert provenance.settings_differing({"RLPROXY_ROLLOUT": "false"}) == {
-        "rollout.enabled": False
-    }
+    assert provenance.settings_differing({"RLPROXY_ROLLOUT": "false"}) == {"rollout.enabled": False}
     assert os.environ["RLPROXY_EVAL_SHARE"] == "0.2"
     assert "RLPROXY_ROLLOUT" not in os.environ
 

@@ -331,3 +331,26 @@ def test_reruns_marked_held_out_pair_by_task_and_become_the_headline(
     table = _rlproxy(eserver, "eval")
     assert "re-runs pinned to a version, paired by task with the base's:" in table
     assert f"is it getting better? {head['line']}" in table
+
+
+def test_a_marked_call_that_joins_a_trajectory_holds_the_whole_trajectory_out(
+    eserver: Server, reruns: dict[str, tuple[int, float]]
+) -> None:
+    """After the re-runs' test: this trajectory stays open and unrewarded (left out, `open`)."""
+    tid = "joined-late"
+    split = HeldOutSplit(SHARE)
+    task = next(  # a task that trains by the draw
+        t for i in range(100) if split.arm(None, t := _task(10_000 + i), None) is None
+    )
+    with OpenAI(base_url=eserver.base_url, api_key="sk-test", max_retries=0, timeout=300) as c:
+        for marked in (False, True):
+            headers = {"X-RLProxy-Trajectory": tid}
+            if marked:
+                headers["X-RLProxy-Held-Out"] = "yes"
+            c.chat.completions.create(
+                model="rlproxy",
+                messages=task,  # type: ignore[arg-type]
+                max_tokens=4,
+                extra_headers=headers,
+            )
+            assert get_trajectory(eserver, tid)["held_out"] is marked

@@ -207,3 +207,21 @@ def test_a_rerun_win_is_the_headline_when_it_is_the_newest_version() -> None:
     )
     assert few.headline.verdict == "too few runs"
     assert "too few tasks re-run on both" in few.headline.line
+
+
+def test_pairs_that_all_differ_the_same_need_a_sign_test_worth_of_them() -> None:
+    from proxy.adapters.evaluation import paired_interval
+
+    assert paired_interval([1.0] * 5) is None  # 2 * 0.5**5 = 0.0625: not below 0.05
+    six = paired_interval([1.0] * 6)  # 0.031
+    assert six is not None and (six.low, six.high, six.verdict) == (1.0, 1.0, "better")
+    same = paired_interval([0.0, 0.0])
+    assert same is not None and same.verdict == "not shown"
+
+
+def test_base_reruns_alone_are_not_called_off() -> None:
+    ev = evaluate_runs(
+        [_rerun("b", "t", 0, 0.5)], policy="rlproxy", reward_policy="explicit", share=0.0
+    )
+    assert ev.headline.verdict == "no evidence"
+    assert ev.headline.line.endswith("(0 base runs rewarded, 1 base re-run)")

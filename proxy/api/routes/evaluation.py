@@ -3,11 +3,15 @@
     GET /rl/eval?limit=5000
 
     headline   "is it getting better?" in one line: the newest version with an interval against
-               the base on held-out tasks, its interval and verdict (better, worse, not shown,
+               the base on held-out tasks (its re-runs' when they are of a version at least as
+               new), its interval and verdict (better, worse, not shown,
                too few runs, no evidence, off)
     versions   per adapter version that served held-out tasks: its rewards, the base's over the
                same hours, the difference with a 95 % interval, and the difference of that gain
                with the previous evaluated version's
+    reruns     per adapter version re-run by the client (every call pinned to it, marked held
+               out): the tasks re-run on both it and the base, paired, with a 95 % interval;
+               `reruns_evaluated` counts them per version
     evaluated  counted runs per version; `left_out` runs not counted, per reason
                (`left_out_reasons` says each one in words); `read` held-out trajectories read,
                at most `limit`, the newest
