@@ -70,6 +70,11 @@ def main() -> None:
     parser.add_argument("--rates", default="1e-4,3e-4,6e-4,1.2e-3")
     parser.add_argument("--minutes", type=float, default=4.0, help="training budget per rate")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument(
+        "--from-runs",
+        action="store_true",
+        help="run nothing: summarise the runs' files already in <out>/lr_sweep_runs/",
+    )
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     runs_dir = args.out / "lr_sweep_runs"
@@ -79,30 +84,38 @@ def main() -> None:
         rates=rates,
         minutes_per_rate=args.minutes,
         note="the learning proof's own settings (groups of 8, polling 0.25 s) besides the rate",
+        summarised_from_runs=args.from_runs,
     )
     results: dict[str, dict] = {}
     for rate in rates:
         tmp = runs_dir / f"tmp_{rate:g}"
-        cmd = [
-            sys.executable,
-            str(REPO / "bench" / "learning_proof.py"),
-            "--lr", f"{rate:g}",
-            "--minutes", str(args.minutes),
-            "--stop-at-exact", "2",  # never stop early: every rate gets the same budget
-            "--eval-every", "4",
-            "--out", str(tmp),
-        ]  # fmt: skip
-        print("running", " ".join(cmd), flush=True)
-        done = subprocess.run(cmd, cwd=REPO, env=os.environ | GUARD_OFF)
-        if done.returncode != 0:
-            results[f"{rate:g}"] = {"error": f"learning_proof exited {done.returncode}"}
+        kept = runs_dir / f"learning_{rate:g}.json"
+        exit_code = None
+        if not args.from_runs:
+            cmd = [
+                sys.executable,
+                str(REPO / "bench" / "learning_proof.py"),
+                "--lr", f"{rate:g}",
+                "--minutes", str(args.minutes),
+                "--stop-at-exact", "2",  # never stop early: every rate gets the same budget
+                "--eval-every", "4",
+                "--out", str(tmp),
+            ]  # fmt: skip
+            print("running", " ".join(cmd), flush=True)
+            exit_code = subprocess.run(cmd, cwd=REPO, env=os.environ | GUARD_OFF).returncode
+        for found in (tmp / "learning.json", kept):  # a run that failed after writing counts
+            if found.exists():
+                run = json.loads(found.read_text())
+                break
+        else:
+            results[f"{rate:g}"] = {"error": f"learning_proof exited {exit_code}, no result file"}
             continue
-        run = json.loads((tmp / "learning.json").read_text())
-        (runs_dir / f"learning_{rate:g}.json").write_text(json.dumps(run, indent=2))
-        results[f"{rate:g}"] = summarise(run)
+        kept.write_text(json.dumps(run, indent=2))
+        results[f"{rate:g}"] = summarise(run) | {"learning_proof_exit_code": exit_code}
         for name in ("learning.json", "learning.png"):
             (tmp / name).unlink(missing_ok=True)
-        tmp.rmdir()
+        if tmp.exists():
+            tmp.rmdir()
         print(json.dumps({f"{rate:g}": results[f"{rate:g}"]["evals"][-1]}), flush=True)
     out = {**provenance.finish(record), "results": results}
     (args.out / "lr_sweep.json").write_text(json.dumps(out, indent=2))
