@@ -100,6 +100,7 @@ class Publisher:
             self.rollout.replica_id = replica_id
             self.rollout.may_write = self._leading
             self.rollout.renew = self._renew
+            self.rollout.renew_every_s = None if self.lease is None else self.lease.renew_every_s
         self.shared = shared
         self._restored = False
         self._left = False

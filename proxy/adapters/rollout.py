@@ -50,11 +50,12 @@ Not here: SQL (`storage.rollout`), the statistics (`rollout_stats`), which versi
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from proxy.adapters.closeness import ClosenessCheck
 from proxy.adapters.manager import AdapterManager
@@ -66,6 +67,8 @@ if TYPE_CHECKING:
     from proxy.settings import RolloutSettings
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 ROLLED_BACK = "rolled_back"
 """The rollout state of a version that lost its canary (the trainer leaves its weights)."""
@@ -161,8 +164,10 @@ class Rollout:
         """Asked right before each write of the policy's state: False when this replica may no
         longer decide (its publisher lease ran out meanwhile); nothing is written then."""
         self.renew: Callable[[], Awaitable[bool]] = _held
-        """Renew the publisher lease now; True while this replica holds it. Asked after a step
-        long enough to outlast the lease's renewal (measuring closeness)."""
+        """Renew the publisher lease now; True while this replica holds it. Asked during and
+        after a step long enough to outlast the lease's renewal (measuring closeness)."""
+        self.renew_every_s: float | None = None
+        """How often `renew` must run during a long step (None: no lease to keep)."""
 
     @property
     def version(self) -> int | None:
@@ -301,7 +306,9 @@ class Rollout:
         trial.closeness_at = now
         drift = await self._drift(trial.baseline)
         try:
-            measured = await check.measure(trial.baseline, trial.version, since=now - 3600.0)
+            measured = await self._renewing(
+                check.measure(trial.baseline, trial.version, since=now - 3600.0)
+            )
         except Exception:
             logger.exception("adapter %d: closeness not measured", trial.version)
             trial.closeness_done = True
@@ -336,6 +343,23 @@ class Rollout:
         )
         await self._finish(trial, "promoted", None, reason)
         return True
+
+    async def _renewing(self, work: Awaitable[T]) -> T:
+        """Await `work` (a measurement that takes seconds to minutes on a busy CPU) while
+        renewing the publisher lease every `renew_every_s`: the poll that runs it would otherwise
+        outlast the lease, and the replica would drop the trial and start it again, forever."""
+        if self.renew_every_s is None:
+            return await work
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.renew_every_s)
+                if task in done:
+                    return task.result()
+                await self.renew()
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def _drift(self, active: int | None) -> float:
         """How far the active version may be from the last version a reward test (or nothing:

@@ -10,6 +10,7 @@ the guard's e2e test's); the lease's own behaviour is `tests/proxy/test_lease_ke
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from proxy.adapters.closeness import Closeness
@@ -92,3 +93,24 @@ async def test_a_close_canary_whose_state_changed_meanwhile_is_abandoned() -> No
     assert await rollout._close_enough(rollout._trial)  # type: ignore[arg-type]
     assert adapters.activated == []
     assert notes[-1][1]["rollout"]["state"] == "abandoned"
+
+
+async def test_the_lease_is_renewed_while_closeness_is_measured() -> None:
+    """Measuring took longer than the lease on a loaded machine: the next poll's renewal failed,
+    the trial was dropped and started again, and measured again, forever."""
+    rollout, (adapters, _, _) = _rollout(lapse=False, renewed=True)
+    renewals: list[float] = []
+
+    async def renew() -> bool:
+        renewals.append(1.0)
+        return True
+
+    class _Slow(_Close):
+        async def measure(self, active: int | None, canary: int, since: float) -> Closeness:
+            await asyncio.sleep(0.35)
+            return await super().measure(active, canary, since)
+
+    rollout.renew, rollout.renew_every_s = renew, 0.1
+    rollout.closeness = _Slow(rollout, lapse=False)  # type: ignore[assignment]
+    assert await rollout._close_enough(rollout._trial)  # type: ignore[arg-type]
+    assert len(renewals) >= 3 and adapters.activated == [1]
