@@ -22,7 +22,7 @@ def test_only_settings_that_change_something_are_reported() -> None:
     env = {
         "RLPROXY_TRAIN": "true",  # serve's default: not reported
         "RLPROXY_ROLLOUT": "false",
-        "RLPROXY_TRAINER": json.dumps({"learning_rate": 6e-4, "groups_per_step": 4}),
+        "RLPROXY_TRAINER": json.dumps({"learning_rate": 3e-4, "groups_per_step": 4}),
         "RLPROXY_PORT": "1234",  # where, not how
         "RLPROXY_DATA_DIR": "/tmp/elsewhere",
         "RLPROXY_SCORING_INTERVAL_S": "0.25",
@@ -30,7 +30,7 @@ def test_only_settings_that_change_something_are_reported() -> None:
     assert provenance.settings_differing(env) == {
         "judge.scoring_interval_s": 0.25,
         "rollout.enabled": False,
-        "trainer.config.learning_rate": 6e-4,
+        "trainer.config.learning_rate": 3e-4,  # groups_per_step 4 is the default
     }
     assert provenance.settings_differing({}) == {}
 
