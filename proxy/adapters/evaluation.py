@@ -346,6 +346,10 @@ def _signed(x: float) -> str:
     return f"{x:+.3f}"
 
 
+def _bracketed(iv: Interval) -> str:
+    return f"{_signed(iv.estimate)} [{_signed(iv.low)}, {_signed(iv.high)}]"
+
+
 @dataclass(frozen=True)
 class Headline:
     """'Is it getting better?' in one line, and the verdict it states."""
@@ -384,7 +388,7 @@ def headline(
         assert iv is not None
         line = (
             f"v{p.version} vs base, re-run on {p.tasks} held-out tasks (paired): "
-            f"{_signed(iv.estimate)} [{_signed(iv.low)}, {_signed(iv.high)}]: {iv.verdict}"
+            f"{_bracketed(iv)}: {iv.verdict}"
         )
         return Headline(line, iv.verdict, p.version, iv)
     if shown:
@@ -392,8 +396,8 @@ def headline(
         iv = r.vs_base
         assert iv is not None
         line = (
-            f"v{r.version} vs base on held-out tasks: {_signed(iv.estimate)} "
-            f"[{_signed(iv.low)}, {_signed(iv.high)}] (n={r.runs.n} vs {r.base.n}): {iv.verdict}"
+            f"v{r.version} vs base on held-out tasks: {_bracketed(iv)} "
+            f"(n={r.runs.n} vs {r.base.n}): {iv.verdict}"
         )
         return Headline(line, iv.verdict, r.version, iv)
     if results:
@@ -461,6 +465,15 @@ class Evaluation:
         }
 
 
+def _count_by_version(versions: Sequence[int]) -> dict[str, int]:
+    """How many runs each version has, by its label (`base`, `3`), oldest version first."""
+    counts: dict[str, int] = {}
+    for version in sorted(versions):
+        label = version_label(version or None)
+        counts[label] = counts.get(label, 0) + 1
+    return counts
+
+
 def evaluate_runs(
     runs: Sequence[HeldOutRun],
     *,
@@ -472,14 +485,8 @@ def evaluate_runs(
 ) -> Evaluation:
     """The whole evaluation of `runs` (as `Store.held_out_runs` reads them)."""
     counted, pinned, left_out = classify(runs, policy, reward_policy)
-    evaluated: dict[str, int] = {}
-    for r in sorted(counted, key=lambda r: r.version):
-        label = version_label(r.version or None)
-        evaluated[label] = evaluated.get(label, 0) + 1
-    rerun_counts: dict[str, int] = {}
-    for p in sorted(pinned, key=lambda p: p.version):
-        label = version_label(p.version or None)
-        rerun_counts[label] = rerun_counts.get(label, 0) + 1
+    evaluated = _count_by_version([r.version for r in counted])
+    rerun_counts = _count_by_version([p.version for p in pinned])
     results = compare_versions(counted, level)
     reruns = compare_reruns(pinned, level)
     return Evaluation(
