@@ -30,6 +30,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -228,6 +229,10 @@ def finish(url: str, data: Path, out: dict[str, Any]) -> None:
             out[name] = f"failed: {type(exc).__name__}: {exc}"
 
 
+def interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=45.0, help="practice wall-time budget")
@@ -243,6 +248,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args()
     record = provenance.start({}, seed=args.seed)  # serve's defaults: nothing differs
+    signal.signal(signal.SIGTERM, interrupted)  # kill as Ctrl-C: file written, server stopped
     data = args.data or Path(f"/tmp/rlproxy-rerun-{args.seed}-{os.getpid()}")
     for k in [k for k in os.environ if k.startswith("RLPROXY_")]:
         del os.environ[k]  # serve's defaults, whatever the caller's shell set
@@ -255,7 +261,7 @@ def main() -> None:
         asyncio.run(main_async(args, url, data, result))
         finish(url, data, result)
     except KeyboardInterrupt:
-        stopped = "interrupted by hand"
+        stopped = "interrupted (Ctrl-C or SIGTERM): what it measured until then"
     except Exception as exc:  # keep what was measured, and say why it ended
         stopped = f"{type(exc).__name__}: {exc}"
     finally:

@@ -509,6 +509,26 @@ class RolloutSettings(Concern):
         "one, is within this many reward units. Local engine only; 0: always wait for rewards.",
     )
 
+    watch_share: float = Field(
+        default=0.1,
+        ge=0,
+        lt=0.5,
+        description="The watch: while a trained version serves the policy name, this share of "
+        "its other conversations is answered by the base model, and the two are compared on "
+        "the groups holding both (the canary's test, with RLPROXY_ROLLOUT_WATCH_ALPHA); when "
+        "what serves proves harmful against the base it is rolled back to the base, with every "
+        "version on its lineage that served, and the trainer starts again from fresh weights. "
+        "It catches what the canary test cannot: a version promoted on wrong rewards (a burst "
+        "of them rewards the worse answer). 0: no watch.",
+    )
+    watch_alpha: float = Field(
+        default=0.01,
+        gt=0,
+        lt=0.5,
+        description="The watch's chance of rolling back a version as good as the base, per "
+        "stretch of evidence (it starts afresh each time the test finds 'as good').",
+    )
+
     @model_validator(mode="after")
     def _check(self) -> RolloutSettings:
         if self.max_groups < self.min_groups:

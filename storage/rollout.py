@@ -22,6 +22,7 @@ Callers go through `storage.store.Store`; nothing else should import this module
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from sqlalchemy import func, select
@@ -50,12 +51,13 @@ async def paired_rewards(
     conn: AsyncConnection,
     *,
     old: int,
-    new: int,
+    new: int | Collection[int],
     since: float,
     limit: int = 1000,
 ) -> list[GroupPair]:
     """Scored groups since `since` (oldest first, at most the newest `limit`) that hold members
-    served by `old` and by `new` (0: the base model), with each member's rewards."""
+    served by `old` and by `new` (0: the base model; several versions: members of any of them
+    count on that side), with each member's rewards."""
     groups = (
         await conn.execute(
             select(G.c.id, G.c.scored_at)
@@ -81,14 +83,19 @@ async def paired_rewards(
             .where(GM.c.group_id.in_(ids), C.c.engine.in_(POLICY_ENGINES))
         )
     ).all()
-    wanted = {old, new}
+    news = {new} if isinstance(new, int) else set(new)
+    wanted = {old, *news}
     by_group: dict[str, list[tuple[str, str, str | None, int]]] = {}
     for m in members:
         if m.version in wanted:
             by_group.setdefault(m.group_id, []).append(
                 (m.member_id, m.trajectory_id, m.call_id, int(m.version))
             )
-    mixed = {g: ms for g, ms in by_group.items() if {v for *_, v in ms} == wanted and old != new}
+    mixed = {
+        g: ms
+        for g, ms in by_group.items()
+        if old not in news and any(v == old for *_, v in ms) and any(v in news for *_, v in ms)
+    }
     if not mixed:
         return []
     scores: dict[tuple[str, str], float] = {}

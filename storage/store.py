@@ -29,7 +29,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -509,10 +509,13 @@ class Store:
         async with self._engines.read.connect() as conn:
             return await held_out_runs.held_out_runs(conn, limit=limit, owner=owner)
 
-    async def paired_rewards(self, *, old: int, new: int, since: float) -> list[rollout.GroupPair]:
+    async def paired_rewards(
+        self, *, old: int, new: int | Collection[int], since: float
+    ) -> list[rollout.GroupPair]:
         """Scored groups since `since` holding members of adapter versions `old` and `new` (0:
-        the base model), with each member's posted reward and judge score (a canary rollout's
-        evidence; `trainer.scoring.rewards.version_rewards` picks by the reward policy)."""
+        the base model; several: any of them), with each member's posted reward and judge
+        score (a canary rollout's evidence; `trainer.scoring.rewards.version_rewards` picks by
+        the reward policy)."""
         async with self._engines.read.connect() as conn:
             return await rollout.paired_rewards(conn, old=old, new=new, since=since)
 

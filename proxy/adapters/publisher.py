@@ -207,6 +207,7 @@ class Publisher:
         if not self._restored:
             await self._restore()
             self._restored = True
+        await rollout.watch()  # what serves, against the base: rolled back if it proves harmful
         canary = self.adapters.registry.canary
         if rollout.version is None and canary is not None:
             # a canary another replica started (it held the lease before): its trial goes on

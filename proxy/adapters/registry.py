@@ -23,6 +23,11 @@ A task held out of training for the evaluation (`storage.held_out`) draws an arm
 stable hash of the task: its "base" arm's calls for NAME get the base model, before any canary
 draw (the control the evaluation compares versions with); its "policy" arm is routed as above.
 
+The rollout's watch (`proxy.adapters.rollout`, `watch_share`): while a trained version is
+active, conversations the canary did not draw draw once more (`canary_draw` keyed by the
+policy and version 0, which no canary is), and `watch_share` of them get the base model, the
+control the active version is watched against. Kept per conversation like the canary's draw.
+
 Whatever name a call asked for, its answer names the version that served it, `NAME@N` or
 `NAME@base` (`version_id`), as OpenAI's answer to an alias names the snapshot it resolved to.
 
@@ -166,6 +171,9 @@ class ServedModels:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     sticky: StickyRoutes = field(default_factory=StickyRoutes)
     rng: random.Random = field(default_factory=random.Random)
+    watch_share: float = 0.0
+    """While a trained version is active, the share of NAME's other conversations the base
+    model answers: the rollout's watch compares the two (0: no watch)."""
 
     @property
     def active(self) -> int | None:
@@ -181,6 +189,12 @@ class ServedModels:
     @property
     def canary(self) -> Canary | None:
         return self._canary
+
+    @property
+    def splits(self) -> bool:
+        """Whether NAME means more than one version per call now: a canary runs, or the watch
+        sends a share to the base (`route` decides which)."""
+        return self._canary is not None or (self.watch_share > 0.0 and self._active is not None)
 
     def remove_version(self, version: int) -> None:
         with self._lock:
@@ -232,29 +246,42 @@ class ServedModels:
     ) -> Resolved:
         """The version this call gets: `resolved` unchanged unless it names the policy. Then a
         held-out task's base arm (`held_out` "base", `storage.held_out`) gets the base model, the
-        evaluation's control; otherwise, while a canary runs, the version `key`'s conversation
-        drew before, else a fresh draw (the canary when `key`'s stable draw falls under
-        `share`; without a key at random), remembered under `key`."""
+        evaluation's control; otherwise, while a canary runs or the watch is on, the version
+        `key`'s conversation drew before, else a fresh draw (the canary when `key`'s stable draw
+        falls under its share; else the base when the watch's draw falls under `watch_share`;
+        else the active version; without a key at random), remembered under `key`."""
         if not resolved.follows_policy:
             return resolved
         if held_out == "base":
             return Resolved(resolved.requested, None, follows_policy=True)
-        canary = self._canary
-        if canary is None:
+        canary, active = self._canary, self._active
+        watch = self.watch_share if active is not None else 0.0
+        if canary is None and watch <= 0.0:
             return resolved
         if key is not None:
             known, version = self.sticky.get(key)
-            if known and (version in (canary.version, self._active)):
+            allowed = {active, *(() if canary is None else (canary.version,))}
+            if known and (version in allowed or (version is None and watch > 0.0)):
                 return Resolved(resolved.requested, version, follows_policy=True)
-        draw = self.rng.random() if key is None else canary_draw(key, self.policy, canary.version)
-        version = canary.version if draw < canary.share else self._active
+        version = active
+        if canary is not None:
+            draw = (
+                self.rng.random() if key is None else canary_draw(key, self.policy, canary.version)
+            )
+            if draw < canary.share:
+                version = canary.version
+        if version == active and watch > 0.0:
+            draw = self.rng.random() if key is None else canary_draw(key, self.policy, 0)
+            if draw < watch:
+                version = None
         if key is not None:
             self.sticky.put(key, version)
         return Resolved(resolved.requested, version, follows_policy=True)
 
     def remember(self, key: str, version: int | None) -> None:
-        """Keep a conversation on `version` (while a canary runs; otherwise nothing to keep)."""
-        if self._canary is not None:
+        """Keep a conversation on `version` (while a canary runs or the watch is on; otherwise
+        nothing to keep)."""
+        if self.splits:
             self.sticky.put(key, version)
 
     def resolve(self, name: str, *, protocol: str = "chat") -> Resolved:

@@ -33,6 +33,21 @@ What it does, in order (driven by `proxy.adapters.publisher.Publisher.check`):
    showed it is not harmful. With no rewards and no trusted judge scores (the judge gate holds
    them), that is what happens to every version; but then nothing trains either.
 
+5. The watch (`watch()`, every poll, `watch_share` > 0): a canary is compared only with the
+   version it would replace, on the rewards of its hours; a burst of wrong rewards (inverted,
+   a broken reward function) promotes the worse version, and each later version is compared
+   with that one. So while a trained version is active the base model answers `watch_share`
+   of the other conversations (`ServedModels.route`), and the same test (its own
+   `watch_alpha`, no budget) compares what serves with the base on the groups holding both,
+   over a stretch: the versions active since the stretch began (close promotions come every
+   minute; each would otherwise start the evidence again). "As good" (or `test.max_groups`
+   groups) starts a fresh stretch with the version serving then, so evidence from hours that
+   are gone (a burst over) does not outweigh the new. "Harmful" rolls back to the base:
+   every replica follows, a running canary (compared with the harmful version) is abandoned,
+   and the version with every version on its lineage that served is rolled back (the trainer
+   starts again from fresh weights: which of them first went wrong is not known). Its
+   figures are in the active version's `rollout.watch`; a restart begins a fresh stretch.
+
 Each start and decision is also written to the policy's state (`Store.set_policy_state`), which
 every replica follows (`proxy.adapters.publisher`); only the replica holding the publisher lease
 runs a rollout, so decisions are made once.
@@ -54,14 +69,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from proxy.adapters.closeness import ClosenessCheck
 from proxy.adapters.manager import AdapterManager
 from proxy.adapters.rollout_stats import Comparison, RolloutTest, at_budget, compare
 from storage.store import Store
-from trainer.scoring import version_rewards
+from trainer import checkpoints
+from trainer.scoring import pick_reward, version_rewards
 
 if TYPE_CHECKING:
     from proxy.settings import RolloutSettings
@@ -87,10 +103,24 @@ class RolloutConfig:
     close_budget: float = 0.1
     """Promote at once when the closeness bound plus the drift stays within this (0: never)."""
     close_retry_s: float = 30.0
+    watch_share: float = 0.1
+    """While a trained version is active, the share of the other conversations the base model
+    answers, the watch's control (0: no watch)."""
+    watch_alpha: float = 0.01
+    """The watch's chance, per look from a fresh start, of rolling back a version as good as
+    the base."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.share < 1.0:
             raise ValueError("the canary share must be between 0 and 1 (exclusive)")
+        if not 0.0 <= self.watch_share < 1.0:
+            raise ValueError("the watch share must be at least 0 and below 1")
+
+    @property
+    def watch_test(self) -> RolloutTest:
+        """The watch's test: the canary's, with its own alpha and no budget (it restarts after
+        `test.max_groups` groups instead of deciding)."""
+        return replace(self.test, alpha=self.watch_alpha, max_groups=10**9)
         if self.max_calls < 1:
             raise ValueError("the canary's call budget must be at least 1")
 
@@ -113,6 +143,8 @@ def rollout_config(settings: RolloutSettings, reward_policy: str) -> RolloutConf
         max_calls=settings.max_calls,
         evidence_wait_s=settings.evidence_wait_s,
         close_budget=settings.close_budget,
+        watch_share=settings.watch_share,
+        watch_alpha=settings.watch_alpha,
     )
 
 
@@ -131,6 +163,18 @@ class _Trial:
     """When closeness was last tried (None: not yet)."""
     closeness_done: bool = False
     """Measured and not close enough: the reward test decides."""
+
+
+@dataclass
+class _Watch:
+    """The watch's current stretch: the versions active since it (re)started, compared with
+    the base on the groups scored since `since`."""
+
+    versions: set[int]
+    since: float
+    looks: int = 0
+    """Stretches that ended "as good" (or at the group budget) since the first version here."""
+    figures: dict[str, Any] | None = None
 
 
 async def _held() -> bool:
@@ -158,6 +202,8 @@ class Rollout:
         self.policy = adapters.registry.policy
         self._trial: _Trial | None = None
         self._last: dict[str, Any] | None = None
+        self._watch: _Watch | None = None
+        self.registry.watch_share = config.watch_share
         self.replica_id: str | None = None
         """Who writes the policy's state (shown as `changed_by`)."""
         self.may_write: Callable[[], bool] = lambda: True
@@ -168,6 +214,11 @@ class Rollout:
         after a step long enough to outlast the lease's renewal (measuring closeness)."""
         self.renew_every_s: float | None = None
         """How often `renew` must run during a long step (None: no lease to keep)."""
+
+    @property
+    def watch_figures(self) -> dict[str, Any] | None:
+        """The watch's latest figures on this replica (None: none yet, or it does not decide)."""
+        return None if self._watch is None else self._watch.figures
 
     @property
     def version(self) -> int | None:
@@ -293,6 +344,125 @@ class Rollout:
             trial.state["latest"] = figures
             await self._write(trial.version, rollout=trial.state)
         return result
+
+    async def watch(self) -> Comparison | None:
+        """The watch (see the module): compare what the policy name serves with the base on the
+        groups holding both; roll it back to the base when it proves harmful. None when no
+        watch runs (it is off, or the base serves)."""
+        active = self.registry.active
+        if self.config.watch_share <= 0.0 or active is None:
+            self._watch = None
+            return None
+        watch = self._watch
+        now = time.time()
+        if watch is None:
+            watch = self._watch = _Watch({active}, now)
+        elif active not in watch.versions:  # promoted: the stretch goes on with it
+            watch.versions.add(active)
+        pairs = await self.store.paired_rewards(old=0, new=watch.versions, since=watch.since)
+        evidence = [self._base_and_watched(p.members, watch.versions) for p in pairs]
+        result = compare([(o, n) for o, n in evidence if o and n], self.config.watch_test)
+        if result.decision == "roll_back":
+            await self._roll_back_to_base(active, watch, result)
+            return result
+        figures = {**result.to_dict(), "versions": sorted(watch.versions), "since": watch.since}
+        if result.decision == "promote" or result.groups >= self.config.test.max_groups:
+            # as good as the base on this stretch: a fresh start from here, with the newest
+            # version alone (what happened before it was looked at)
+            watch.versions, watch.since = {active}, now
+            watch.looks += 1
+            figures["looks"] = watch.looks
+        if figures != watch.figures:
+            watch.figures = figures
+            await self._update_rollout(active, watch=figures)
+        return result
+
+    def _base_and_watched(
+        self, members: Any, versions: set[int]
+    ) -> tuple[list[float], list[float]]:
+        base: list[float] = []
+        watched: list[float] = []
+        for m in members:
+            value, _ = pick_reward(self.config.reward_policy, m.explicit, m.judged)
+            if value is None:
+                continue
+            if m.version == 0:
+                base.append(value)
+            elif m.version in versions:
+                watched.append(value)
+        return base, watched
+
+    async def _roll_back_to_base(self, active: int, watch: _Watch, result: Comparison) -> None:
+        """The watch found `active` harmful against the base: the base serves again (every
+        replica follows), a canary on trial against `active` is abandoned, and `active` with
+        every version on its lineage that served as active is rolled back, so the trainer
+        leaves those weights and the publisher never serves them again."""
+        if not self.may_write():
+            logger.warning(
+                "adapter %d harmful by the watch, not rolled back: the lease ran out", active
+            )
+            return
+        if not await self.store.set_policy_state(
+            self.policy,
+            by=self.replica_id,
+            expect={"active_version": active},
+            active_version=0,
+            canary_version=None,
+            canary_share=None,
+        ):
+            return  # the state changed meanwhile: the next poll follows it, and watches again
+        trial = self._trial
+        await self.adapters.activate(None)  # ends a canary too
+        if trial is not None:
+            await self._finish(
+                trial, "abandoned", None, f"version {active}, its baseline, was rolled back"
+            )
+        now = time.time()
+        reason = f"the watch against the base model: {result.reason}"
+        decision = {
+            "decision": ROLLED_BACK,
+            "by": "watch",
+            "at": now,
+            "reason": reason,
+            "figures": result.to_dict(),
+            "versions": sorted(watch.versions),
+        }
+        records = {a.version: a for a in await self.store.list_adapters(self.policy)}
+        lineage: list[int] = []
+        version = active
+        while version > 0:
+            record = records.get(version)
+            if record is not None and record.activated_at is not None:
+                lineage.append(version)
+            version = await asyncio.to_thread(
+                checkpoints.parent_version, self.adapters.root, version
+            )
+        for version in sorted(set(lineage) | watch.versions):
+            record = records.get(version)
+            state = dict((record.rollout if record else None) or {})
+            state.update(state=ROLLED_BACK, decided_at=now, rolled_back_with=active)
+            state["decisions"] = [*state.get("decisions", []), decision]
+            await self._write(
+                version,
+                status="rejected",
+                rollout=state,
+                error=f"rolled back with version {active}: {reason}",
+            )
+        self._watch = None
+        await self.adapters.evict()
+        logger.warning(
+            "adapter %d rolled back to the base model (with versions %s): %s",
+            active,
+            ", ".join(str(v) for v in sorted(set(lineage) - {active})) or "none before it",
+            reason,
+        )
+
+    async def _update_rollout(self, version: int, **changes: Any) -> None:
+        """Set keys of `version`'s rollout record, keeping the others."""
+        for record in await self.store.list_adapters(self.policy):
+            if record.version == version:
+                await self._write(version, rollout={**(record.rollout or {}), **changes})
+                return
 
     async def _close_enough(self, trial: _Trial) -> bool:
         """Promote the canary if it is provably close to the active version (see the module);

@@ -173,8 +173,8 @@ class ChatService:
             call.owner, prep.messages, prep.tools, marked=call.marked_held_out
         )
         self._admit(prep)
-        if prep.held_out == "base" or self.registry.canary is not None:
-            # The evaluation's control, or a canary rollout: this call's version.
+        if prep.held_out == "base" or self.registry.splits:
+            # The evaluation's control, a canary rollout or the watch: this call's version.
             key = conversation_key(prep.messages, prep.call.explicit_trajectory_id)
             prep.resolved = self.registry.route(prep.resolved, key, held_out=prep.held_out)
         return prep
@@ -490,11 +490,7 @@ class ChatService:
         *,
         shadow: list[ChoiceRecord] | None = None,
     ) -> None:
-        if (
-            self.registry.canary is not None
-            and status == "completed"
-            and prep.resolved.follows_policy
-        ):
+        if self.registry.splits and status == "completed" and prep.resolved.follows_policy:
             for outcome in outcomes:  # the next turn answers this: keep it on this version
                 key = conversation_key([*prep.messages, outcome.message])
                 if key is not None:

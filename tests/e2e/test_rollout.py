@@ -14,6 +14,8 @@ from the server's database, and scores the preferred version 0.9, any other 0.1.
 - A judge preferring the old version's answers makes the rollout roll the canary back and reject
   it, with the figures; the publisher never serves it again.
 - A judge preferring the new version's answers gets it promoted.
+- The watch: once the judge prefers the base's answers again, the promoted version, compared
+  with the base on the conversations the watch sends there, is rolled back.
 - With the setting off, a new version serves everything at once, as before.
 
 In the default suite since the test became sequential (about a minute on the shared 2-core
@@ -48,6 +50,7 @@ from tests.e2e.test_adapters import write_random_lora
 GROUP_SIZE = 4
 MIN_GROUPS = 3
 MAX_GROUPS = 6
+WATCH_SHARE = 0.4  # the watch's base arm (default 0.1), so its mixed groups come quickly
 TAG = re.compile(r"\[run-([0-9a-f]{12})\]")
 
 
@@ -139,6 +142,7 @@ def rserver(
         "RLPROXY_ROLLOUT_SHARE": "0.5",
         "RLPROXY_ROLLOUT_MIN_GROUPS": str(MIN_GROUPS),
         "RLPROXY_ROLLOUT_MAX_GROUPS": str(MAX_GROUPS),
+        "RLPROXY_ROLLOUT_WATCH_SHARE": str(WATCH_SHARE),
         "RLPROXY_SCORING": "true",
         "RLPROXY_SCORING_INTERVAL_S": "0.5",
         "RLPROXY_GROUP_MIN_SIZE": str(GROUP_SIZE),
@@ -314,8 +318,10 @@ def test_a_judge_preferring_the_new_version_gets_it_promoted(
     assert figures["llr"] <= v2["rollout"]["test"]["promote_at_llr"]
     assert figures["lower"] > 0  # the interval shown beside it
     assert v2["activated_at"] is not None
-    after = [_call(client, rserver, f"after2-{uuid.uuid4().hex[:6]}")[1] for _ in range(4)]
-    assert after == [2] * 4
+    # version 2 serves now, and the watch sends its share of conversations to the base
+    assert _listing(rserver)["rollout"]["watch"]["on"] is True
+    after = [_call(client, rserver, f"after2-{uuid.uuid4().hex[:6]}")[1] for _ in range(10)]
+    assert set(after) <= {0, 2} and after.count(2) >= 3, after
 
 
 def test_a_version_trained_from_a_rolled_back_one_is_never_served(
@@ -329,6 +335,33 @@ def test_a_version_trained_from_a_rolled_back_one_is_never_served(
     assert "trained from version 1" in v3["error"]
     assert listing["rollout"]["canary"] is None
     assert _adapter_in(listing, 2)["active"] is True
+
+
+def test_the_watch_rolls_back_a_promoted_version_that_turns_out_worse_than_the_base(
+    rserver: Server, client: OpenAI, judge: VersionJudge
+) -> None:
+    """Version 2 was promoted on the judge's word; now the judge prefers the base's answers (as
+    when rewards that were wrong are put right). The watch compares version 2 with the base on
+    the groups holding both and rolls it back: the base serves again."""
+    watch = _listing(rserver)["rollout"]["watch"]
+    assert watch["share"] == WATCH_SHARE and watch["on"] is True
+    judge.prefer = 0
+    versions = _run_groups_until(
+        client, rserver, lambda d: _adapter_in(d, 2).get("status") == "rejected"
+    )
+    assert set(versions) == {0, 2}, versions
+    listing = _listing(rserver)
+    v2 = _adapter_in(listing, 2)
+    assert v2["rollout"]["state"] == "rolled_back" and v2["active"] is False
+    decision = v2["rollout"]["decisions"][-1]
+    assert decision["by"] == "watch" and decision["decision"] == "rolled_back"
+    assert decision["figures"]["mean_diff"] == pytest.approx(-0.8, abs=1e-6)
+    assert decision["figures"]["llr"] >= watch["roll_back_at_llr"]
+    assert decision["figures"]["groups"] >= MIN_GROUPS
+    assert "rolled back with version 2" in v2["error"]
+    assert listing["rollout"]["watch"]["on"] is False  # the base serves: nothing to watch
+    after = [_call(client, rserver, f"after4-{uuid.uuid4().hex[:6]}")[1] for _ in range(4)]
+    assert after == [0] * 4
 
 
 def _adapter_in(listing: dict[str, Any], version: int) -> dict[str, Any]:

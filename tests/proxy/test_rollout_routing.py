@@ -187,3 +187,32 @@ async def test_a_long_policy_name_still_draws_a_new_split_for_each_canary() -> N
     assert [canary_draw(k, policy, 1) for k in keys] != [canary_draw(k, policy, 2) for k in keys]
     # short names keep the split they had before (a conversation's version survives upgrades)
     assert canary_draw("conversation-1", "rlproxy", 7) == 0.246177779720674
+
+
+def test_the_watch_sends_its_share_of_the_other_conversations_to_the_base() -> None:
+    reg = _registry(share=0.25)
+    reg.watch_share = 0.2
+    draws = [reg.route(reg.resolve("rlproxy"), f"m:{i}").version for i in range(20_000)]
+    # the canary's quarter first, then a fifth of the rest: 0.25, 0.15 and 0.6
+    assert draws.count(2) / len(draws) == pytest.approx(0.25, abs=0.02)
+    assert draws.count(None) / len(draws) == pytest.approx(0.75 * 0.2, abs=0.02)
+    assert draws.count(1) / len(draws) == pytest.approx(0.75 * 0.8, abs=0.02)
+    # a conversation keeps its draw, on every replica (a stable hash of its key)
+    other = _registry(share=0.25, seed=99)
+    other.watch_share = 0.2
+    again = [other.route(other.resolve("rlproxy"), f"m:{i}").version for i in range(2_000)]
+    assert again == draws[:2_000]
+    # pins are never split, the watch's base included
+    assert {reg.route(reg.resolve("rlproxy@1"), "m:x").version for _ in range(50)} == {1}
+
+
+def test_the_watch_is_off_while_the_base_serves_and_with_share_zero() -> None:
+    reg = ServedModels("rlproxy", rng=random.Random(3))
+    reg.watch_share = 0.4
+    resolved = reg.resolve("rlproxy")
+    assert {reg.route(resolved, f"m:{i}").version for i in range(500)} == {None}
+    reg.add_version(3)
+    reg.activate(3)
+    assert {reg.route(reg.resolve("rlproxy"), f"m:{i}").version for i in range(500)} == {None, 3}
+    reg.watch_share = 0.0
+    assert reg.route(reg.resolve("rlproxy"), "m:any") == reg.resolve("rlproxy")

@@ -70,3 +70,18 @@ async def test_explicit_rewards_and_judge_scores_come_side_by_side(
     (pair,) = await store.paired_rewards(old=1, new=2, since=since)
     members = sorted((m.version, m.explicit, m.judged) for m in pair.members)
     assert members == [(1, 0.0, pytest.approx(0.9)), (2, 1.0, pytest.approx(0.1))]
+
+
+async def test_several_new_versions_count_on_one_side(store: Store, make_call: Any) -> None:
+    """The rollout's watch compares the base with the versions that served in turn."""
+    since = time.time() - 1
+    spanning = await _scored_group(
+        store, make_call, "spanning", [(None, 0.8, None), (5, 0.3, None), (6, 0.2, None)]
+    )
+    later = await _scored_group(store, make_call, "later", [(None, 0.7, None), (6, 0.1, None)])
+    await _scored_group(store, make_call, "no-base", [(5, 0.3, None), (6, 0.2, None)])
+    pairs = await store.paired_rewards(old=0, new={5, 6}, since=since)
+    assert sorted(p.group_id for p in pairs) == sorted([spanning, later])
+    spanning_pair = next(p for p in pairs if p.group_id == spanning)
+    assert sorted(m.version for m in spanning_pair.members) == [0, 5, 6]
+    assert await store.paired_rewards(old=0, new={0, 5}, since=since) == []

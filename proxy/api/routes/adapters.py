@@ -4,8 +4,9 @@ GET  /rl/adapters                  every version: loaded/active/canary, status (
                                    forgetting check held it), error, metrics, rollout (canary
                                    state and every decision with its figures), forgetting (the
                                    check's verdict and figures); at the top, `rollout` (on or
-                                   off, the canary running, the test) and `forgetting` (on or
-                                   off, its limit, whether this engine can run it)
+                                   off, the canary running, the test, the watch) and
+                                   `forgetting` (on or off, its limit, whether this engine can
+                                   run it)
 POST /rl/adapters/{version}/load   load into the engine (validated first)
 POST /rl/adapters/{version}/unload unload from the engine (not the active version; requests in
                                    flight on it finish first)
@@ -81,6 +82,12 @@ def _rollout(adapters: AdapterManager, publisher: Publisher) -> dict[str, Any]:
             "reward_policy": rollout.config.reward_policy,
             "max_calls": rollout.config.max_calls,
             "evidence_wait_s": rollout.config.evidence_wait_s,
+        },
+        "watch": {
+            "share": rollout.config.watch_share,
+            "on": rollout.config.watch_share > 0 and adapters.registry.active is not None,
+            "roll_back_at_llr": round(rollout.config.watch_test.roll_back_at, 4),
+            "latest": rollout.watch_figures,
         },
     }
 
