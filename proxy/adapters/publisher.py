@@ -111,6 +111,8 @@ class Publisher:
         canary is decided); return it (None: nothing new)."""
         if self._left:
             return None
+        if self.rollout is not None:  # every replica that publishes routes the watch's share
+            self.adapters.registry.watch_share = self.rollout.config.watch_share
         leader = True if self.lease is None else await self.lease.tick()
         await self.follow()
         if self.shared is not None:

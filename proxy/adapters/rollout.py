@@ -203,7 +203,6 @@ class Rollout:
         self._trial: _Trial | None = None
         self._last: dict[str, Any] | None = None
         self._watch: _Watch | None = None
-        self.registry.watch_share = config.watch_share
         self.replica_id: str | None = None
         """Who writes the policy's state (shown as `changed_by`)."""
         self.may_write: Callable[[], bool] = lambda: True

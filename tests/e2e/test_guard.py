@@ -114,7 +114,9 @@ def test_a_version_close_to_the_active_one_is_promoted_at_once(
     assert 0.0 < closeness["bound"] <= closeness["budget"] == 0.1
     assert rollout["drift"] == pytest.approx(closeness["bound"], abs=1e-6)
     with OpenAI(base_url=gserver.base_url, api_key="sk-test", max_retries=0, timeout=300) as c:
-        assert [_call(c, gserver, "after")[1] for _ in range(4)] == [2] * 4
+        # version 2 serves; the watch sends a tenth of the conversations to the base
+        after = [_call(c, gserver, "after")[1] for _ in range(8)]
+        assert set(after) <= {0, 2} and after.count(2) >= 2, after
 
 
 def test_a_version_far_from_the_active_one_waits_for_rewards(gserver: Server, lora: Path) -> None:

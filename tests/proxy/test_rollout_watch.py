@@ -114,7 +114,6 @@ async def test_harmful_against_the_base_rolls_back_the_lineage_that_served(
     records = [_record(1), _record(2, activated=False), _record(3), _record(4), _record(5, False)]
     rollout, adapters, store, notes = _rollout(tmp_path, 3, records)
     rollout._trial = _Trial(5, 4, 0.0, {"state": "canary"})
-    assert adapters.registry.watch_share == 0.2  # the registry routes the watch's share
     assert (await rollout.watch()).decision == "wait"  # type: ignore[union-attr]
     adapters.registry.active = 4  # promoted (close to 3): the stretch goes on with both
     store.groups = [_group(i, 1.0, 0.0, 3 + i % 2, at=time.time() + 1 + i) for i in range(3)]
@@ -161,7 +160,7 @@ async def test_as_good_starts_a_fresh_stretch_with_the_version_serving(tmp_path:
 
 
 async def test_with_share_zero_there_is_no_watch(tmp_path: Path) -> None:
-    rollout, adapters, store, _ = _rollout(tmp_path, 1, [_record(1)])
+    rollout, _, store, _ = _rollout(tmp_path, 1, [_record(1)])
     rollout.config = RolloutConfig(watch_share=0.0)
     assert await rollout.watch() is None
     assert store.asked == []

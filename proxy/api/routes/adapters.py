@@ -85,7 +85,7 @@ def _rollout(adapters: AdapterManager, publisher: Publisher) -> dict[str, Any]:
         },
         "watch": {
             "share": rollout.config.watch_share,
-            "on": rollout.config.watch_share > 0 and adapters.registry.active is not None,
+            "on": adapters.registry.watch_share > 0 and adapters.registry.active is not None,
             "roll_back_at_llr": round(rollout.config.watch_test.roll_back_at, 4),
             "latest": rollout.watch_figures,
         },
