@@ -10,7 +10,9 @@ Scenarios (`--scenario`):
   `--burst-versions` (trained on nothing else: worse than the base), then `--calls` calls with
   true rewards. What is measured: the share of those calls each version served, whether the
   bad version was rolled back, and (pinned evaluation at the end) the bad version, the base and
-  what the policy name serves at the end.
+  what the policy name serves at the end; `burst_outcome` puts them against what the guard
+  must show (the bad version clearly worse, its share after the burst and its rolled-back
+  lineage's, when and by what it was rolled back, the end against the base).
 - `plain`: `--calls` calls with true rewards from the start; then the same evaluation.
 - `harmful`: no trainer (RLPROXY_TRAIN=false, the one setting changed): `--warmup` calls served
   by the base, then a harmful version is put in place as version 1 (a random LoRA, B scaled by
@@ -35,6 +37,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import time
@@ -221,6 +224,58 @@ def decisions(listing: dict[str, Any], log: list[dict[str, Any]]) -> list[dict[s
     return out
 
 
+def burst_outcome(
+    result: dict[str, Any], listing: dict[str, Any], after: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The burst scenario against what it must show: the bad version clearly worse than the
+    base (pinned evaluation); the share of the calls after the burst it served, and its whole
+    rolled-back lineage served; whether and when (calls after the burst) it was rolled back,
+    and by what; what serves at the end against the base."""
+    bad = result["bad_version"]
+    evals = result["evaluation"]
+    base = evals["base"]
+    records = {a["version"]: a for a in listing["data"]}
+
+    def against_base(e: dict[str, Any] | None) -> dict[str, Any] | None:
+        if not e or "right" not in e:
+            return None
+        se = (e["se"] ** 2 + base["se"] ** 2) ** 0.5
+        diff = e["right"] - base["right"]
+        return {"right": e["right"], "minus_base": round(diff, 3), "in_se": round(diff / se, 2)}
+
+    active = result["active_at_end"]
+    bad_eval = evals.get("active_at_end") if active == bad else evals.get(f"version_{bad}")
+    rollout = (records.get(bad) or {}).get("rollout") or {}
+    decision = next(
+        (d for d in reversed(rollout.get("decisions") or []) if d["decision"] == "rolled_back"),
+        None,
+    )
+    rolled = {
+        v for v, a in records.items() if ((a.get("rollout") or {}).get("state") == "rolled_back")
+    }
+    served = [version_of(c["served"]) for c in after]
+    outcome: dict[str, Any] = {
+        "bad_version": bad,
+        "bad_against_base": against_base(bad_eval),
+        "base_right": base["right"],
+        "bad_served_share_after": round(served.count(bad) / max(1, len(served)), 3),
+        "rolled_back_versions": sorted(rolled),
+        "rolled_back_served_share_after": round(
+            sum(v in rolled for v in served) / max(1, len(served)), 3
+        ),
+        "bad_rolled_back": decision is not None,
+        "serving_at_end": active,
+        "end_against_base": {"right": base["right"], "minus_base": 0.0, "in_se": 0.0}
+        if active == 0
+        else against_base(evals.get("active_at_end")),
+    }
+    if decision is not None:
+        outcome["rolled_back_by"] = decision.get("by", "canary")
+        outcome["rolled_back_after_calls"] = sum(c["at"] < decision["at"] for c in after)
+        outcome["rolled_back_reason"] = decision["reason"]
+    return outcome
+
+
 async def main_async(args: argparse.Namespace, url: str) -> dict[str, Any]:
     traffic = Traffic(url, random.Random(f"guard:{args.seed}"))
     t0 = time.time()
@@ -278,11 +333,17 @@ async def main_async(args: argparse.Namespace, url: str) -> dict[str, Any]:
             except httpx.HTTPStatusError as exc:
                 evals[f"version_{a['version']}"] = {"error": exc.response.text[:300]}
     result["evaluation"] = evals
+    if args.scenario == "burst":
+        result["burst_outcome"] = burst_outcome(result, listing, after)
     r = await traffic.client.get(f"{url}/rl/eval")  # the held-out evaluation, as served
     result["held_out_evaluation"] = r.json() if r.status_code == 200 else {"error": r.text[:300]}
     result["calls"] = traffic.log
     await traffic.client.aclose()
     return result
+
+
+def interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main() -> None:
@@ -312,10 +373,13 @@ def main() -> None:
     proc, url = start_server(data, REPO / "rlproxy-data", {**defaults, **settings})
     stopped = None
     result: dict[str, Any] = {}
+    signal.signal(signal.SIGTERM, interrupted)  # kill as Ctrl-C: file written, server stopped
     try:
         result = asyncio.run(main_async(args, url))
     except KeyboardInterrupt:
-        stopped = "interrupted by hand"
+        stopped = "interrupted (Ctrl-C or SIGTERM)"
+    except Exception as exc:  # say why it ended, in its own file
+        stopped = f"{type(exc).__name__}: {exc}"
     finally:
         stop(proc)
     name = f"guard_{args.scenario}{'_off' if args.guard_off else ''}_{args.seed}.json"
