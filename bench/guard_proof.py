@@ -259,6 +259,7 @@ def burst_outcome(
         "bad_against_base": against_base(bad_eval),
         "base_right": base["right"],
         "bad_served_share_after": round(served.count(bad) / max(1, len(served)), 3),
+        "bad_served_share_first_300": round(served[:300].count(bad) / max(1, len(served[:300])), 3),
         "rolled_back_versions": sorted(rolled),
         "rolled_back_served_share_after": round(
             sum(v in rolled for v in served) / max(1, len(served)), 3
