@@ -40,8 +40,10 @@ What it does, in order (driven by `proxy.adapters.publisher.Publisher.check`):
    of the other conversations (`ServedModels.route`), and the same test (its own
    `watch_alpha`, no budget) compares what serves with the base on the groups holding both,
    over a stretch: the versions active since the stretch began (close promotions come every
-   minute; each would otherwise start the evidence again). "As good" (or `test.max_groups`
-   groups) starts a fresh stretch with the version serving then, so evidence from hours that
+   minute; each would otherwise start the evidence again). At `test.max_groups` groups,
+   undecided, the stretch rolls back when "harmful" is the likelier and the 90 % interval lies
+   below 0 (`watch_budget`). "As good" (or not shown worse at the budget) starts a fresh
+   stretch with the version serving then, so evidence from hours that
    are gone (a burst over) does not outweigh the new. "Harmful" rolls back to the base:
    every replica follows, a running canary (compared with the harmful version) is abandoned,
    and the version with every version on its lineage that served is rolled back (the trainer
@@ -163,6 +165,25 @@ class _Trial:
     """When closeness was last tried (None: not yet)."""
     closeness_done: bool = False
     """Measured and not close enough: the reward test decides."""
+
+
+def watch_budget(result: Comparison, groups: int) -> Comparison:
+    """The watch's stretch at its budget of `groups` mixed groups, undecided: roll back when
+    "harmful" is the likelier hypothesis (LLR > 0: the mean difference is below -margin/2) and
+    the 90 % interval lies wholly below 0 (worse than the base, shown at that level); otherwise
+    a fresh stretch ("promote": as good, or not shown worse)."""
+    shown = result.reason.split(": ", 1)[-1]
+    if result.llr is not None and result.llr > 0 and result.upper is not None and result.upper < 0:
+        return replace(
+            result,
+            decision="roll_back",
+            reason=f"likelier harmful and below the base at the budget of {groups} groups: {shown}",
+        )
+    return replace(
+        result,
+        decision="promote",
+        reason=f"not shown worse at the budget of {groups} groups: {shown}",
+    )
 
 
 @dataclass
@@ -361,13 +382,15 @@ class Rollout:
         pairs = await self.store.paired_rewards(old=0, new=watch.versions, since=watch.since)
         evidence = [self._base_and_watched(p.members, watch.versions) for p in pairs]
         result = compare([(o, n) for o, n in evidence if o and n], self.config.watch_test)
+        if result.decision == "wait" and result.groups >= self.config.test.max_groups:
+            result = watch_budget(result, self.config.test.max_groups)
         if result.decision == "roll_back":
             await self._roll_back_to_base(active, watch, result)
             return result
         figures = {**result.to_dict(), "versions": sorted(watch.versions), "since": watch.since}
-        if result.decision == "promote" or result.groups >= self.config.test.max_groups:
-            # as good as the base on this stretch: a fresh start from here, with the newest
-            # version alone (what happened before it was looked at)
+        if result.decision == "promote":
+            # as good as the base on this stretch (or undecided at its budget): a fresh start
+            # from here, with the newest version alone
             watch.versions, watch.since = {active}, now
             watch.looks += 1
             figures["looks"] = watch.looks

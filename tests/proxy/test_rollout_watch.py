@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from proxy.adapters.rollout import ROLLED_BACK, Rollout, RolloutConfig, _Trial
-from proxy.adapters.rollout_stats import RolloutTest
+from proxy.adapters.rollout import ROLLED_BACK, Rollout, RolloutConfig, _Trial, watch_budget
+from proxy.adapters.rollout_stats import RolloutTest, compare
 from storage.records import AdapterRecord, PairedMember
 from storage.rollout import GroupPair
 
@@ -164,3 +164,22 @@ async def test_with_share_zero_there_is_no_watch(tmp_path: Path) -> None:
     rollout.config = RolloutConfig(watch_share=0.0)
     assert await rollout.watch() is None
     assert store.asked == []
+
+
+def test_at_its_budget_a_stretch_rolls_back_only_when_shown_below_the_base() -> None:
+    """Undecided after `max_groups` groups: the likelier side, and only below 0 at 90 %."""
+    test = RolloutTest()
+    watch_test = RolloutConfig(test=test).watch_test
+    # 32 groups, the watched version 0.25 below the base on average with a wide spread
+    # (interval -0.45..-0.05, evidence 2.13: undecided); a burst run's stretch went undecided
+    # like this at -0.16, interval -0.32..-0.005
+    worse = [([0.6], [0.0]) if i % 5 else ([0.0], [1.0]) for i in range(32)]
+    result = compare(worse, watch_test)
+    assert result.decision == "wait" and result.llr is not None and result.llr > 0
+    assert result.upper is not None and result.upper < 0
+    assert watch_budget(result, 32).decision == "roll_back"
+    # the same spread, a twentieth below: not shown worse, a fresh stretch
+    close = [([0.5], [0.0]) if i % 2 else ([0.0], [0.4]) for i in range(32)]
+    result = compare(close, watch_test)
+    assert result.decision == "wait"
+    assert watch_budget(result, 32).decision == "promote"
