@@ -74,6 +74,9 @@ class Traffic:
         self.asked: set[int] = set()
         self.log: list[dict[str, Any]] = []
         self.client = httpx.AsyncClient(timeout=600)
+        self.watch: dict[str, dict[str, Any]] = {}
+        """The watch's latest figures per stretch (keyed by its start), as `/rl/adapters` showed
+        them every few seconds while traffic ran: each stretch's last look."""
 
     async def ask(self, model: str, n: int) -> tuple[str, str, str]:
         """(answer, served model, response id)."""
@@ -122,7 +125,23 @@ class Traffic:
                 done += 1
                 await self.one(phase, invert)
 
-        await asyncio.gather(*(worker() for _ in range(workers)))
+        async def look() -> None:
+            while True:
+                await asyncio.sleep(5)
+                try:
+                    listing = await self.adapters()
+                except httpx.HTTPError:
+                    continue  # a busy moment: the next look
+                watch = (listing.get("rollout") or {}).get("watch") or {}
+                latest = watch.get("latest")
+                if latest:
+                    self.watch[str(latest.get("since"))] = {**latest, "at": time.time()}
+
+        looking = asyncio.ensure_future(look())
+        try:
+            await asyncio.gather(*(worker() for _ in range(workers)))
+        finally:
+            looking.cancel()
 
     async def adapters(self) -> dict[str, Any]:
         r = await self.client.get(f"{self.url}/rl/adapters")
@@ -334,6 +353,7 @@ async def main_async(args: argparse.Namespace, url: str) -> dict[str, Any]:
             except httpx.HTTPStatusError as exc:
                 evals[f"version_{a['version']}"] = {"error": exc.response.text[:300]}
     result["evaluation"] = evals
+    result["watch_stretches"] = list(traffic.watch.values())
     if args.scenario == "burst":
         result["burst_outcome"] = burst_outcome(result, listing, after)
     r = await traffic.client.get(f"{url}/rl/eval")  # the held-out evaluation, as served
