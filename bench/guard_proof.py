@@ -292,6 +292,7 @@ def burst_outcome(
     if decision is not None:
         outcome["rolled_back_by"] = decision.get("by", "canary")
         outcome["rolled_back_after_calls"] = sum(c["at"] < decision["at"] for c in after)
+        outcome["rolled_back_after_the_traffic"] = bool(after) and decision["at"] > after[-1]["at"]
         outcome["rolled_back_reason"] = decision["reason"]
     return outcome
 
@@ -355,7 +356,9 @@ async def main_async(args: argparse.Namespace, url: str) -> dict[str, Any]:
     result["evaluation"] = evals
     result["watch_stretches"] = list(traffic.watch.values())
     if args.scenario == "burst":
-        result["burst_outcome"] = burst_outcome(result, listing, after)
+        # read again after the evaluation: a decision whose evidence was still being scored when
+        # the traffic stopped has come by now (its time says whether it came after the last call)
+        result["burst_outcome"] = burst_outcome(result, await traffic.adapters(), after)
     r = await traffic.client.get(f"{url}/rl/eval")  # the held-out evaluation, as served
     result["held_out_evaluation"] = r.json() if r.status_code == 200 else {"error": r.text[:300]}
     result["calls"] = traffic.log
