@@ -79,7 +79,7 @@ from proxy.adapters.manager import AdapterManager
 from proxy.adapters.rollout_stats import Comparison, RolloutTest, at_budget, compare
 from storage.store import Store
 from trainer import checkpoints
-from trainer.scoring import pick_reward, version_rewards
+from trainer.scoring import version_rewards
 
 if TYPE_CHECKING:
     from proxy.settings import RolloutSettings
@@ -117,14 +117,14 @@ class RolloutConfig:
             raise ValueError("the canary share must be between 0 and 1 (exclusive)")
         if not 0.0 <= self.watch_share < 1.0:
             raise ValueError("the watch share must be at least 0 and below 1")
+        if self.max_calls < 1:
+            raise ValueError("the canary's call budget must be at least 1")
 
     @property
     def watch_test(self) -> RolloutTest:
-        """The watch's test: the canary's, with its own alpha and no budget (it restarts after
-        `test.max_groups` groups instead of deciding)."""
+        """The watch's test: the canary's, with its own alpha and no budget of its own (at
+        `test.max_groups` groups `watch_budget` decides instead)."""
         return replace(self.test, alpha=self.watch_alpha, max_groups=10**9)
-        if self.max_calls < 1:
-            raise ValueError("the canary's call budget must be at least 1")
 
 
 def rollout_config(settings: RolloutSettings, reward_policy: str) -> RolloutConfig | None:
@@ -380,7 +380,8 @@ class Rollout:
         elif active not in watch.versions:  # promoted: the stretch goes on with it
             watch.versions.add(active)
         pairs = await self.store.paired_rewards(old=0, new=watch.versions, since=watch.since)
-        evidence = [self._base_and_watched(p.members, watch.versions) for p in pairs]
+        policy = self.config.reward_policy
+        evidence = [version_rewards(p.members, 0, watch.versions, policy) for p in pairs]
         result = compare([(o, n) for o, n in evidence if o and n], self.config.watch_test)
         if result.decision == "wait" and result.groups >= self.config.test.max_groups:
             result = watch_budget(result, self.config.test.max_groups)
@@ -398,21 +399,6 @@ class Rollout:
             watch.figures = figures
             await self._update_rollout(active, watch=figures)
         return result
-
-    def _base_and_watched(
-        self, members: Any, versions: set[int]
-    ) -> tuple[list[float], list[float]]:
-        base: list[float] = []
-        watched: list[float] = []
-        for m in members:
-            value, _ = pick_reward(self.config.reward_policy, m.explicit, m.judged)
-            if value is None:
-                continue
-            if m.version == 0:
-                base.append(value)
-            elif m.version in versions:
-                watched.append(value)
-        return base, watched
 
     async def _roll_back_to_base(self, active: int, watch: _Watch, result: Comparison) -> None:
         """The watch found `active` harmful against the base: the base serves again (every

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from proxy.adapters.rollout import ROLLED_BACK, Rollout, RolloutConfig, _Trial, watch_budget
 from proxy.adapters.rollout_stats import RolloutTest, compare
 from storage.records import AdapterRecord, PairedMember
@@ -183,3 +185,10 @@ def test_at_its_budget_a_stretch_rolls_back_only_when_shown_below_the_base() -> 
     result = compare(close, watch_test)
     assert result.decision == "wait"
     assert watch_budget(result, 32).decision == "promote"
+
+
+def test_the_config_still_checks_the_call_budget() -> None:
+    with pytest.raises(ValueError, match="call budget"):
+        RolloutConfig(max_calls=0)
+    with pytest.raises(ValueError, match="watch share"):
+        RolloutConfig(watch_share=1.0)

@@ -15,7 +15,7 @@ rollout's comparison of two versions and the group routes all read rewards throu
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Literal, get_args
 
 from storage.records import GroupDetail, PairedMember
@@ -57,13 +57,20 @@ async def read_group(store: Store, group_id: str, policy: str) -> GroupDetail | 
 
 
 def version_rewards(
-    members: Iterable[PairedMember], old: int, new: int, policy: str
+    members: Iterable[PairedMember], old: int, new: int | Collection[int], policy: str
 ) -> tuple[list[float], list[float]]:
     """The rewards of the members served by version `old` and by `new` in one group (a canary
-    rollout's paired evidence); members with neither reward are left out."""
-    rewards: dict[int, list[float]] = {old: [], new: []}
+    rollout's paired evidence; several new versions: the rollout's watch, any of them counts);
+    members with neither reward are left out."""
+    news = {new} if isinstance(new, int) else set(new)
+    old_rewards: list[float] = []
+    new_rewards: list[float] = []
     for m in members:
         value, _ = pick_reward(policy, m.explicit, m.judged)
-        if value is not None and m.version in rewards:
-            rewards[m.version].append(value)
-    return rewards[old], rewards[new]
+        if value is None:
+            continue
+        if m.version == old:
+            old_rewards.append(value)
+        elif m.version in news:
+            new_rewards.append(value)
+    return old_rewards, new_rewards
