@@ -260,8 +260,12 @@ class ServedModels:
             return resolved
         if key is not None:
             known, version = self.sticky.get(key)
-            allowed = {active, *(() if canary is None else (canary.version,))}
-            if known and (version in allowed or (version is None and watch > 0.0)):
+            kept = (
+                version == active
+                or (canary is not None and version == canary.version)
+                or (version is None and watch > 0.0)
+            )
+            if known and kept:
                 return Resolved(resolved.requested, version, follows_policy=True)
         version = active
         if canary is not None:
