@@ -61,7 +61,6 @@ import contextlib
 import json
 import os
 import random
-import signal
 import sqlite3
 import statistics
 import subprocess
@@ -79,7 +78,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from servers import SERVE_ONLY, free_port, sse_json, start_server, stop  # noqa: E402
+from servers import SERVE_ONLY, free_port, sse_json, start_server, stop, stop_on_sigterm  # noqa: E402
 
 LONG_CONTEXT = 32768
 # fmt: off
@@ -623,13 +622,9 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def interrupted(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # SIGTERM as Ctrl-C: the servers are stopped on the way out
-
-
 def main() -> int:
     args = parse_args()
-    signal.signal(signal.SIGTERM, interrupted)
+    stop_on_sigterm()
     from proxy.engines.loader import ensure_fp32_cache
 
     engines = ["local", "vllm"]

@@ -37,7 +37,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
 import sys
 import time
@@ -50,7 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
 import provenance  # noqa: E402
-from servers import SERVE_ONLY, start_server, stop  # noqa: E402
+from servers import SERVE_ONLY, start_server, stop, stop_on_sigterm  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Answer briefly."
 
@@ -366,10 +365,6 @@ async def main_async(args: argparse.Namespace, url: str) -> dict[str, Any]:
     return result
 
 
-def interrupted(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenario", choices=["burst", "plain", "harmful"], required=True)
@@ -397,7 +392,7 @@ def main() -> None:
     proc, url = start_server(data, REPO / "rlproxy-data", {**defaults, **settings})
     stopped = None
     result: dict[str, Any] = {}
-    signal.signal(signal.SIGTERM, interrupted)  # kill as Ctrl-C: file written, server stopped
+    stop_on_sigterm()  # kill as Ctrl-C: file written, server stopped
     try:
         result = asyncio.run(main_async(args, url))
     except KeyboardInterrupt:

@@ -1,15 +1,34 @@
 """Held-out re-runs on the lookup agent: does `rlproxy eval` show the trained version's win over
 the base, with an interval, on `rlproxy serve`'s defaults?
 
-One server on serve's defaults (the trainer, scoring, publishing, the canary rollout, the
-forgetting check and the held-out split all as a user gets them; nothing that changes learning
-is set). The lookup agent (`examples/lookup_agent.py`, the Agents SDK, no rlproxy import)
-practises: rounds of `--tasks` practice words x `--runs` episodes, every episode's reward
-posted, for `--minutes` of practice. At the start, and after every `--eval-every` minutes of
-practice and at the end, it re-runs the 100 held-out tasks (words never practised) with the
-same client marked held out (`X-RLProxy-Held-Out: true`): once pinned to `rlproxy@base` (at
-the start only: the base never changes) and once pinned to the version the policy name serves
-then, sampled (temperature 1), each reward posted. Practice stops during a re-run.
+One server on serve's defaults (the trainer, scoring, publishing, the canary rollout and the
+watch, the forgetting check and the held-out split all as a user gets them; nothing that changes
+learning is set). The lookup agent (`examples/lookup_agent.py`, the Agents SDK, no rlproxy
+import) practises in rounds of `--tasks` x `--runs` episodes for `--minutes` of practice:
+
+- `--traffic practice` (the default): `--tasks` practice words, `--runs` episodes each, so the
+  runs of a word form a group by their task signature;
+- `--traffic live`: as many tasks, each asked once in the whole run (a practice word with its
+  own variant number: its own code, answer and listed words), grouped as serve groups live
+  traffic (alone, then the agent's cohort); the file counts the tasks asked and any asked twice.
+
+and its reward comes from
+
+- `--reward env` (the default): every practice episode's reward is posted;
+- `--reward judge`: none is posted; each episode is ended (`POST /rl/trajectories/{id}/end`) and
+  the server's judge is `bench/standin_judge.py --truth lookup` (a test fixture, not a judge: it
+  orders two members with different true rewards right with probability `--pair-accuracy`),
+  with the judge checks and the gate on serve's defaults. The judge's settings are the only
+  ones that differ from the defaults, and the file records them.
+
+At the start, and after every `--eval-every` minutes of practice and at the end, it re-runs the
+100 held-out tasks (words never practised) with the same client marked held out
+(`X-RLProxy-Held-Out: true`): once pinned to `rlproxy@base` (at the start only: the base never
+changes) and once pinned to the version the policy name serves then, sampled (temperature 1),
+each reward posted (the environment's: the evaluation, whatever trains); with `--greedy` (the
+default) once more each at temperature 0, rewards not posted (so the proxy's pairing holds the
+sampled runs; it counts the greedy ones as left out), success counted here. Practice stops
+during a re-run.
 
 The proxy pairs the re-runs by task (`proxy/adapters/evaluation.py`); the script records what
 `GET /rl/eval`, `rlproxy eval`, `rlproxy status` and the dashboard's "Is it getting better?"
@@ -17,10 +36,13 @@ card (in Debian's Chromium) show, and its own count of the same episodes (succes
 per arm) to check the proxy's figures against.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/heldout_rerun_proof.py \
-        [--minutes 45] [--eval-every 20] [--seed 0] [--out bench/results]
+        [--minutes 45] [--eval-every 20] [--traffic live] [--reward judge --pair-accuracy 0.9] \
+        [--seed 0] [--out bench/results]
 
-Writes `<out>/heldout_rerun_<seed>.json` (with `bench/provenance.py`'s record: commit, command,
-settings differing from the defaults, load) and prints the headline.
+Writes `<out>/heldout_rerun_<seed>.json` (practice traffic with rewards) or
+`heldout_rerun_<traffic>_<env|judgeNN>_<seed>.json`, with `bench/provenance.py`'s record
+(commit, command, settings differing from the defaults, load), and prints the headline. A run
+stopped early (Ctrl-C, SIGTERM, an error) still writes what it measured and says why.
 """
 
 from __future__ import annotations
@@ -29,11 +51,12 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -46,26 +69,84 @@ sys.path.insert(0, str(REPO / "examples"))
 
 import lookup_agent  # noqa: E402
 import provenance  # noqa: E402
-from servers import SERVE_ONLY, start_server, stop  # noqa: E402
+from servers import SERVE_ONLY, free_port, process, start_server, stop, stop_on_sigterm  # noqa: E402
 
 HELD_OUT = {"X-RLProxy-Held-Out": "true"}
 ERRORS: list[str] = []
 """Episodes that failed outside the agent (an HTTP error, a refused call): scored 0, listed."""
+ASKED: set[tuple[str, ...]] = set()
+REPEATED: list[str] = []
+"""`--traffic live`: tasks asked twice (the question and listed words the model saw); none, or the
+run is not live traffic."""
 EVAL_CONCURRENCY = 32  # episodes at once: within serve's default queue bound (64 rows)
 
 
+def round_tasks(args: argparse.Namespace, round_number: int) -> list[str]:
+    """A practice round's episodes, one task each: `--tasks` practice words `--runs` times each
+    (`--traffic practice`), or as many tasks never asked before (`--traffic live`: practice words
+    with their own variant numbers, so each has its own code, answer and listed words)."""
+    count = args.tasks * args.runs
+    rng = random.Random(f"{args.traffic}:{args.seed}:{round_number}")
+    if args.traffic == "practice":
+        return [
+            t
+            for t in rng.sample(lookup_agent.practice_tasks(), args.tasks)
+            for _ in range(args.runs)
+        ]
+    tasks = [
+        lookup_agent.live_task(
+            rng.choice(lookup_agent.practice_tasks()), round_number * count + i + 1
+        )
+        for i in range(count)
+    ]
+    for task in tasks:  # the task as the model sees it: its question and its tools' words
+        seen = (lookup_agent.question_text(task), *lookup_agent.choices_of(task))
+        if seen in ASKED:
+            REPEATED.append(task)
+        ASKED.add(seen)
+    return tasks
+
+
 async def practise(url: str, args: argparse.Namespace, round_number: int) -> dict[str, Any]:
+    """One round on the policy name. `--reward env`: each episode's reward is posted;
+    `--reward judge`: nothing is posted, each episode is ended (`POST /rl/trajectories/{id}/end`,
+    the environment saying it is over) and the server's judge scores its group. The true rewards
+    are counted here either way."""
+    tasks = round_tasks(args, round_number)
     async with AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-agent", timeout=1800) as client:
-        result = await lookup_agent.train(
-            client, "rlproxy", args.tasks, args.runs, args.seed * 10_000 + round_number,
-            args.max_tokens,
-        )  # fmt: skip
-    result.pop("runs")
-    return result
+
+        async def one(task: str) -> float:
+            episode = await lookup_agent.run_episode(client, "rlproxy", task, args.max_tokens)
+            value = lookup_agent.reward(episode)
+            if args.reward == "env":
+                await lookup_agent.report(client, episode, value)
+            elif episode.response_ids:
+                async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                    ended = await http.post(f"/rl/trajectories/{episode.response_ids[-1]}/end")
+                    ended.raise_for_status()
+            return value
+
+        rewards = await asyncio.gather(*(one(t) for t in tasks))
+    by_task: dict[str, set[float]] = {}
+    for task, value in zip(tasks, rewards, strict=True):
+        by_task.setdefault(task, set()).add(value)
+    return {
+        "episodes": len(tasks),
+        "success": sum(v == 1.0 for v in rewards) / len(rewards),
+        "mean_reward": sum(rewards) / len(rewards),
+        # a task whose runs all got the same reward teaches a group-relative learner nothing
+        # (live traffic: every task is asked once, so this is 0; its groups are cohorts)
+        "tasks_with_varied_rewards": sum(len(v) > 1 for v in by_task.values()),
+    }
 
 
-async def rerun(url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The held-out tasks once each, pinned to `model`, marked held out, rewards posted."""
+async def rerun(
+    url: str, model: str, args: argparse.Namespace, temperature: float = 1.0
+) -> dict[str, Any]:
+    """The held-out tasks once each, pinned to `model`, marked held out. Sampled (temperature
+    1): the rewards are posted, and the proxy pairs these runs. Greedy (0): nothing is posted,
+    so the proxy's pairing holds the sampled runs only (it counts the greedy ones as left out:
+    held-out runs with no reward); the script counts their success."""
     gate = asyncio.Semaphore(EVAL_CONCURRENCY)
     async with AsyncOpenAI(
         base_url=f"{url}/v1", api_key="sk-agent", timeout=1800, default_headers=HELD_OUT
@@ -74,9 +155,12 @@ async def rerun(url: str, model: str, args: argparse.Namespace) -> dict[str, Any
         async def one(task: str) -> tuple[str, float, bool]:
             try:
                 async with gate:
-                    episode = await lookup_agent.run_episode(client, model, task, args.max_tokens)
+                    episode = await lookup_agent.run_episode(
+                        client, model, task, args.max_tokens, temperature
+                    )
                 value = lookup_agent.reward(episode)
-                await lookup_agent.report(client, episode, value)
+                if temperature > 0:
+                    await lookup_agent.report(client, episode, value)
             except Exception as exc:  # a refused or failed call: counted, the run goes on
                 ERRORS.append(f"{model} {task}: {type(exc).__name__}: {exc}")
                 return task, 0.0, False
@@ -90,6 +174,7 @@ async def rerun(url: str, model: str, args: argparse.Namespace) -> dict[str, Any
         return {"model": model, "episodes": 0, "rewards": {}}
     return {
         "model": model,
+        "temperature": temperature,
         "episodes": len(done),
         "unreported": sum(not reported for _, _, reported in done),
         "success": sum(v == 1.0 for v in rewards.values()) / len(rewards),
@@ -161,6 +246,9 @@ async def main_async(args: argparse.Namespace, url: str, data: Path, out: dict[s
     base = await rerun(url, "rlproxy@base", args)
     out["base"] = base
     print(f"  base: success {base['success']:.0%}, reward {base['mean_reward']:.3f}", flush=True)
+    if args.greedy:
+        out["base_greedy"] = base_greedy = await rerun(url, "rlproxy@base", args, 0.0)
+        print(f"  base greedy: success {base_greedy['success']:.0%}", flush=True)
     rounds: list[dict[str, Any]] = out.setdefault("practice_rounds", [])
     evaluations: list[dict[str, Any]] = out.setdefault("evaluations", [])
     practised = 0.0
@@ -189,20 +277,33 @@ async def main_async(args: argparse.Namespace, url: str, data: Path, out: dict[s
                 v = await rerun(url, f"rlproxy@{version}", args)
                 report = httpx.get(f"{url}/rl/eval", timeout=120).json()
                 rerun_of = [r for r in report["reruns"] if r["version"] == version]
-                evaluations.append(
-                    {
-                        "practice_minutes": round(practised, 2),
-                        "version": version,
-                        "script": paired_by_script(base, v),
-                        "success": v.get("success"),
-                        "mean_reward": v.get("mean_reward"),
-                        "seconds": v.get("seconds"),
-                        "proxy_rerun": rerun_of[0] if rerun_of else None,
-                        "proxy_headline": report["headline"],
-                        "rewards": v["rewards"],
-                    }
-                )
+                evaluation = {
+                    "practice_minutes": round(practised, 2),
+                    "version": version,
+                    "script": paired_by_script(base, v),
+                    "success": v.get("success"),
+                    "mean_reward": v.get("mean_reward"),
+                    "seconds": v.get("seconds"),
+                    "proxy_rerun": rerun_of[0] if rerun_of else None,
+                    "proxy_headline": report["headline"],
+                    "rewards": v["rewards"],
+                }
                 print(f"  v{version}: {report['headline']['line']}", flush=True)
+                if args.greedy:
+                    g = await rerun(url, f"rlproxy@{version}", args, 0.0)
+                    evaluation["greedy"] = {
+                        "success": g.get("success"),
+                        "base_success": out["base_greedy"].get("success"),
+                        "script": paired_by_script(out["base_greedy"], g),
+                        "seconds": g.get("seconds"),
+                        "rewards": g["rewards"],
+                    }
+                    print(
+                        f"  v{version} greedy: success {g['success']:.0%} (base "
+                        f"{out['base_greedy']['success']:.0%})",
+                        flush=True,
+                    )
+                evaluations.append(evaluation)
         if last:
             break
     out["rl_eval"] = httpx.get(f"{url}/rl/eval", timeout=120).json()
@@ -229,16 +330,65 @@ def finish(url: str, data: Path, out: dict[str, Any]) -> None:
             out[name] = f"failed: {type(exc).__name__}: {exc}"
 
 
-def interrupted(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+def standin_judge(stack: ExitStack, args: argparse.Namespace, data: Path) -> dict[str, str]:
+    """`--reward judge`: the stand-in judge (`bench/standin_judge.py`, a test fixture that orders
+    pairs of members with different true rewards right with probability `--pair-accuracy`) in
+    its own process; returns the server's judge settings. The judge checks and gate are left on
+    serve's defaults."""
+    port = free_port()
+    cmd = [
+        sys.executable, str(REPO / "bench" / "standin_judge.py"), "--port", str(port),
+        "--pair-accuracy", str(args.pair_accuracy), "--truth", "lookup", "--seed", str(args.seed),
+    ]  # fmt: skip
+    data.mkdir(parents=True, exist_ok=True)
+    stack.enter_context(
+        process(cmd, dict(os.environ), data / "standin.log", f"http://127.0.0.1:{port}/health")
+    )
+    return {
+        "RLPROXY_JUDGE_MODEL": "openai/standin",
+        "RLPROXY_JUDGE_API_BASE": f"http://127.0.0.1:{port}/v1",
+        "RLPROXY_JUDGE_API_KEY_ENV": "STANDIN_KEY",
+    }
+
+
+def result_name(args: argparse.Namespace) -> str:
+    """`heldout_rerun_<seed>.json` for practice traffic with rewards (the first proof's name);
+    otherwise the traffic and the reward are in the name too."""
+    if args.traffic == "practice" and args.reward == "env":
+        return f"heldout_rerun_{args.seed}.json"
+    reward = "env" if args.reward == "env" else f"judge{round(args.pair_accuracy * 100)}"
+    return f"heldout_rerun_{args.traffic}_{reward}_{args.seed}.json"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=45.0, help="practice wall-time budget")
     parser.add_argument("--eval-every", type=float, default=20.0, help="practice minutes")
+    parser.add_argument(
+        "--traffic",
+        choices=("practice", "live"),
+        default="practice",
+        help="practice: --tasks words --runs times each a round; live: as many tasks a round, "
+        "each asked once in the whole run",
+    )
     parser.add_argument("--tasks", type=int, default=4, help="practice words a round")
     parser.add_argument("--runs", type=int, default=8, help="episodes a word a round")
+    parser.add_argument(
+        "--reward",
+        choices=("env", "judge"),
+        default="env",
+        help="env: each practice episode's reward posted; judge: none posted, the stand-in "
+        "judge scores (the held-out re-runs post theirs either way: they are the evaluation)",
+    )
+    parser.add_argument(
+        "--pair-accuracy", type=float, default=0.9, help="--reward judge: the stand-in's"
+    )
+    parser.add_argument(
+        "--greedy",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also re-run the held-out tasks greedily (temperature 0, rewards not posted)",
+    )
     parser.add_argument("--max-tokens", type=int, default=48, help="the agent's limit a turn")
     parser.add_argument(
         "--eval-tasks", type=int, default=100, help="held-out tasks re-run (fewer: a smoke run)"
@@ -247,28 +397,40 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args()
-    record = provenance.start({}, seed=args.seed)  # serve's defaults: nothing differs
-    signal.signal(signal.SIGTERM, interrupted)  # kill as Ctrl-C: file written, server stopped
+    if not 0.5 <= args.pair_accuracy <= 1.0:
+        parser.error("--pair-accuracy is between 0.5 (a coin flip) and 1 (the truth)")
+    stop_on_sigterm()  # kill as Ctrl-C: file written, server stopped
     data = args.data or Path(f"/tmp/rlproxy-rerun-{args.seed}-{os.getpid()}")
     for k in [k for k in os.environ if k.startswith("RLPROXY_")]:
         del os.environ[k]  # serve's defaults, whatever the caller's shell set
-    # start_server turns training, scoring and publishing off; serve's defaults turn them on
-    proc, url = start_server(data, REPO / "rlproxy-data", {k: "true" for k in SERVE_ONLY})
-    print(f"serving {url} from {data}", flush=True)
     stopped = None
     result: dict[str, Any] = {}
-    try:
-        asyncio.run(main_async(args, url, data, result))
-        finish(url, data, result)
-    except KeyboardInterrupt:
-        stopped = "interrupted (Ctrl-C or SIGTERM): what it measured until then"
-    except Exception as exc:  # keep what was measured, and say why it ended
-        stopped = f"{type(exc).__name__}: {exc}"
-    finally:
-        stop(proc)
+    record: dict[str, Any] = {}
+    with ExitStack() as stack:
+        try:
+            judge = standin_judge(stack, args, data) if args.reward == "judge" else {}
+            # serve's defaults; only the judge (the user's choice of judge model) differs
+            record = provenance.start(
+                provenance.settings_differing(judge), seed=args.seed, judge=judge or None
+            )
+            # start_server turns training, scoring and publishing off; serve's defaults: on
+            env = {k: "true" for k in SERVE_ONLY} | judge | ({"STANDIN_KEY": "sk"} if judge else {})
+            proc, url = start_server(data, REPO / "rlproxy-data", env)
+            stack.callback(stop, proc)
+            print(f"serving {url} from {data}", flush=True)
+            asyncio.run(main_async(args, url, data, result))
+            finish(url, data, result)
+        except KeyboardInterrupt:
+            stopped = "interrupted (Ctrl-C or SIGTERM): what it measured until then"
+        except Exception as exc:  # keep what was measured, and say why it ended
+            stopped = f"{type(exc).__name__}: {exc}"
     result["episode_errors"] = ERRORS
+    if args.traffic == "live":
+        result["tasks_asked"] = len(ASKED)
+        result["tasks_asked_twice"] = REPEATED
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"heldout_rerun_{args.seed}.json"
+    path = args.out / result_name(args)
+    record = record or provenance.start({}, seed=args.seed)
     path.write_text(
         json.dumps({**provenance.finish(record, stopped_early=stopped), **result}, indent=1) + "\n"
     )

@@ -35,6 +35,16 @@ SERVE_ONLY = {
 }
 
 
+def stop_on_sigterm() -> None:
+    """Take SIGTERM (`kill`, a nohup'd run stopped) as Ctrl-C: a proof's `except
+    KeyboardInterrupt` writes what it measured and its `finally` stops its servers."""
+
+    def interrupted(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupted)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -67,8 +77,9 @@ def start_server(
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(f"{url}/health", proc, log_path, timeout_s=180)
-    except RuntimeError:
+    except BaseException:  # never healthy, or Ctrl-C / SIGTERM while starting: no server left
         proc.kill()
+        proc.wait()
         raise
     return proc, url
 

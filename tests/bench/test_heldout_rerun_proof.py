@@ -1,0 +1,56 @@
+"""The held-out re-run proof's traffic and its result file's name (bench/heldout_rerun_proof.py):
+live traffic asks every task once, practice traffic repeats words, and a judge run's file says
+which judge. The proof itself runs for an hour on a real server: it is not run here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+
+import heldout_rerun_proof as proof  # noqa: E402
+import lookup_agent  # noqa: E402
+import provenance  # noqa: E402
+
+
+def args(**changes: object) -> argparse.Namespace:
+    base = {"traffic": "practice", "reward": "env", "pair_accuracy": 0.9, "tasks": 4, "runs": 8}
+    return argparse.Namespace(seed=0, **(base | changes))
+
+
+def test_practice_traffic_asks_each_round_its_words_runs_times() -> None:
+    tasks = proof.round_tasks(args(), 0)
+    assert len(tasks) == 32 and len(set(tasks)) == 4
+    assert all(tasks.count(t) == 8 for t in set(tasks))
+    assert not set(tasks) & set(lookup_agent.held_out())
+
+
+def test_live_traffic_never_asks_a_task_twice() -> None:
+    proof.ASKED.clear()
+    proof.REPEATED.clear()
+    rounds = [proof.round_tasks(args(traffic="live"), r) for r in range(5)]
+    seen = [(lookup_agent.question_text(t), *lookup_agent.choices_of(t)) for r in rounds for t in r]
+    assert len(seen) == 160 and len(set(seen)) == 160
+    assert len(proof.ASKED) == 160 and proof.REPEATED == []
+    held_out_words = {lookup_agent.word_of(t) for t in lookup_agent.held_out()}
+    assert not {lookup_agent.word_of(t) for r in rounds for t in r} & held_out_words
+    proof.round_tasks(args(traffic="live"), 0)  # the first round again: every task a repeat
+    assert len(proof.REPEATED) == 32
+
+
+def test_a_judge_runs_file_names_its_judge_and_records_the_settings() -> None:
+    assert proof.result_name(args()) == "heldout_rerun_0.json"
+    assert proof.result_name(args(traffic="live")) == "heldout_rerun_live_env_0.json"
+    named = proof.result_name(args(traffic="live", reward="judge", pair_accuracy=0.5))
+    assert named == "heldout_rerun_live_judge50_0.json"
+    judge = {
+        "RLPROXY_JUDGE_MODEL": "openai/standin",
+        "RLPROXY_JUDGE_API_BASE": "http://127.0.0.1:9/v1",
+        "RLPROXY_JUDGE_API_KEY_ENV": "STANDIN_KEY",
+    }
+    differing = provenance.settings_differing(judge)
+    assert differing["judge.model"] == "openai/standin"
+    assert not any(k.startswith(("trainer.", "rollout.", "group")) for k in differing)
