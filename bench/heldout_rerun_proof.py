@@ -307,6 +307,10 @@ async def main_async(args: argparse.Namespace, url: str, data: Path, out: dict[s
         if last:
             break
     out["rl_eval"] = httpx.get(f"{url}/rl/eval", timeout=120).json()
+    if args.reward == "judge":  # the gate's decision and its checks, per judge and rubric
+        keep = ("judge_model", "canary", "self_agreement", "environment", "gate", "held_groups")
+        judges = httpx.get(f"{url}/rl/judge", timeout=120).json()["judges"]
+        out["judge_checks"] = [{k: j.get(k) for k in keep} for j in judges]
     adapters = httpx.get(f"{url}/rl/adapters", timeout=60).json()["data"]
     out["adapters"] = [
         {k: a.get(k) for k in ("id", "version", "status", "rollout", "created_at", "activated_at")}
