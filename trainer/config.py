@@ -119,14 +119,15 @@ class TrainerConfig:
     max_staleness: int | None = field(
         default=4,
         metadata={
-            "help": "Groups generated more than this many versions behind the version the step "
-            "starts from are dropped or down-weighted (stale_policy); null (None) turns the "
-            "bound off, 0 trains only on groups the current weights generated. A group is as "
-            "stale as its stalest turn; the base model is version 0; versions behind are counted "
-            "along the checkpoint lineage (trainer/staleness.py). 4 is TRL's AsyncGRPOTrainer "
-            "default; the learning proof's rounds are 1 version behind, so the bound acts on "
-            "backlogs (the trainer takes the oldest groups first) and on versions left "
-            "unpublished. With "
+            "help": "Samples (turns) generated more than this many versions behind the version "
+            "the step starts from are left out or down-weighted (stale_policy); null (None) "
+            "turns the bound off, 0 trains only on samples the current weights generated. Each "
+            "sample alone, after its group's advantages were taken over all members (a group is "
+            "dropped only when every sample is: the base's watch share puts a base member in "
+            "most groups); the base model is version 0; versions behind are counted along the "
+            "checkpoint lineage (trainer/staleness.py). 4 is TRL's AsyncGRPOTrainer default; the "
+            "learning proof's rounds are 1 version behind, so the bound acts on backlogs (the "
+            "trainer takes the oldest groups first) and on versions left unpublished. With "
             "publish_adapters off (or a long canary), the trainer can run at most this many "
             "versions ahead of what serves before it drops everything: raise it or use None."
         },
@@ -134,16 +135,17 @@ class TrainerConfig:
     stale_policy: str = field(
         default="drop",
         metadata={
-            "help": "What a step does with a group past max_staleness: 'drop' (never trained on, "
-            "marked skipped, as TRL's async trainer does) or 'downweight' (its loss is "
-            "multiplied by stale_weight once per version past the bound)."
+            "help": "What a step does with a sample past max_staleness: 'drop' (left out of the "
+            "loss; a group whose every sample is past it is never trained on, marked skipped, as "
+            "TRL's async trainer does) or 'downweight' (its loss is multiplied by stale_weight "
+            "once per version past the bound)."
         },
     )
     stale_weight: float = field(
         default=0.5,
         metadata={
             "help": "With stale_policy 'downweight': the factor per version past max_staleness "
-            "(a group K + 2 behind counts stale_weight ** 2)."
+            "(a sample K + 2 behind counts stale_weight ** 2)."
         },
     )
     groups_per_step: int = field(

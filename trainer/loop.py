@@ -21,12 +21,14 @@ step leaves nothing that serving or a restart would load.
 Groups marked with `trained_step = 0` were looked at and skipped (zero variance, no reward, no
 stored token ids, or too stale); they never contributed a gradient.
 
-Staleness: every example carries the adapter version that sampled it; a group more than
-`max_staleness` versions behind the weights the step starts from is dropped or down-weighted
-(`trainer.staleness`, `stale_policy`). Each step's metrics count the groups dropped and
-down-weighted since the previous step and, over the whole run (carried from checkpoint to
-checkpoint), the groups trained on, dropped and down-weighted; serving reads them from the
-adapter record (`/metrics`, `/rl/stats`, the dashboard).
+Staleness: every example carries the adapter version that sampled it; an example more than
+`max_staleness` versions behind the weights the step starts from is left out or down-weighted
+(`trainer.staleness`, `stale_policy`), after the group's advantages were taken over all its
+members; a group all of whose examples are left out is dropped. Each step's metrics count the
+groups dropped and down-weighted and the examples left out since the previous step and, over the
+whole run (carried from checkpoint to checkpoint), the groups trained on, dropped and
+down-weighted and the examples left out; serving reads them from the adapter record (`/metrics`,
+`/rl/stats`, the dashboard).
 
 Lineage: each checkpoint's trainer state records `parent`, the version whose weights the step
 started from (0: fresh LoRA weights). When serving rolls a version back after its canary
@@ -55,7 +57,7 @@ from trainer.grpo import TrainingExample, group_advantages, leave_one_out_advant
 from trainer.packing import pack_turns, turns_in
 from trainer.peft_backend import PeftTrainer
 from trainer.scoring import read_group
-from trainer.staleness import group_staleness, lineage, staleness_weight
+from trainer.staleness import lineage, samples_behind, staleness_weight
 
 logger = logging.getLogger(__name__)
 
@@ -82,17 +84,21 @@ class Collected:
     """Groups that cannot be trained on (no variance, no reward, no token ids)."""
     rewards: list[float]
     stale_dropped: list[str]
-    """Usable groups dropped for staleness."""
+    """Usable groups dropped for staleness (every sample past the bound)."""
     downweighted: int = 0
-    """Among `chosen`: groups past the bound that train with a weight below 1."""
+    """Among `chosen`: groups with a sample past the bound that trains with a weight below 1."""
     staleness: list[int] = field(default_factory=list)
-    """Versions behind of each chosen group."""
+    """Versions behind of each chosen group's stalest sample that trains."""
+    samples_dropped: int = 0
+    """Among `chosen`: samples past the bound left out of the loss (the rest of the group
+    trains)."""
 
 
 RUN_TOTALS = (
     "groups_trained_total",
     "stale_dropped_total",
     "stale_downweighted_total",
+    "stale_samples_dropped_total",
     "too_long_total",
 )
 """Step metrics counted over the whole run (restored from the newest checkpoint on resume)."""
@@ -194,6 +200,7 @@ class TrainingLoop:
             return None
         self.totals["groups_trained_total"] += len(group_ids)
         self.totals["stale_downweighted_total"] += found.downweighted
+        self.totals["stale_samples_dropped_total"] += found.samples_dropped
         self.totals["too_long_total"] += metrics.too_long
         report = StepReport(
             version=self.trainer.step,
@@ -209,6 +216,7 @@ class TrainingLoop:
                 "step_seconds": time.perf_counter() - started,
                 "stale_dropped": self._stale_since_step,
                 "stale_downweighted": found.downweighted,
+                "stale_samples_dropped": found.samples_dropped,
                 "staleness_max": max(found.staleness, default=0),
                 "staleness_mean": sum(found.staleness) / max(len(found.staleness), 1),
                 **self.totals,
@@ -279,7 +287,7 @@ class TrainingLoop:
         rewards: list[float] = []
         stale: list[str] = []
         staleness: list[int] = []
-        downweighted = 0
+        downweighted = samples_dropped = 0
         ancestors = await asyncio.to_thread(lineage, self.weights_version, self._parent)
         cursor: str | None = None
         while len(chosen) < wanted:
@@ -297,24 +305,33 @@ class TrainingLoop:
                     skipped.append(summary.id)
                     continue
                 behind = await asyncio.to_thread(
-                    group_staleness,
+                    samples_behind,
                     [e.behaviour_version for e in examples],
                     ancestors,
                     self._parent,
                 )
-                weight = staleness_weight(
-                    behind,
-                    max_staleness=self.config.max_staleness,
-                    policy=self.config.stale_policy,
-                    stale_weight=self.config.stale_weight,
-                )
-                if weight <= 0.0:
+                weights = [
+                    staleness_weight(
+                        b,
+                        max_staleness=self.config.max_staleness,
+                        policy=self.config.stale_policy,
+                        stale_weight=self.config.stale_weight,
+                    )
+                    for b in behind
+                ]
+                # each sample alone: the advantages were taken over the whole group already
+                kept = [
+                    (replace(e, weight=e.weight * w) if w < 1.0 else e, b)
+                    for e, w, b in zip(examples, weights, behind, strict=True)
+                    if w > 0.0
+                ]
+                if not kept:
                     stale.append(summary.id)
                     continue
-                if weight < 1.0:
-                    downweighted += 1
-                    examples = [replace(e, weight=e.weight * weight) for e in examples]
-                staleness.append(behind)
+                samples_dropped += len(examples) - len(kept)
+                downweighted += any(0.0 < w < 1.0 for w in weights)
+                staleness.append(max(b for _, b in kept))
+                examples = [e for e, _ in kept]
                 chosen.append((group, examples))
                 rewards += [m.reward for m in group.members if m.reward is not None]
                 if len(chosen) == wanted:
@@ -322,7 +339,7 @@ class TrainingLoop:
             if page.next_cursor is None:
                 break
             cursor = page.next_cursor
-        return Collected(chosen, skipped, rewards, stale, downweighted, staleness)
+        return Collected(chosen, skipped, rewards, stale, downweighted, staleness, samples_dropped)
 
     def _parent(self, version: int) -> int:
         """The version `version` was trained from (its checkpoint's lineage), remembered once

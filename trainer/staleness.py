@@ -17,13 +17,21 @@ as many steps away as the path through the versions' common ancestor. Whether a 
 `NAME@N`, a canary's share or the active version served a sample makes no difference: only the
 weights do.
 
-A group is as stale as its stalest sample: its members share one advantage baseline, so it is
-kept, weighted or dropped as a whole.
+Each sample (turn) is as stale as the version that served it, and the rule applies to each
+alone. A group's advantages are taken over all its members' rewards first, stale ones included
+(a reward says how hard the task was whichever weights earned it, and the baseline does not
+depend on the action it is compared with), so dropping a stale member leaves its fresh
+neighbours' advantages as they were. A group is dropped only when every sample is. Before
+2026-12-07 a group was as stale as its stalest sample and dropped whole: while a trained version
+serves, the base answers the watch's share of conversations (`proxy.adapters.rollout`), so at a
+share of 0.1 more than half of the groups of 8 held one base member, and every such group was
+dropped once the trainer was K versions past the base (measured on serve's defaults:
+`bench/heldout_rerun_proof.py`).
 
-Rule (`staleness_weight`): with a bound K (`max_staleness`; None: no bound), a group at most K
-versions behind trains with weight 1. A staler one is dropped (policy "drop": weight 0) or, with
-policy "downweight", trains with weight `stale_weight ** (behind - K)`: each version past the
-bound multiplies its loss by `stale_weight` again, so a far older group counts for little.
+Rule (`staleness_weight`): with a bound K (`max_staleness`; None: no bound), a sample at most K
+versions behind trains with weight 1. A staler one is left out (policy "drop": weight 0) or,
+with policy "downweight", trains with weight `stale_weight ** (behind - K)`: each version past
+the bound multiplies its loss by `stale_weight` again, so a far older sample counts for little.
 """
 
 from __future__ import annotations
@@ -63,19 +71,19 @@ def versions_behind(
     return steps + ancestors[current]
 
 
-def group_staleness(
+def samples_behind(
     behaviour_versions: Iterable[int | None],
     ancestors: Mapping[int, int],
     parent_of: Callable[[int], int],
-) -> int:
-    """Versions behind of a group's stalest sample (0 for a group of none)."""
-    return max((versions_behind(v, ancestors, parent_of) for v in behaviour_versions), default=0)
+) -> list[int]:
+    """Versions behind of each sample, in order."""
+    return [versions_behind(v, ancestors, parent_of) for v in behaviour_versions]
 
 
 def staleness_weight(
     behind: int, *, max_staleness: int | None, policy: str, stale_weight: float
 ) -> float:
-    """The weight a group `behind` versions behind trains with: 1 within the bound, else 0
+    """The weight a sample `behind` versions behind trains with: 1 within the bound, else 0
     ("drop") or `stale_weight ** (behind - max_staleness)` ("downweight")."""
     if policy not in STALE_POLICIES:
         raise ValueError(f"stale policy must be one of {sorted(STALE_POLICIES)}, got {policy!r}")

@@ -69,7 +69,7 @@ TRAINER_FIGURES = {
     "kl": ("kl", "KL to the base of the newest step (0 without a KL term)."),
     "staleness_max": (
         "staleness_max",
-        "Versions behind the trainer's weights of the stalest group the newest step trained on.",
+        "Versions behind the trainer's weights of the stalest sample the newest step trained on.",
     ),
     "importance_weight_mean": (
         "is_weight_mean",
@@ -92,7 +92,7 @@ class StaleGroups:
     trained: int
     """Groups training steps used (down-weighted ones included)."""
     dropped: int
-    """Usable groups dropped for being more than max_staleness versions behind."""
+    """Usable groups dropped for being more than max_staleness versions behind (every sample)."""
     downweighted: int
     """Groups past the bound that trained with a weight below 1."""
 
@@ -566,6 +566,15 @@ def _trainer(record: AdapterRecord) -> Iterator[Metric]:
             "Turns the trainer left out over its run (as of its newest version) for being longer "
             "than its max_seq_len: trained whole or not at all, never cut from the left.",
             value=too_long,
+        )
+    stale_samples = figures.get("stale_samples_dropped_total")
+    if isinstance(stale_samples, int) and not isinstance(stale_samples, bool):
+        yield CounterMetricFamily(
+            "rlproxy_trainer_stale_samples_dropped",
+            "Samples (turns) more than max_staleness versions behind the trainer's weights that "
+            "its steps left out of the loss over its run (as of its newest version), in groups "
+            "whose other samples trained.",
+            value=stale_samples,
         )
     stale = StaleGroups.from_step(figures)
     if stale is None:

@@ -319,6 +319,7 @@ async def test_state_figures_read_the_store_and_the_trainers_newest_step(tmp_pat
                         "stale_downweighted_total": 0,
                         "too_long": 1,
                         "too_long_total": 3 * version,
+                        "stale_samples_dropped_total": 5 * version,
                     },
                 )
             )
@@ -348,6 +349,7 @@ async def test_state_figures_read_the_store_and_the_trainers_newest_step(tmp_pat
         assert _value(metrics, "rlproxy_trainer_stale_dropped_share") == pytest.approx(4 / 12)
         assert _value(metrics, "rlproxy_trainer_turns_too_long") == 1
         assert _value(metrics, "rlproxy_trainer_turns_too_long_total") == 6
+        assert _value(metrics, "rlproxy_trainer_stale_samples_dropped_total") == 10
         assert _value(metrics, "rlproxy_adapter_active_version") == 2
         assert _value(metrics, "rlproxy_adapter_swaps_total") == 2
         assert _value(metrics, "rlproxy_engine_running_rows") == 3

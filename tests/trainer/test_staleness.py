@@ -1,6 +1,7 @@
-"""The staleness bound: how many versions behind a group was generated (along the checkpoint
+"""The staleness bound: how many versions behind each sample was generated (along the checkpoint
 lineage), the weight the rule gives it, and a training step that drops or down-weights stale
-groups as configured and reports the counts in the adapter record serving reads. The loop runs
+samples (a group only when all its samples are) as configured and reports the counts in the
+adapter record serving reads. The loop runs
 on a real SQLite store with a recording stand-in for the model (the rule needs no weights)."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from trainer.config import TrainerConfig
 from trainer.grpo import TrainingExample
 from trainer.loop import SKIPPED, TrainingLoop
 from trainer.peft_backend import StepMetrics
-from trainer.staleness import group_staleness, lineage, staleness_weight, versions_behind
+from trainer.staleness import lineage, samples_behind, staleness_weight, versions_behind
 
 # ----------------------------------------------------------------- versions behind
 
@@ -49,11 +50,11 @@ def test_a_rolled_back_branch_counts_through_the_common_ancestor() -> None:
     assert versions_behind(5, ancestors, parents.__getitem__) == 4
 
 
-def test_a_group_is_as_stale_as_its_stalest_turn() -> None:
+def test_each_turn_is_as_stale_as_the_version_that_served_it() -> None:
     ancestors = lineage(6, straight)
-    assert group_staleness([6, 5, 2, 6], ancestors, straight) == 4
-    assert group_staleness([None, 6], ancestors, straight) == 6
-    assert group_staleness([], ancestors, straight) == 0
+    assert samples_behind([6, 5, 2, 6], ancestors, straight) == [0, 1, 4, 0]
+    assert samples_behind([None, 6], ancestors, straight) == [6, 0]
+    assert samples_behind([], ancestors, straight) == []
 
 
 def test_a_lineage_whose_parent_is_not_older_is_refused() -> None:
@@ -134,9 +135,10 @@ async def _scored_group(
     *,
     engine: str = "local",
     params: Sequence[dict[str, Any]] = ({}, {}),
+    versions: Sequence[int | None] | None = None,
 ) -> str:
-    """A scored group of two answers with different rewards, both served by `version`
-    (`params`: each answer's call parameters)."""
+    """A scored group of two answers with different rewards, both served by `version` (or each
+    by its entry in `versions`; `params`: each answer's call parameters)."""
     for i in range(2):
         now = time.time()
         tid = await store.record_call(
@@ -151,7 +153,7 @@ async def _scored_group(
                 prompt_token_ids=[1, 2, 3],
                 explicit_trajectory_id=f"{key}-t{i}",
                 explicit_group_key=key,
-                adapter_version=version,
+                adapter_version=version if versions is None else versions[i],
                 choices=[
                     ChoiceRecord(
                         index=0,
@@ -207,6 +209,26 @@ async def test_a_step_drops_a_stale_group_and_trains_on_a_fresh_one(
     # serving reads the counts from the adapter record the loop wrote
     newest = await store.latest_adapter("rlproxy")
     assert newest is not None and (newest.metrics or {})["stale_dropped_total"] == 1
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_stale_member_is_left_out_and_its_fresh_neighbour_trains(
+    store: Store, tmp_path: Path
+) -> None:
+    # the base model answered one member (the watch's control arm, an old canary's baseline):
+    # 5 behind; version 4 the other, 1 behind. The stale one is left out of the loss, but its
+    # reward still counts in the group's baseline, so the fresh member keeps its advantage.
+    group = await _scored_group(store, "mixed", None, versions=(None, 4))
+    loop, trainer = await _loop_at_version(store, tmp_path / "ckpt", 5, max_staleness=2)
+    report = await loop.step_once()
+    assert report is not None and report.group_ids == [group]
+    (examples,) = trainer.seen
+    assert [e.behaviour_version for e in examples] == [4]
+    assert examples[0].advantage > 0  # reward 1 against the stale member's 0
+    m = report.metrics
+    assert (m["stale_dropped"], m["stale_samples_dropped"], m["staleness_max"]) == (0, 1, 1)
+    assert m["stale_samples_dropped_total"] == 1
+    assert await _trained_step(store, group) == 6
 
 
 @pytest.mark.asyncio(loop_scope="session")
