@@ -402,9 +402,11 @@ class Rollout:
 
     async def _roll_back_to_base(self, active: int, watch: _Watch, result: Comparison) -> None:
         """The watch found `active` harmful against the base: the base serves again (every
-        replica follows), a canary on trial against `active` is abandoned, and `active` with
-        every version on its lineage that served as active is rolled back, so the trainer
-        leaves those weights and the publisher never serves them again."""
+        replica follows), and `active` with every version on its lineage that served as active
+        is rolled back, so the trainer leaves those weights and the publisher never serves them
+        again. A canary on trial against `active` is rolled back with them when it was trained
+        on from `active`'s weights (it holds what went wrong too, and the publisher bars it as
+        a descendant), else abandoned (no decision: it was compared with the wrong version)."""
         if not self.may_write():
             logger.warning(
                 "adapter %d harmful by the watch, not rolled back: the lease ran out", active
@@ -421,10 +423,12 @@ class Rollout:
             return  # the state changed meanwhile: the next poll follows it, and watches again
         trial = self._trial
         await self.adapters.activate(None)  # ends a canary too
-        if trial is not None:
+        descendant = trial is not None and await self._descends(trial.version, active)
+        if trial is not None and not descendant:
             await self._finish(
                 trial, "abandoned", None, f"version {active}, its baseline, was rolled back"
             )
+        self._trial = None
         now = time.time()
         reason = f"the watch against the base model: {result.reason}"
         decision = {
@@ -445,9 +449,14 @@ class Rollout:
             version = await asyncio.to_thread(
                 checkpoints.parent_version, self.adapters.root, version
             )
-        for version in sorted(set(lineage) | watch.versions):
+        rolled = (
+            set(lineage) | watch.versions | ({trial.version} if descendant and trial else set())
+        )
+        for version in sorted(rolled):
             record = records.get(version)
             state = dict((record.rollout if record else None) or {})
+            if trial is not None and version == trial.version:
+                state = dict(trial.state)  # the canary's own record, as its trial kept it
             state.update(state=ROLLED_BACK, decided_at=now, rolled_back_with=active)
             state["decisions"] = [*state.get("decisions", []), decision]
             await self._write(
@@ -461,9 +470,18 @@ class Rollout:
         logger.warning(
             "adapter %d rolled back to the base model (with versions %s): %s",
             active,
-            ", ".join(str(v) for v in sorted(set(lineage) - {active})) or "none before it",
+            ", ".join(str(v) for v in sorted(rolled - {active})) or "no other",
             reason,
         )
+
+    async def _descends(self, version: int, ancestor: int) -> bool:
+        """Whether `version` was trained on from `ancestor`'s weights (its checkpoint lineage
+        passes through it)."""
+        while version > ancestor:
+            version = await asyncio.to_thread(
+                checkpoints.parent_version, self.adapters.root, version
+            )
+        return version == ancestor
 
     async def _update_rollout(self, version: int, **changes: Any) -> None:
         """Set keys of `version`'s rollout record, keeping the others."""

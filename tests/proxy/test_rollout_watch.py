@@ -131,15 +131,28 @@ async def test_harmful_against_the_base_rolls_back_the_lineage_that_served(
     }
     assert adapters.registry.active is None  # the base serves
     rolled = {v: c for v, c in notes if c.get("status") == "rejected"}
-    assert sorted(rolled) == [1, 3, 4]  # the lineage that served; 2 never did
+    # the lineage that served (2 never did), and the canary on trial against 4: trained on from
+    # 4's weights, it holds what went wrong too (the publisher bars it as 4's descendant)
+    assert sorted(rolled) == [1, 3, 4, 5]
     for changes in rolled.values():
         assert changes["rollout"]["state"] == ROLLED_BACK
         assert changes["rollout"]["decisions"][-1]["by"] == "watch"
         assert "rolled back with version 4" in changes["error"]
-    # the canary compared with version 4 is abandoned, not decided
-    assert [c["rollout"]["state"] for v, c in notes if v == 5] == ["abandoned"]
     assert rollout.version is None
     assert await rollout.watch() is None  # the base serves: nothing to watch
+
+
+async def test_a_canary_from_other_weights_is_abandoned_not_rolled_back(tmp_path: Path) -> None:
+    # 3 serves; 4 was trained from fresh weights (parent 0: an earlier rollback) and is on canary
+    _lineage(tmp_path, {1: 0, 3: 1, 4: 0})
+    rollout, adapters, store, notes = _rollout(tmp_path, 3, [_record(1), _record(3)])
+    rollout._trial = _Trial(4, 3, 0.0, {"state": "canary"})
+    await rollout.watch()
+    store.groups = [_group(i, 1.0, 0.0, 3, at=time.time() + 1 + i) for i in range(3)]
+    result = await rollout.watch()
+    assert result is not None and result.decision == "roll_back"
+    assert sorted(v for v, c in notes if c.get("status") == "rejected") == [1, 3]
+    assert [c["rollout"]["state"] for v, c in notes if v == 4] == ["abandoned"]
 
 
 async def test_as_good_starts_a_fresh_stretch_with_the_version_serving(tmp_path: Path) -> None:
