@@ -151,6 +151,7 @@ async def test_a_canary_from_other_weights_is_abandoned_not_rolled_back(tmp_path
     store.groups = [_group(i, 1.0, 0.0, 3, at=time.time() + 1 + i) for i in range(3)]
     result = await rollout.watch()
     assert result is not None and result.decision == "roll_back"
+    assert adapters.registry.active is None  # the base serves
     assert sorted(v for v, c in notes if c.get("status") == "rejected") == [1, 3]
     assert [c["rollout"]["state"] for v, c in notes if v == 4] == ["abandoned"]
 
