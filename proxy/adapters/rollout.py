@@ -45,9 +45,10 @@ What it does, in order (driven by `proxy.adapters.publisher.Publisher.check`):
    below 0 (`watch_budget`). "As good" (or not shown worse at the budget) starts a fresh
    stretch with the version serving then, so evidence from hours that
    are gone (a burst over) does not outweigh the new. "Harmful" rolls back to the base:
-   every replica follows, a running canary (compared with the harmful version) is abandoned,
-   and the version with every version on its lineage that served is rolled back (the trainer
-   starts again from fresh weights: which of them first went wrong is not known). Its
+   every replica follows, and the version with every version on its lineage that served is
+   rolled back (the trainer starts again from fresh weights: which of them first went wrong is
+   not known); a running canary (compared with the harmful version) is rolled back with them
+   when it was trained on from the harmful weights, else abandoned. Its
    figures are in the active version's `rollout.watch`; a restart begins a fresh stretch.
 
 Each start and decision is also written to the policy's state (`Store.set_policy_state`), which
