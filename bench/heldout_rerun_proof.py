@@ -1,5 +1,5 @@
-"""Held-out re-runs on the lookup agent: does `rlproxy eval` show the trained version's win over
-the base, with an interval, on `rlproxy serve`'s defaults?
+"""Held-out re-runs on the lookup agent (or the arithmetic agent): does `rlproxy eval` show the
+trained version's win over the base, with an interval, on `rlproxy serve`'s defaults?
 
 One server on serve's defaults (the trainer, scoring, publishing, the canary rollout and the
 watch, the forgetting check and the held-out split all as a user gets them; nothing that changes
@@ -12,11 +12,15 @@ import) practises in rounds of `--tasks` x `--runs` episodes for `--minutes` of 
   own variant number: its own code, answer and listed words), grouped as serve groups live
   traffic (alone, then the agent's cohort); the file counts the tasks asked and any asked twice.
 
+With `--agent arithmetic` the agent is examples/arithmetic_agent.py's question and reward (one
+chat completion through the openai SDK): practice questions from its practice pairs, live ones
+A + B with A, B in 1..50 (each once), held out its 100 held-out questions, 12 tokens a reply.
+
 and its reward comes from
 
 - `--reward env` (the default): every practice episode's reward is posted;
 - `--reward judge`: none is posted; each episode is ended (`POST /rl/trajectories/{id}/end`) and
-  the server's judge is `bench/standin_judge.py --truth lookup` (a test fixture, not a judge: it
+  the server's judge is `bench/standin_judge.py --truth <agent>` (a test fixture, not a judge: it
   orders two members with different true rewards right with probability `--pair-accuracy`),
   with the judge checks and the gate on serve's defaults. The judge's settings are the only
   ones that differ from the defaults, and the file records them.
@@ -39,9 +43,9 @@ per arm) to check the proxy's figures against.
         [--minutes 45] [--eval-every 20] [--traffic live] [--reward judge --pair-accuracy 0.9] \
         [--seed 0] [--out bench/results]
 
-Writes `<out>/heldout_rerun_<seed>.json` (practice traffic with rewards) or
-`heldout_rerun_<traffic>_<env|judgeNN>_<seed>.json`, with `bench/provenance.py`'s record
-(commit, command, settings differing from the defaults, load), and prints the headline. A run
+Writes `<out>/heldout_rerun_<seed>.json` (the lookup agent's practice traffic with rewards) or
+`heldout_rerun_[arithmetic_]<traffic>_<env|judgeNN>_<seed>.json`, with `bench/provenance.py`'s
+record (commit, command, settings differing from the defaults, load), and prints the headline. A run
 stopped early (Ctrl-C, SIGTERM, an error) still writes what it measured and says why.
 """
 
@@ -67,6 +71,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "examples"))
 
+import arithmetic_agent  # noqa: E402
 import lookup_agent  # noqa: E402
 import provenance  # noqa: E402
 from servers import SERVE_ONLY, free_port, process, start_server, stop, stop_on_sigterm  # noqa: E402
@@ -81,30 +86,99 @@ run is not live traffic."""
 EVAL_CONCURRENCY = 32  # episodes at once: within serve's default queue bound (64 rows)
 
 
+# ----------------------------------------------------------------------------- the agents
+# A task is a string: the lookup agent's word (a practice word, a live variant, a held-out word)
+# or the arithmetic agent's "A+B". `episode` runs one on `model` and returns the response ids of
+# its calls (the last one names the trajectory) and the environment's reward.
+
+
+async def lookup_episode(
+    client: AsyncOpenAI, model: str, task: str, max_tokens: int, temperature: float
+) -> tuple[list[str], float]:
+    episode = await lookup_agent.run_episode(client, model, task, max_tokens, temperature)
+    return episode.response_ids, lookup_agent.reward(episode)
+
+
+async def arithmetic_episode(
+    client: AsyncOpenAI, model: str, task: str, max_tokens: int, temperature: float
+) -> tuple[list[str], float]:
+    a, b = (int(x) for x in task.split("+"))
+    completion = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": arithmetic_agent.question_text(a, b)}],
+        max_tokens=max_tokens,
+        temperature=temperature,
+    )
+    reply = completion.choices[0].message.content or ""
+    return [completion.id], arithmetic_agent.reward(reply, a + b)
+
+
+def arithmetic_live_pool(seed: int) -> list[str]:
+    """Questions for live traffic, each asked at most once: A + B with A, B in 1..50, less the
+    100 held-out questions, shuffled by the seed (2,400: 75 rounds of 32)."""
+    held = set(arithmetic_agent.held_out())
+    pool = [f"{a}+{b}" for a in range(1, 51) for b in range(1, 51) if (a, b) not in held]
+    random.Random(f"arithmetic-live:{seed}").shuffle(pool)
+    return pool
+
+
+AGENTS: dict[str, dict[str, Any]] = {
+    "lookup": {
+        "episode": lookup_episode,
+        "practice": lookup_agent.practice_tasks,
+        "held_out": lookup_agent.held_out,
+        "max_tokens": 48,
+    },
+    "arithmetic": {
+        "episode": arithmetic_episode,
+        "practice": lambda: [f"{a}+{b}" for a, b in arithmetic_agent.practice_pairs()],
+        "held_out": lambda: [f"{a}+{b}" for a, b in arithmetic_agent.held_out()],
+        "max_tokens": 12,  # the learning proof's
+    },
+}
+
+
 def round_tasks(args: argparse.Namespace, round_number: int) -> list[str]:
-    """A practice round's episodes, one task each: `--tasks` practice words `--runs` times each
-    (`--traffic practice`), or as many tasks never asked before (`--traffic live`: practice words
-    with their own variant numbers, so each has its own code, answer and listed words)."""
+    """A practice round's episodes, one task each: `--tasks` practice tasks `--runs` times each
+    (`--traffic practice`), or as many tasks never asked before (`--traffic live`: the lookup
+    agent's practice words with their own variant numbers, so each has its own code, answer and
+    listed words; the arithmetic agent's next questions from `arithmetic_live_pool`)."""
     count = args.tasks * args.runs
     rng = random.Random(f"{args.traffic}:{args.seed}:{round_number}")
+    agent = AGENTS[args.agent]
     if args.traffic == "practice":
-        return [
-            t
-            for t in rng.sample(lookup_agent.practice_tasks(), args.tasks)
-            for _ in range(args.runs)
+        return [t for t in rng.sample(agent["practice"](), args.tasks) for _ in range(args.runs)]
+    if args.agent == "arithmetic":
+        pool = arithmetic_live_pool(args.seed)
+        if (round_number + 1) * count > len(pool):
+            raise RuntimeError(f"live traffic ran out of fresh questions after {len(ASKED)}")
+        tasks = pool[round_number * count : (round_number + 1) * count]
+        seen_as = [(arithmetic_agent.question_text(*map(int, t.split("+"))),) for t in tasks]
+    else:
+        tasks = [
+            lookup_agent.live_task(
+                rng.choice(lookup_agent.practice_tasks()), round_number * count + i + 1
+            )
+            for i in range(count)
         ]
-    tasks = [
-        lookup_agent.live_task(
-            rng.choice(lookup_agent.practice_tasks()), round_number * count + i + 1
-        )
-        for i in range(count)
-    ]
-    for task in tasks:  # the task as the model sees it: its question and its tools' words
-        seen = (lookup_agent.question_text(task), *lookup_agent.choices_of(task))
+        # the task as the model sees it: its question and its tools' words
+        seen_as = [(lookup_agent.question_text(t), *lookup_agent.choices_of(t)) for t in tasks]
+    for task, seen in zip(tasks, seen_as, strict=True):
         if seen in ASKED:
             REPEATED.append(task)
         ASKED.add(seen)
     return tasks
+
+
+async def post_outcome(url: str, response_id: str, reward: float | None, agent: str) -> None:
+    """The environment's word on an episode: its reward, or (None) only that it is over."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        if reward is None:
+            done = await http.post(f"/rl/trajectories/{response_id}/end")
+        else:
+            body = {"reward": reward, "source": f"{agent}-env"}
+            done = await http.post(f"/rl/trajectories/{response_id}/reward", json=body)
+        done.raise_for_status()
 
 
 async def practise(url: str, args: argparse.Namespace, round_number: int) -> dict[str, Any]:
@@ -116,14 +190,12 @@ async def practise(url: str, args: argparse.Namespace, round_number: int) -> dic
     async with AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-agent", timeout=1800) as client:
 
         async def one(task: str) -> float:
-            episode = await lookup_agent.run_episode(client, "rlproxy", task, args.max_tokens)
-            value = lookup_agent.reward(episode)
-            if args.reward == "env":
-                await lookup_agent.report(client, episode, value)
-            elif episode.response_ids:
-                async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-                    ended = await http.post(f"/rl/trajectories/{episode.response_ids[-1]}/end")
-                    ended.raise_for_status()
+            ids, value = await AGENTS[args.agent]["episode"](
+                client, "rlproxy", task, args.max_tokens, 1.0
+            )
+            if ids:
+                posted = value if args.reward == "env" else None
+                await post_outcome(url, ids[-1], posted, args.agent)
             return value
 
         rewards = await asyncio.gather(*(one(t) for t in tasks))
@@ -155,19 +227,18 @@ async def rerun(
         async def one(task: str) -> tuple[str, float, bool]:
             try:
                 async with gate:
-                    episode = await lookup_agent.run_episode(
+                    ids, value = await AGENTS[args.agent]["episode"](
                         client, model, task, args.max_tokens, temperature
                     )
-                value = lookup_agent.reward(episode)
-                if temperature > 0:
-                    await lookup_agent.report(client, episode, value)
+                if temperature > 0 and ids:
+                    await post_outcome(url, ids[-1], value, args.agent)
             except Exception as exc:  # a refused or failed call: counted, the run goes on
                 ERRORS.append(f"{model} {task}: {type(exc).__name__}: {exc}")
                 return task, 0.0, False
-            return task, value, bool(episode.response_ids)
+            return task, value, bool(ids)
 
         t0 = time.monotonic()
-        tasks = lookup_agent.held_out()[: args.eval_tasks]
+        tasks = AGENTS[args.agent]["held_out"]()[: args.eval_tasks]
         done = await asyncio.gather(*(one(t) for t in tasks))
     rewards = {task: value for task, value, _ in done}
     if not rewards:
@@ -342,7 +413,7 @@ def standin_judge(stack: ExitStack, args: argparse.Namespace, data: Path) -> dic
     port = free_port()
     cmd = [
         sys.executable, str(REPO / "bench" / "standin_judge.py"), "--port", str(port),
-        "--pair-accuracy", str(args.pair_accuracy), "--truth", "lookup", "--seed", str(args.seed),
+        "--pair-accuracy", str(args.pair_accuracy), "--truth", args.agent, "--seed", str(args.seed),
     ]  # fmt: skip
     data.mkdir(parents=True, exist_ok=True)
     stack.enter_context(
@@ -358,16 +429,24 @@ def standin_judge(stack: ExitStack, args: argparse.Namespace, data: Path) -> dic
 def result_name(args: argparse.Namespace) -> str:
     """`heldout_rerun_<seed>.json` for practice traffic with rewards (the first proof's name);
     otherwise the traffic and the reward are in the name too."""
-    if args.traffic == "practice" and args.reward == "env":
+    agent = "" if args.agent == "lookup" else f"{args.agent}_"
+    if args.traffic == "practice" and args.reward == "env" and not agent:
         return f"heldout_rerun_{args.seed}.json"
     reward = "env" if args.reward == "env" else f"judge{round(args.pair_accuracy * 100)}"
-    return f"heldout_rerun_{args.traffic}_{reward}_{args.seed}.json"
+    return f"heldout_rerun_{agent}{args.traffic}_{reward}_{args.seed}.json"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=45.0, help="practice wall-time budget")
     parser.add_argument("--eval-every", type=float, default=20.0, help="practice minutes")
+    parser.add_argument(
+        "--agent",
+        choices=sorted(AGENTS),
+        default="lookup",
+        help="lookup: examples/lookup_agent.py (the Agents SDK, two tools); arithmetic: "
+        "examples/arithmetic_agent.py's question and reward (the openai SDK, one call)",
+    )
     parser.add_argument(
         "--traffic",
         choices=("practice", "live"),
@@ -393,7 +472,9 @@ def main() -> None:
         default=True,
         help="also re-run the held-out tasks greedily (temperature 0, rewards not posted)",
     )
-    parser.add_argument("--max-tokens", type=int, default=48, help="the agent's limit a turn")
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="the agent's limit a turn (48 / 12)"
+    )
     parser.add_argument(
         "--eval-tasks", type=int, default=100, help="held-out tasks re-run (fewer: a smoke run)"
     )
@@ -401,6 +482,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args()
+    args.max_tokens = args.max_tokens or AGENTS[args.agent]["max_tokens"]
     if not 0.5 <= args.pair_accuracy <= 1.0:
         parser.error("--pair-accuracy is between 0.5 (a coin flip) and 1 (the truth)")
     stop_on_sigterm()  # kill as Ctrl-C: file written, server stopped

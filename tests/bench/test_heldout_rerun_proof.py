@@ -10,14 +10,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "examples"))
 
+import arithmetic_agent  # noqa: E402
 import heldout_rerun_proof as proof  # noqa: E402
 import lookup_agent  # noqa: E402
 import provenance  # noqa: E402
 
 
 def args(**changes: object) -> argparse.Namespace:
-    base = {"traffic": "practice", "reward": "env", "pair_accuracy": 0.9, "tasks": 4, "runs": 8}
+    base = {"agent": "lookup", "traffic": "practice", "reward": "env", "pair_accuracy": 0.9}
+    base |= {"tasks": 4, "runs": 8}
     return argparse.Namespace(seed=0, **(base | changes))
 
 
@@ -41,11 +44,25 @@ def test_live_traffic_never_asks_a_task_twice() -> None:
     assert len(proof.REPEATED) == 32
 
 
+def test_the_arithmetic_agents_live_questions_are_fresh_and_never_held_out() -> None:
+    proof.ASKED.clear()
+    proof.REPEATED.clear()
+    rounds = [proof.round_tasks(args(agent="arithmetic", traffic="live"), r) for r in range(10)]
+    asked = [t for r in rounds for t in r]
+    assert len(asked) == 320 and len(set(asked)) == 320 and proof.REPEATED == []
+    held = {f"{a}+{b}" for a, b in arithmetic_agent.held_out()}
+    assert not set(asked) & held
+    practice = proof.round_tasks(args(agent="arithmetic"), 0)
+    assert len(set(practice)) == 4 and not set(practice) & held
+
+
 def test_a_judge_runs_file_names_its_judge_and_records_the_settings() -> None:
     assert proof.result_name(args()) == "heldout_rerun_0.json"
     assert proof.result_name(args(traffic="live")) == "heldout_rerun_live_env_0.json"
     named = proof.result_name(args(traffic="live", reward="judge", pair_accuracy=0.5))
     assert named == "heldout_rerun_live_judge50_0.json"
+    named = proof.result_name(args(agent="arithmetic", reward="judge"))
+    assert named == "heldout_rerun_arithmetic_practice_judge90_0.json"
     judge = {
         "RLPROXY_JUDGE_MODEL": "openai/standin",
         "RLPROXY_JUDGE_API_BASE": "http://127.0.0.1:9/v1",
