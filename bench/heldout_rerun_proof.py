@@ -328,6 +328,8 @@ async def main_async(args: argparse.Namespace, url: str, data: Path, out: dict[s
     while True:
         t0 = time.monotonic()
         result = await practise(url, args, round_number)
+        # traffic arrives at most one round per --round-s (a fast agent would exhaust the pool)
+        await asyncio.sleep(max(0.0, args.round_s - (time.monotonic() - t0)))
         practised += (time.monotonic() - t0) / 60
         round_number += 1
         rounds.append({
@@ -454,7 +456,14 @@ def main() -> None:
         help="practice: --tasks words --runs times each a round; live: as many tasks a round, "
         "each asked once in the whole run",
     )
-    parser.add_argument("--tasks", type=int, default=4, help="practice words a round")
+    parser.add_argument("--tasks", type=int, default=4, help="practice tasks a round")
+    parser.add_argument(
+        "--round-s",
+        type=float,
+        default=0.0,
+        help="the shortest round in seconds: the traffic's rate (the arithmetic agent answers "
+        "32 questions in seconds; its live pool holds 2,400)",
+    )
     parser.add_argument("--runs", type=int, default=8, help="episodes a word a round")
     parser.add_argument(
         "--reward",
