@@ -422,14 +422,19 @@ class Rollout:
             canary_share=None,
         ):
             return  # the state changed meanwhile: the next poll follows it, and watches again
-        trial = self._trial
+        trial, self._trial = self._trial, None
         await self.adapters.activate(None)  # ends a canary too
-        descendant = trial is not None and await self._descends(trial.version, active)
-        if trial is not None and not descendant:
-            await self._finish(
-                trial, "abandoned", None, f"version {active}, its baseline, was rolled back"
+        canary: _Trial | None = None  # a canary trained from `active`'s weights: rolled back too
+        if trial is not None:
+            found = await asyncio.to_thread(
+                checkpoints.rolled_back_ancestor, self.adapters.root, trial.version, {active}
             )
-        self._trial = None
+            if found is not None:
+                canary = trial
+            else:
+                await self._finish(
+                    trial, "abandoned", None, f"version {active}, its baseline, was rolled back"
+                )
         now = time.time()
         reason = f"the watch against the base model: {result.reason}"
         decision = {
@@ -450,14 +455,11 @@ class Rollout:
             version = await asyncio.to_thread(
                 checkpoints.parent_version, self.adapters.root, version
             )
-        rolled = (
-            set(lineage) | watch.versions | ({trial.version} if descendant and trial else set())
-        )
+        rolled = set(lineage) | watch.versions | ({canary.version} if canary else set())
         for version in sorted(rolled):
             record = records.get(version)
-            state = dict((record.rollout if record else None) or {})
-            if trial is not None and version == trial.version:
-                state = dict(trial.state)  # the canary's own record, as its trial kept it
+            kept = canary.state if canary and version == canary.version else None  # its trial's
+            state = dict(kept or (record.rollout if record else None) or {})
             state.update(state=ROLLED_BACK, decided_at=now, rolled_back_with=active)
             state["decisions"] = [*state.get("decisions", []), decision]
             await self._write(
@@ -474,15 +476,6 @@ class Rollout:
             ", ".join(str(v) for v in sorted(rolled - {active})) or "no other",
             reason,
         )
-
-    async def _descends(self, version: int, ancestor: int) -> bool:
-        """Whether `version` was trained on from `ancestor`'s weights (its checkpoint lineage
-        passes through it)."""
-        while version > ancestor:
-            version = await asyncio.to_thread(
-                checkpoints.parent_version, self.adapters.root, version
-            )
-        return version == ancestor
 
     async def _update_rollout(self, version: int, **changes: Any) -> None:
         """Set keys of `version`'s rollout record, keeping the others."""
