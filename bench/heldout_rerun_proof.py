@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -60,7 +61,9 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +116,7 @@ async def arithmetic_episode(
     return [completion.id], arithmetic_agent.reward(reply, a + b)
 
 
+@functools.cache
 def arithmetic_live_pool(seed: int) -> list[str]:
     """Questions for live traffic, each asked at most once: A + B with A, B in 1..50, less the
     100 held-out questions, shuffled by the seed (2,400: 75 rounds of 32)."""
@@ -122,19 +126,23 @@ def arithmetic_live_pool(seed: int) -> list[str]:
     return pool
 
 
-AGENTS: dict[str, dict[str, Any]] = {
-    "lookup": {
-        "episode": lookup_episode,
-        "practice": lookup_agent.practice_tasks,
-        "held_out": lookup_agent.held_out,
-        "max_tokens": 48,
-    },
-    "arithmetic": {
-        "episode": arithmetic_episode,
-        "practice": lambda: [f"{a}+{b}" for a, b in arithmetic_agent.practice_pairs()],
-        "held_out": lambda: [f"{a}+{b}" for a, b in arithmetic_agent.held_out()],
-        "max_tokens": 12,  # the learning proof's
-    },
+@dataclass(frozen=True)
+class Agent:
+    episode: Callable[[AsyncOpenAI, str, str, int, float], Awaitable[tuple[list[str], float]]]
+    practice: Callable[[], list[str]]
+    held_out: Callable[[], list[str]]
+    max_tokens: int
+    """Its reply limit a turn unless `--max-tokens` says otherwise."""
+
+
+AGENTS = {
+    "lookup": Agent(lookup_episode, lookup_agent.practice_tasks, lookup_agent.held_out, 48),
+    "arithmetic": Agent(
+        arithmetic_episode,
+        lambda: [f"{a}+{b}" for a, b in arithmetic_agent.practice_pairs()],
+        lambda: [f"{a}+{b}" for a, b in arithmetic_agent.held_out()],
+        12,  # the learning proof's
+    ),
 }
 
 
@@ -147,7 +155,7 @@ def round_tasks(args: argparse.Namespace, round_number: int) -> list[str]:
     rng = random.Random(f"{args.traffic}:{args.seed}:{round_number}")
     agent = AGENTS[args.agent]
     if args.traffic == "practice":
-        return [t for t in rng.sample(agent["practice"](), args.tasks) for _ in range(args.runs)]
+        return [t for t in rng.sample(agent.practice(), args.tasks) for _ in range(args.runs)]
     if args.agent == "arithmetic":
         pool = arithmetic_live_pool(args.seed)
         if (round_number + 1) * count > len(pool):
@@ -170,15 +178,16 @@ def round_tasks(args: argparse.Namespace, round_number: int) -> list[str]:
     return tasks
 
 
-async def post_outcome(url: str, response_id: str, reward: float | None, agent: str) -> None:
+async def post_outcome(
+    http: httpx.AsyncClient, response_id: str, reward: float | None, agent: str
+) -> None:
     """The environment's word on an episode: its reward, or (None) only that it is over."""
-    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-        if reward is None:
-            done = await http.post(f"/rl/trajectories/{response_id}/end")
-        else:
-            body = {"reward": reward, "source": f"{agent}-env"}
-            done = await http.post(f"/rl/trajectories/{response_id}/reward", json=body)
-        done.raise_for_status()
+    if reward is None:
+        done = await http.post(f"/rl/trajectories/{response_id}/end")
+    else:
+        body = {"reward": reward, "source": f"{agent}-env"}
+        done = await http.post(f"/rl/trajectories/{response_id}/reward", json=body)
+    done.raise_for_status()
 
 
 async def practise(url: str, args: argparse.Namespace, round_number: int) -> dict[str, Any]:
@@ -187,15 +196,18 @@ async def practise(url: str, args: argparse.Namespace, round_number: int) -> dic
     the environment saying it is over) and the server's judge scores its group. The true rewards
     are counted here either way."""
     tasks = round_tasks(args, round_number)
-    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-agent", timeout=1800) as client:
+    async with (
+        AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-agent", timeout=1800) as client,
+        httpx.AsyncClient(base_url=url, timeout=60) as http,
+    ):
 
         async def one(task: str) -> float:
-            ids, value = await AGENTS[args.agent]["episode"](
+            ids, value = await AGENTS[args.agent].episode(
                 client, "rlproxy", task, args.max_tokens, 1.0
             )
             if ids:
                 posted = value if args.reward == "env" else None
-                await post_outcome(url, ids[-1], posted, args.agent)
+                await post_outcome(http, ids[-1], posted, args.agent)
             return value
 
         rewards = await asyncio.gather(*(one(t) for t in tasks))
@@ -220,25 +232,28 @@ async def rerun(
     so the proxy's pairing holds the sampled runs only (it counts the greedy ones as left out:
     held-out runs with no reward); the script counts their success."""
     gate = asyncio.Semaphore(EVAL_CONCURRENCY)
-    async with AsyncOpenAI(
-        base_url=f"{url}/v1", api_key="sk-agent", timeout=1800, default_headers=HELD_OUT
-    ) as client:
+    async with (
+        AsyncOpenAI(
+            base_url=f"{url}/v1", api_key="sk-agent", timeout=1800, default_headers=HELD_OUT
+        ) as client,
+        httpx.AsyncClient(base_url=url, timeout=60) as http,
+    ):
 
         async def one(task: str) -> tuple[str, float, bool]:
             try:
                 async with gate:
-                    ids, value = await AGENTS[args.agent]["episode"](
+                    ids, value = await AGENTS[args.agent].episode(
                         client, model, task, args.max_tokens, temperature
                     )
                 if temperature > 0 and ids:
-                    await post_outcome(url, ids[-1], value, args.agent)
+                    await post_outcome(http, ids[-1], value, args.agent)
             except Exception as exc:  # a refused or failed call: counted, the run goes on
                 ERRORS.append(f"{model} {task}: {type(exc).__name__}: {exc}")
                 return task, 0.0, False
             return task, value, bool(ids)
 
         t0 = time.monotonic()
-        tasks = AGENTS[args.agent]["held_out"]()[: args.eval_tasks]
+        tasks = AGENTS[args.agent].held_out()[: args.eval_tasks]
         done = await asyncio.gather(*(one(t) for t in tasks))
     rewards = {task: value for task, value, _ in done}
     if not rewards:
@@ -491,7 +506,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args()
-    args.max_tokens = args.max_tokens or AGENTS[args.agent]["max_tokens"]
+    args.max_tokens = args.max_tokens or AGENTS[args.agent].max_tokens
     if not 0.5 <= args.pair_accuracy <= 1.0:
         parser.error("--pair-accuracy is between 0.5 (a coin flip) and 1 (the truth)")
     stop_on_sigterm()  # kill as Ctrl-C: file written, server stopped
