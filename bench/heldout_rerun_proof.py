@@ -401,7 +401,10 @@ async def main_async(args: argparse.Namespace, url: str, data: Path, out: dict[s
         out["judge_checks"] = [{k: j.get(k) for k in keep} for j in judges]
     adapters = httpx.get(f"{url}/rl/adapters", timeout=60).json()["data"]
     out["adapters"] = [
-        {k: a.get(k) for k in ("id", "version", "status", "rollout", "created_at", "activated_at")}
+        {
+            k: a.get(k)
+            for k in ("id", "version", "status", "rollout", "created_at", "activated_at", "metrics")
+        }
         for a in adapters
     ]
 
