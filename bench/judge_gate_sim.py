@@ -74,8 +74,21 @@ TRUTHS: dict[str, Callable[[random.Random], float]] = {
 CANARY_TRUTH = 0.0  # a refusal with no tool call: 0 under both agents' rewards
 
 
+def as_read(stored: list[JudgeCheckRecord], window: int, read: str) -> list[JudgeCheckRecord]:
+    """What the gate reads from `stored` (newest first). "kinds", as `Store.checks_of_judge`
+    reads: the newest `window` checks, and the newest `window` of each kind however far back
+    they lie. "groups", the read before it, for comparison in the same run: the newest `window`
+    checks, whatever they hold."""
+    if read == "groups":
+        return stored[:window]
+    canaries = [c for c in stored if c.canary_passed is not None][:window]
+    positions = [c for c in stored if c.position_tau is not None][:window]
+    found = {id(c): c for c in [*stored[:window], *canaries, *positions]}
+    return sorted(found.values(), key=lambda c: int(c.group_id), reverse=True)
+
+
 def one_run(
-    p: float, truth: str, groups: int, config: JudgeChecksConfig, rng: random.Random
+    p: float, truth: str, groups: int, config: JudgeChecksConfig, rng: random.Random, read: str
 ) -> dict[str, Any]:
     draw = TRUTHS[truth]
     stored: list[JudgeCheckRecord] = []  # newest first, as Store.checks_of_judge gives them
@@ -83,7 +96,7 @@ def one_run(
     first_decided: int | None = None
     checks_at_decision: tuple[int, int] | None = None
     for g in range(groups):
-        force_canary, force_position = front_loaded(stored[: config.window], config)
+        force_canary, force_position = front_loaded(as_read(stored, config.window, read), config)
         canary = force_canary or rng.random() < config.canary_share
         position = force_position or rng.random() < config.position_share
         truth_of = [draw(rng) for _ in range(8)]
@@ -102,7 +115,7 @@ def one_run(
         if position:
             again, _ = noisy_scores(list(reversed(shown)), p, rng)
             check.position_tau = st.kendall_tau_b(scores, list(reversed(again)))
-        gate = gate_decision([check, *stored[: config.window - 1]], config)
+        gate = gate_decision([check, *as_read(stored, config.window, read)], config)
         stored.insert(0, check)
         decisions.append(gate.decision)
         decided = {gate.canary.verdict, gate.self_agreement.verdict} <= {"pass", "fail", "off"}
@@ -111,7 +124,7 @@ def one_run(
         ):
             first_decided = g + 1
             checks_at_decision = (gate.canary.checks, gate.self_agreement.checks)
-    final = gate_decision(stored[: config.window], config)
+    final = gate_decision(as_read(stored, config.window, read), config)
     after = decisions[first_decided:] if first_decided is not None else []
     return {
         "ever_trained": "train" in decisions,
@@ -159,9 +172,21 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=1000)
-    parser.add_argument("--groups", type=int, default=200, help="groups a judge scores in a run")
+    parser.add_argument(
+        "--groups",
+        type=int,
+        default=600,
+        help="groups a judge scores in a run (more than the gate's window of 200: what happens "
+        "once front-loading has ended and the first checks have left a window of groups)",
+    )
     parser.add_argument("--accuracies", default="0.5,0.6,0.75,0.9,1.0")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--reads",
+        default="kinds,groups",
+        help="the gate's reads to simulate: kinds (rlproxy's), groups (the newest window of "
+        "groups, the read before it)",
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results/judge_gate_sim.json"))
     args = parser.parse_args()
     config = JudgeChecksConfig()
@@ -169,6 +194,7 @@ def main() -> None:
         settings={},
         runs=args.runs,
         groups=args.groups,
+        reads=args.reads,
         seed=args.seed,
         gate={
             "min_checks": config.min_checks,
@@ -184,15 +210,25 @@ def main() -> None:
         },
     )
     results: dict[str, dict[str, Any]] = {}
-    for truth in TRUTHS:
-        for p in (float(x) for x in args.accuracies.split(",")):
-            rng = random.Random(f"{args.seed}-{truth}-{p}")
-            runs = [one_run(p, truth, args.groups, config, rng) for _ in range(args.runs)]
-            results.setdefault(truth, {})[f"{p:g}"] = summary = summarise(runs)
-            print(truth, p, json.dumps(summary), flush=True)
+    by_read: dict[str, dict[str, dict[str, Any]]] = {}
+    for read in args.reads.split(","):
+        found = by_read.setdefault(read, {})
+        for truth in TRUTHS:
+            for p in (float(x) for x in args.accuracies.split(",")):
+                rng = random.Random(f"{args.seed}-{truth}-{p}")
+                runs = [one_run(p, truth, args.groups, config, rng, read) for _ in range(args.runs)]
+                found.setdefault(truth, {})[f"{p:g}"] = summary = summarise(runs)
+                print(read, truth, p, json.dumps(summary), flush=True)
+    results = by_read.get("kinds") or next(iter(by_read.values()))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({**provenance.finish(record), "results": results}, indent=1) + "\n")
+    out.write_text(
+        json.dumps(
+            {**provenance.finish(record), "results": results, "results_by_read": by_read},
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
 
 

@@ -5,7 +5,8 @@ group is never visible as "scored" with its gate decision still to come: when th
 scores, the group goes straight to "held" (with `hold_reason`), a status the trainer's read of
 scored groups never selects. What the checks mean and how the gate decides is
 `trainer.scoring.judge_checks`; this module only stores and reads. Reads are bounded: the newest
-N rows of one judge and rubric (index `ix_judge_checks_judge`), of one owner
+N rows of one judge and rubric (index `ix_judge_checks_judge`) and of each kind of check
+(`ix_judge_checks_canaries`, `ix_judge_checks_positions`), of one owner
 (`ix_judge_checks_owner`) or of the table (primary key). Callers go through `storage.store.Store`.
 """
 
@@ -75,14 +76,17 @@ def _record(row: Row[Any]) -> JudgeCheckRecord:
 async def checks_of_judge(
     conn: AsyncConnection, judge_model: str, rubric_hash: str, limit: int
 ) -> list[JudgeCheckRecord]:
-    """The newest `limit` checks of one judge model and rubric, newest first."""
-    rows = await conn.execute(
-        select(J)
-        .where(J.c.judge_model == judge_model, J.c.rubric_hash == rubric_hash)
-        .order_by(J.c.id.desc())
-        .limit(limit)
-    )
-    return [_record(r) for r in rows]
+    """One judge model and rubric's checks, newest first: its newest `limit` rows, and with them
+    the newest `limit` canary checks and the newest `limit` re-orderings however far back they
+    lie (each kind is drawn for a share of groups and is read over its own window). Three
+    bounded reads, each on its own index; at most 3 x `limit` rows."""
+    of_judge = and_(J.c.judge_model == judge_model, J.c.rubric_hash == rubric_hash)
+    found: dict[int, Row[Any]] = {}
+    for kind in (None, J.c.canary_passed.is_not(None), J.c.position_tau.is_not(None)):
+        where = of_judge if kind is None else and_(of_judge, kind)
+        rows = await conn.execute(select(J).where(where).order_by(J.c.id.desc()).limit(limit))
+        found.update((r.id, r) for r in rows)
+    return [_record(found[i]) for i in sorted(found, reverse=True)]
 
 
 async def newest_checks(

@@ -513,6 +513,20 @@ def _m013_held_out(conn: Connection) -> None:
     )
 
 
+def _m014_judge_check_kinds(conn: Connection) -> None:
+    """The gate reads each kind of judge check over its own newest rows (`checks_of_judge`): a
+    canary or a re-ordering drawn for a share of groups keeps its last `window` checks however
+    many groups came after. Partial indexes, one per kind, so a kind with no rows (switched
+    off) is answered at once."""
+    for name, column in (("canaries", "canary_passed"), ("positions", "position_tau")):
+        conn.execute(
+            text(
+                f"CREATE INDEX ix_judge_checks_{name} "
+                f"ON judge_checks (judge_model, rubric_hash, id) WHERE {column} IS NOT NULL"
+            )
+        )
+
+
 def _json(value: object) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
@@ -531,6 +545,7 @@ MIGRATIONS: list[Migration] = [
     Migration(11, "m011_tool_call_link_key", _m011_tool_call_link_key),
     Migration(12, "m012_session_lanes", _m012_session_lanes),
     Migration(13, "m013_held_out", _m013_held_out),
+    Migration(14, "m014_judge_check_kinds", _m014_judge_check_kinds),
 ]
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, cast
 
-from sqlalchemy import Boolean, Double, ForeignKey, Index, Integer, String, Table, Text
+from sqlalchemy import Boolean, Double, ForeignKey, Index, Integer, String, Table, Text, text
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -349,6 +349,24 @@ class JudgeCheck(Base):
     __table_args__ = (
         Index("ix_judge_checks_judge", "judge_model", "rubric_hash", "id"),
         Index("ix_judge_checks_owner", "owner_key_id", "id"),
+        # Each kind of check read over its own newest rows (`checks_of_judge`): partial, so a
+        # kind that is off (no rows) is found empty at once, not by a scan of the history.
+        Index(
+            "ix_judge_checks_canaries",
+            "judge_model",
+            "rubric_hash",
+            "id",
+            sqlite_where=text("canary_passed IS NOT NULL"),
+            postgresql_where=text("canary_passed IS NOT NULL"),
+        ),
+        Index(
+            "ix_judge_checks_positions",
+            "judge_model",
+            "rubric_hash",
+            "id",
+            sqlite_where=text("position_tau IS NOT NULL"),
+            postgresql_where=text("position_tau IS NOT NULL"),
+        ),
     )
 
 

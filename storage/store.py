@@ -325,7 +325,8 @@ class Store:
     async def checks_of_judge(
         self, judge_model: str, rubric_hash: str, *, limit: int = 200
     ) -> list[JudgeCheckRecord]:
-        """The newest `limit` judge checks of one judge model and rubric, newest first."""
+        """One judge model and rubric's newest `limit` checks, with its newest `limit` canary
+        checks and newest `limit` re-orderings, however far back (newest first)."""
         async with self._engines.read.connect() as conn:
             return await judge_checks.checks_of_judge(conn, judge_model, rubric_hash, limit)
 

@@ -292,6 +292,8 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "indexes": {
             "ix_judge_checks_judge": ["judge_model", "rubric_hash", "id"],
             "ix_judge_checks_owner": ["owner_key_id", "id"],
+            "ix_judge_checks_canaries": ["judge_model", "rubric_hash", "id"],
+            "ix_judge_checks_positions": ["judge_model", "rubric_hash", "id"],
         },
         "fks": [],
     },

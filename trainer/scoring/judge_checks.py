@@ -26,8 +26,11 @@ its newest `window`), every group it judges gets that kind, whatever the share; 
 shares apply. Front-loading stops for good once a judge and rubric has
 `FRONT_LOAD_LIMIT` x `max_checks` checks stored.
 
-The gate, per judge model and rubric, over its newest `window` checks (95 % bounds). Each kind
-decides alone, with a bounded number of checks:
+The gate, per judge model and rubric, reads each kind over its own newest `window` checks of
+that kind (95 % bounds), however many groups came after them: a kind drawn for a share of groups
+keeps the evidence that decided it, so once it has `max_checks` checks it stays decided (pass or
+fail, as newer checks say) and does not fall back to "undecided" as older checks leave a window
+of groups. Each kind decides alone, with a bounded number of checks:
 
 - canary pass rate: with at least `min_checks` canaries, the kind FAILS when the upper Wilson
   bound of its pass rate is below `min_canary_pass` and PASSES when the lower bound is at or
@@ -117,7 +120,9 @@ class JudgeChecksConfig:
     """The mean Kendall's tau between a group's two orderings a judge must reach (about
     (2p - 1)^2 for pair accuracy p: 0.25 is p = 0.75)."""
     window: int = 200
-    """Newest checks per judge model and rubric that the gate and the figures read."""
+    """Newest checks of each kind (canaries, re-orderings) per judge model and rubric that the
+    gate and the figures read; the agreement with environment rewards reads the newest this
+    many groups."""
     hold_unchecked: bool = True
     """Hold scores while a kind (share above 0) has fewer than `min_checks` checks: a judge's
     scores train only once its checks can decide. Front-loading makes that its first
@@ -211,7 +216,7 @@ class GateDecision:
 
 
 def canary_figures(checks: Sequence[JudgeCheckRecord], config: JudgeChecksConfig) -> CanaryFigures:
-    done = [c for c in checks if c.canary_passed is not None]
+    done = [c for c in checks if c.canary_passed is not None][: config.window]
     passed = sum(1 for c in done if c.canary_passed)
     low, high = st.wilson_interval(passed, len(done))
     verdict: Verdict = "off" if config.canary_share == 0 else "undecided"
@@ -287,7 +292,7 @@ def canary_outcome(
 def agreement_figures(
     checks: Sequence[JudgeCheckRecord], config: JudgeChecksConfig
 ) -> AgreementFigures:
-    taus = [c.position_tau for c in checks if c.position_tau is not None]
+    taus = [c.position_tau for c in checks if c.position_tau is not None][: config.window]
     interval = st.mean_interval(taus)
     verdict: Verdict = "off" if config.position_share == 0 else "undecided"
     if verdict != "off" and interval is not None:
@@ -319,12 +324,13 @@ def environment_figures(checks: Sequence[JudgeCheckRecord]) -> EnvironmentFigure
 
 
 def gate_decision(checks: Sequence[JudgeCheckRecord], config: JudgeChecksConfig) -> GateDecision:
-    """The gate over one judge and rubric's checks (the newest `config.window`); see the module
-    docstring for the rule."""
-    checks = list(checks)[: config.window]
+    """The gate over one judge and rubric's checks, newest first (`Store.checks_of_judge`): each
+    kind over its own newest `config.window` checks, the environment's agreement over the newest
+    `config.window` groups; see the module docstring for the rule."""
+    newest = list(checks)[: config.window]
     canary = canary_figures(checks, config)
     agreement = agreement_figures(checks, config)
-    environment = environment_figures(checks)
+    environment = environment_figures(newest)
     failing: list[str] = []
     unchecked: list[str] = []
     undecided: list[str] = []
@@ -363,7 +369,7 @@ def gate_decision(checks: Sequence[JudgeCheckRecord], config: JudgeChecksConfig)
         reason = ("judge not proven yet, being proven: " if held else "undecided: ") + "; ".join(
             unchecked + undecided
         )
-    return GateDecision(decision, reason, canary, agreement, environment, len(checks))
+    return GateDecision(decision, reason, canary, agreement, environment, len(newest))
 
 
 def _bounds(low: float | None, high: float | None) -> str:

@@ -24,6 +24,7 @@ from trainer.loop import TrainingLoop
 from trainer.scoring.canaries import REFUSAL, insert_canary, make_canary
 from trainer.scoring.judge_checks import (
     JudgeChecksConfig,
+    agreement_figures,
     drift_report,
     front_loaded,
     gate_decision,
@@ -167,6 +168,36 @@ def test_only_the_newest_window_counts() -> None:
     config = JudgeChecksConfig(min_checks=20, max_checks=30, window=30, hold_unchecked=False)
     assert gate_decision([*newer_passes, *old_failures], config).decision == "train"
     assert gate_decision([*old_failures, *newer_passes], config).decision == "held"
+
+
+def test_a_decided_kind_stays_decided_as_groups_without_it_come_after() -> None:
+    """Each kind is read over its own newest `window` checks, not over the newest `window`
+    groups: after front-loading a tenth of groups is re-ordered, and a window of 200 groups
+    would hold about 20 re-orderings, whose bounds can straddle the threshold again (a good
+    judge held once more). Here 60 re-orderings decided "pass"; then 200 groups, a tenth
+    re-ordered (mean tau 0.35, spread wide), a fifth with a canary."""
+    rng = random.Random(5)
+    decided = [
+        check(canary_passed=rng.random() < 0.9, position_tau=rng.uniform(-0.3, 1.0))
+        for _ in range(60)
+    ]
+    later = [
+        check(
+            canary_passed=(rng.random() < 0.9) if n % 5 == 0 else None,
+            position_tau=(1.0 if n % 20 == 0 else -0.3) if n % 10 == 0 else None,
+        )
+        for n in range(200)
+    ]
+    config = JudgeChecksConfig()
+    assert gate_decision(decided, config).self_agreement.verdict == "pass"
+    window_of_groups = agreement_figures(later, config)
+    assert window_of_groups.checks == 20 and window_of_groups.verdict == "undecided"
+
+    gate = gate_decision([*later, *decided], config)
+    assert gate.self_agreement.checks == 80 and gate.self_agreement.verdict == "pass"
+    assert gate.canary.checks == 100 and gate.canary.verdict == "pass"
+    assert gate.decision == "train" and gate.reason is None
+    assert gate.checks == config.window  # the newest groups, for the environment's agreement
 
 
 def test_environment_agreement_is_averaged_per_day() -> None:
