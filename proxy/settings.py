@@ -284,7 +284,10 @@ class JudgeChecksSettings(Concern):
         "standard errors) is below this, passed when the lower bound reaches it.",
     )
     gate_window: int = Field(
-        default=200, ge=1, description="Newest checks per judge model and rubric the gate reads."
+        default=200,
+        ge=1,
+        description="Newest checks of each kind (canaries, re-orderings) per judge model and "
+        "rubric the gate reads; agreement with environment rewards: the newest this many groups.",
     )
     gate_hold_unchecked: bool = Field(
         default=True,
