@@ -57,6 +57,7 @@ import functools
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -447,13 +448,30 @@ def standin_judge(stack: ExitStack, args: argparse.Namespace, data: Path) -> dic
 
 
 def result_name(args: argparse.Namespace) -> str:
-    """`heldout_rerun_<seed>.json` for practice traffic with rewards (the first proof's name);
-    otherwise the traffic and the reward are in the name too."""
+    """`heldout_rerun_<seed>.json` for practice traffic with rewards on serve's defaults (the
+    first proof's name); otherwise the traffic and the reward are in the name too, and each
+    `--set` setting, e.g. `_shadow_samples4`."""
     agent = "" if args.agent == "lookup" else f"{args.agent}_"
-    if args.traffic == "practice" and args.reward == "env" and not agent:
+    chosen = "".join(
+        f"_{k.removeprefix('RLPROXY_').lower()}{re.sub(r'[^A-Za-z0-9.]+', '-', v)}"
+        for k, v in sorted(getattr(args, "settings", {}).items())
+    )
+    if args.traffic == "practice" and args.reward == "env" and not agent and not chosen:
         return f"heldout_rerun_{args.seed}.json"
     reward = "env" if args.reward == "env" else f"judge{round(args.pair_accuracy * 100)}"
-    return f"heldout_rerun_{agent}{args.traffic}_{reward}_{args.seed}.json"
+    return f"heldout_rerun_{agent}{args.traffic}_{reward}{chosen}_{args.seed}.json"
+
+
+def chosen_settings(pairs: list[str]) -> dict[str, str]:
+    """`--set` pairs as server environment variables; a name that is not an RLPROXY_ setting or
+    a pair without "=" is refused."""
+    chosen: dict[str, str] = {}
+    for pair in pairs:
+        name, eq, value = pair.partition("=")
+        if not eq or not name.startswith("RLPROXY_") or name == "RLPROXY_DATA_DIR":
+            raise ValueError(f"--set takes RLPROXY_NAME=VALUE (not the data dir), not {pair!r}")
+        chosen[name] = value
+    return chosen
 
 
 def main() -> None:
@@ -505,6 +523,15 @@ def main() -> None:
     parser.add_argument(
         "--eval-tasks", type=int, default=100, help="held-out tasks re-run (fewer: a smoke run)"
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="RLPROXY_NAME=VALUE",
+        help="a server setting away from serve's defaults (repeatable), to measure a choice "
+        "against the defaults (e.g. RLPROXY_SHADOW_SAMPLES=4); recorded in the file, and "
+        "its name gets a suffix",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
@@ -512,6 +539,10 @@ def main() -> None:
     args.max_tokens = args.max_tokens or AGENTS[args.agent].max_tokens
     if not 0.5 <= args.pair_accuracy <= 1.0:
         parser.error("--pair-accuracy is between 0.5 (a coin flip) and 1 (the truth)")
+    try:
+        args.settings = chosen_settings(args.set)
+    except ValueError as exc:
+        parser.error(str(exc))
     stop_on_sigterm()  # kill as Ctrl-C: file written, server stopped
     data = args.data or Path(f"/tmp/rlproxy-rerun-{args.seed}-{os.getpid()}")
     for k in [k for k in os.environ if k.startswith("RLPROXY_")]:
@@ -522,12 +553,15 @@ def main() -> None:
     with ExitStack() as stack:
         try:
             judge = standin_judge(stack, args, data) if args.reward == "judge" else {}
-            # serve's defaults; only the judge (the user's choice of judge model) differs
+            # serve's defaults; only the judge (the user's choice of judge model) differs, and
+            # what --set chose
+            chosen = judge | args.settings
             record = provenance.start(
-                provenance.settings_differing(judge), seed=args.seed, judge=judge or None
+                provenance.settings_differing(chosen), seed=args.seed, judge=judge or None
             )
             # start_server turns training, scoring and publishing off; serve's defaults: on
-            env = {k: "true" for k in SERVE_ONLY} | judge | ({"STANDIN_KEY": "sk"} if judge else {})
+            key = {"STANDIN_KEY": "sk"} if judge else {}
+            env = {k: "true" for k in SERVE_ONLY} | chosen | key
             proc, url = start_server(data, REPO / "rlproxy-data", env)
             stack.callback(stop, proc)
             print(f"serving {url} from {data}", flush=True)

@@ -71,3 +71,21 @@ def test_a_judge_runs_file_names_its_judge_and_records_the_settings() -> None:
     differing = provenance.settings_differing(judge)
     assert differing["judge.model"] == "openai/standin"
     assert not any(k.startswith(("trainer.", "rollout.", "group")) for k in differing)
+
+
+def test_a_chosen_setting_is_refused_unless_it_is_one_and_named_in_the_file() -> None:
+    chosen = proof.chosen_settings(["RLPROXY_SHADOW_SAMPLES=4"])
+    assert chosen == {"RLPROXY_SHADOW_SAMPLES": "4"}
+    for bad in ("SHADOW_SAMPLES=4", "RLPROXY_SHADOW_SAMPLES", "RLPROXY_DATA_DIR=/tmp/x"):
+        try:
+            proof.chosen_settings([bad])
+        except ValueError as exc:
+            assert "RLPROXY_NAME=VALUE" in str(exc)
+        else:
+            raise AssertionError(f"{bad!r} was taken")
+    named = proof.result_name(args(settings=chosen))
+    assert named == "heldout_rerun_practice_env_shadow_samples4_0.json"
+    named = proof.result_name(args(agent="arithmetic", reward="judge", settings=chosen))
+    assert named == "heldout_rerun_arithmetic_practice_judge90_shadow_samples4_0.json"
+    differing = provenance.settings_differing(chosen)
+    assert differing == {"groups.shadow_samples": 4}
