@@ -474,7 +474,9 @@ def chosen_settings(pairs: list[str]) -> dict[str, str]:
     return chosen
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The proof's options (bench/heldout_rerun_summary.py reads a run's recorded command
+    with it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=45.0, help="practice wall-time budget")
     parser.add_argument("--eval-every", type=float, default=20.0, help="practice minutes")
@@ -535,6 +537,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     args.max_tokens = args.max_tokens or AGENTS[args.agent].max_tokens
     if not 0.5 <= args.pair_accuracy <= 1.0:

@@ -1,0 +1,94 @@
+"""bench/heldout_rerun_summary.py on hand-made result files: each run's kind from its command,
+the proof's target per kind, and the median and spread over a kind's runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+PROOF = "python bench/heldout_rerun_proof.py"
+
+
+def _evaluation(
+    minutes: float, version: int, diff: float, se: float, greedy: float | None
+) -> dict[str, Any]:
+    e: dict[str, Any] = {
+        "practice_minutes": minutes,
+        "version": version,
+        "script": {"tasks": 100, "reward_difference": diff, "reward_difference_se": se},
+        "success": 0.2,
+        "proxy_rerun": {"vs_base": {"low": diff - 2 * se, "high": diff + 2 * se}},
+    }
+    if greedy is not None:
+        e["greedy"] = {"success": greedy, "base_success": 0.01}
+    return e
+
+
+def _write(results: Path, name: str, command: str, **fields: Any) -> None:
+    body: dict[str, Any] = {"command": command, "stopped_early": None, "base": {"success": 0.04}}
+    body |= {"base_greedy": {"success": 0.01}, "practice_rounds": [{"practice_minutes": 60.2}]}
+    (results / name).write_text(json.dumps(body | fields))
+
+
+def test_runs_are_told_apart_by_kind_and_held_to_their_kinds_target(tmp_path: Path) -> None:
+    live = f"{PROOF} --traffic live --minutes 60 --eval-every 20"
+    _write(
+        tmp_path,
+        "heldout_rerun_live_env_1.json",
+        f"{live} --seed 1",
+        adapters=[{}] * 9,
+        evaluations=[_evaluation(20, 4, 0.05, 0.03, 0.02), _evaluation(60, 9, 0.2, 0.05, 0.2)],
+    )
+    _write(  # +3 s.e. but greedy only 4 points up
+        tmp_path,
+        "heldout_rerun_live_env_2.json",
+        f"{live} --seed 2",
+        adapters=[{}] * 7,
+        evaluations=[_evaluation(60, 7, 0.16, 0.04, 0.05)],
+    )
+    _write(  # a later evaluation past 60 minutes does not count
+        tmp_path,
+        "heldout_rerun_live_env_3.json",
+        f"{live} --seed 3 --minutes 90",
+        adapters=[{}] * 12,
+        evaluations=[_evaluation(60, 8, 0.03, 0.03, 0.0), _evaluation(90, 12, 0.3, 0.05, 0.3)],
+    )
+    coin = f"{PROOF} --agent arithmetic --traffic live --reward judge --pair-accuracy 0.5"
+    _write(tmp_path, "heldout_rerun_arithmetic_live_judge50_1.json", f"{coin} --seed 1")
+    _write(
+        tmp_path,
+        "heldout_rerun_arithmetic_live_judge50_2.json",
+        f"{coin} --seed 2",
+        adapters=[{}],
+    )
+    shadow = f"{PROOF} --agent arithmetic --reward judge --set RLPROXY_SHADOW_SAMPLES=4 --seed 1"
+    _write(tmp_path, "heldout_rerun_arithmetic_practice_judge90_shadow_samples4_1.json", shadow)
+
+    done = subprocess.run(
+        [sys.executable, "bench/heldout_rerun_summary.py", "--results", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "heldout_rerun_summary.json").read_text())
+    kinds = summary["kinds"]
+    assert set(kinds) == {
+        "lookup live env",
+        "arithmetic live judge50",
+        "arithmetic practice judge90 RLPROXY_SHADOW_SAMPLES=4",
+    }
+    env = kinds["lookup live env"]
+    assert env["runs"] == 3 and env["target_met"] == 1
+    assert env["z"]["median"] == 4.0 and env["z"]["low"] == 1.0 and env["z"]["high"] == 4.0
+    by_file = {r["file"]: r for r in summary["runs"]}
+    assert by_file["heldout_rerun_live_env_1.json"]["target"]["why"] == "+3 s.e. at v9 (60 min)"
+    assert "greedy not 10 points up" in by_file["heldout_rerun_live_env_2.json"]["target"]["why"]
+    assert by_file["heldout_rerun_live_env_3.json"]["last_within_60"]["version"] == 8
+    assert kinds["arithmetic live judge50"]["target_met"] == 1  # the run with no version
+    assert "### lookup live env: 1 of 3 runs met the target" in done.stdout
