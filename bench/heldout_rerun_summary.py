@@ -152,8 +152,8 @@ def table(kind: str, runs: list[dict[str, Any]], summary: dict[str, Any]) -> str
     lines = [
         f"### {kind}: {summary['target_met']} of {summary['runs']} runs met the target",
         "",
-        "| run | versions | last evaluation within 60 min | difference [95 %] | s.e.s "
-        "| success sampled | success greedy | target |",
+        "| run (commit; +: with uncommitted changes) | versions | last evaluation within 60 min "
+        "| difference [95 %] | s.e.s | success sampled | success greedy | target |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in runs:
@@ -174,8 +174,9 @@ def table(kind: str, runs: list[dict[str, Any]], summary: dict[str, Any]) -> str
                 else "",
             ]
         met = "met" if r["target"]["met"] else "not met"
+        commit = (r["commit"] or "?")[:7] + ("+" if r["uncommitted_changes"] else "")
         lines.append(
-            f"| `{r['file']}`{stopped} | {r['versions_written']} | "
+            f"| `{r['file']}` ({commit}){stopped} | {r['versions_written']} | "
             + " | ".join(cells)
             + f" | {met}: {r['target']['why']} |"
         )
