@@ -132,6 +132,25 @@ class TrainerConfig:
             "versions ahead of what serves before it drops everything: raise it or use None."
         },
     )
+    max_ahead_of_serving: int | None = field(
+        default=None,
+        metadata={
+            "help": "Wait instead of stepping while the trainer's weights are this many versions "
+            "(or more) ahead of the version serving the policy name, and serving still has a "
+            "newer version to decide on (a canary on trial, or a version it has not loaded "
+            "yet): the traffic the serving version answers then stays within max_staleness. "
+            "null (None, the default) never waits. Serving's state is read from the database "
+            "(no policy state there, no wait); a wait ends after max_wait_for_serving_s whatever "
+            "serving does. Each step records how far it was ahead (ahead_of_serving) either way."
+        },
+    )
+    max_wait_for_serving_s: float = field(
+        default=900.0,
+        metadata={
+            "help": "The longest max_ahead_of_serving waits in one stretch before it steps anyway "
+            "(a canary that never ends must not stop training)."
+        },
+    )
     stale_policy: str = field(
         default="drop",
         metadata={
@@ -353,6 +372,22 @@ class TrainerConfig:
                 and self.max_staleness >= 0
             ),
             f"max_staleness must be an integer >= 0 or None (no bound), got {self.max_staleness}",
+        )
+        _check(
+            self.max_ahead_of_serving is None
+            or (
+                isinstance(self.max_ahead_of_serving, int)
+                and not isinstance(self.max_ahead_of_serving, bool)
+                and self.max_ahead_of_serving >= 1
+            ),
+            "max_ahead_of_serving must be an integer >= 1 or None (never wait), got "
+            f"{self.max_ahead_of_serving}; max_staleness is the value that keeps what serves "
+            "trainable",
+        )
+        _check(
+            math.isfinite(self.max_wait_for_serving_s) and self.max_wait_for_serving_s > 0,
+            f"max_wait_for_serving_s must be a positive number of seconds, got "
+            f"{self.max_wait_for_serving_s}",
         )
         _check(
             self.stale_policy in STALE_POLICIES,

@@ -57,7 +57,7 @@ from trainer.grpo import TrainingExample, group_advantages, leave_one_out_advant
 from trainer.packing import pack_turns, turns_in
 from trainer.peft_backend import PeftTrainer
 from trainer.scoring import read_group
-from trainer.staleness import lineage, samples_behind, staleness_weight
+from trainer.staleness import lineage, samples_behind, staleness_weight, versions_behind
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +132,10 @@ class TrainingLoop:
         self._stale_since_step = 0
         """Groups dropped for staleness since the last step (reported with the next one)."""
         self._parents: dict[int, int] = {}
+        self._waiting_since: float | None = None
+        """When the current wait for serving began (`max_ahead_of_serving`); None: not waiting."""
+        self._waited_out = False
+        """The current wait ran past `max_wait_for_serving_s` (said once)."""
 
     async def resume(self) -> int:
         """Load the newest complete checkpoint, if any; return the step it restored (0: none)."""
@@ -171,6 +175,9 @@ class TrainingLoop:
         """One step if at least `min_groups` (default: groups_per_step) usable groups wait."""
         need = self.config.groups_per_step if min_groups is None else min_groups
         await self.leave_rolled_back()  # first: staleness is counted from the weights stepped
+        serving, ahead, pending = await self.serving_lag()
+        if self._wait_for_serving(serving, ahead, pending):
+            return None
         found = await self._collect(self.config.groups_per_step)
         chosen, skipped, rewards = found.chosen, found.skipped, found.rewards
         await self._drop_stale(found.stale_dropped)
@@ -219,6 +226,8 @@ class TrainingLoop:
                 "stale_samples_dropped": found.samples_dropped,
                 "staleness_max": max(found.staleness, default=0),
                 "staleness_mean": sum(found.staleness) / max(len(found.staleness), 1),
+                "serving_version": serving,
+                "ahead_of_serving": ahead,
                 **self.totals,
             },
         )
@@ -261,6 +270,58 @@ class TrainingLoop:
             except Exception:
                 logger.exception("step hook %r failed on step %d", hook, report.version)
         return report
+
+    async def serving_lag(self) -> tuple[int | None, int | None, bool]:
+        """The version serving the policy name (from the policy state every replica follows),
+        how many versions the trainer's weights are ahead of it (counted along the lineage, as
+        staleness is), and whether serving still has a newer version to decide on: a canary on
+        trial, or the newest version written and not yet loaded. (None, None, False) when the
+        database holds no policy state (no server publishes this policy's versions)."""
+        state = await self.store.get_policy_state(self.policy)
+        if state is None:
+            return None, None, False
+        serving = state.active_version
+        ahead = versions_behind(serving, lineage(self.weights_version, self._parent), self._parent)
+        newest = await self.store.latest_adapter(self.policy)
+        pending = state.canary_version is not None or (
+            newest is not None and newest.version > serving and newest.status == "written"
+        )
+        return serving, ahead, pending
+
+    def _wait_for_serving(self, serving: int | None, ahead: int | None, pending: bool) -> bool:
+        """Whether to skip this step and wait (`max_ahead_of_serving`): the weights are that far
+        ahead of what serves and serving has a newer version to decide on. With nothing pending
+        (versions rejected, none written) it never waits, so it cannot stall; a stretch of
+        waiting ends after `max_wait_for_serving_s`, and training then goes on until serving
+        catches up."""
+        limit = self.config.max_ahead_of_serving
+        if limit is None or ahead is None or ahead < limit:
+            if self._waiting_since is not None:
+                logger.info("serving caught up (v%s serves); training goes on", serving)
+            self._waiting_since, self._waited_out = None, False
+            return False
+        if not pending:
+            return False
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = now
+            logger.info(
+                "waiting for serving: the weights (v%d) are %d versions ahead of v%s, which "
+                "serves, and serving has a newer version to decide on (max_ahead_of_serving %d)",
+                self.weights_version,
+                ahead,
+                serving,
+                limit,
+            )
+        if now - self._waiting_since < self.config.max_wait_for_serving_s:
+            return True
+        if not self._waited_out:
+            self._waited_out = True
+            logger.warning(
+                "waited %.0f s for serving to catch up (max_wait_for_serving_s); training on",
+                now - self._waiting_since,
+            )
+        return False
 
     async def _drop_stale(self, group_ids: list[str]) -> None:
         """Mark groups dropped for staleness as skipped at once (a failed step must not count
