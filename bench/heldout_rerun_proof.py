@@ -469,7 +469,7 @@ def chosen_settings(pairs: list[str]) -> dict[str, str]:
     for pair in pairs:
         name, eq, value = pair.partition("=")
         if not eq or not name.startswith("RLPROXY_") or name == "RLPROXY_DATA_DIR":
-            raise ValueError(f"--set takes RLPROXY_NAME=VALUE (not the data dir), not {pair!r}")
+            raise ValueError(f"--set takes RLPROXY_<NAME>=VALUE (not the data dir), not {pair!r}")
         chosen[name] = value
     return chosen
 
@@ -529,7 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--set",
         action="append",
         default=[],
-        metavar="RLPROXY_NAME=VALUE",
+        metavar="RLPROXY_<NAME>=VALUE",
         help="a server setting away from serve's defaults (repeatable), to measure a choice "
         "against the defaults (e.g. RLPROXY_SHADOW_SAMPLES=4); recorded in the file, and "
         "its name gets a suffix",

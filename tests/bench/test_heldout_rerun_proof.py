@@ -80,7 +80,7 @@ def test_a_chosen_setting_is_refused_unless_it_is_one_and_named_in_the_file() ->
         try:
             proof.chosen_settings([bad])
         except ValueError as exc:
-            assert "RLPROXY_NAME=VALUE" in str(exc)
+            assert "RLPROXY_<NAME>=VALUE" in str(exc)
         else:
             raise AssertionError(f"{bad!r} was taken")
     named = proof.result_name(args(settings=chosen))
