@@ -5,7 +5,6 @@ versions. Real PEFT trainer on the embedded model, real SQLite store."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -19,15 +18,6 @@ from trainer.loop import TrainingLoop
 from trainer.peft_backend import PeftTrainer
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[Store]:
-    s = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'rlproxy.db'}")
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +19,6 @@ from tests.trainer.test_staleness import _loop_at_version, _scored_group, _train
 from trainer.config import TrainerConfig
 
 on_loop = pytest.mark.asyncio(loop_scope="session")
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[Store]:
-    s = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'rlproxy.db'}")
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 async def _serving(store: Store, active: int, canary: int | None, newest: tuple[int, str]) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,15 +117,6 @@ class RecordingTrainer:
         path.mkdir(parents=True)
         (path / checkpoints.TRAINER_STATE).write_text(json.dumps({**state, "step": self.step}))
         return path
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[Store]:
-    s = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'rlproxy.db'}")
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 async def _scored_group(

@@ -10,7 +10,7 @@ import json
 import random
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -345,15 +345,6 @@ async def _ready_group(store: Store, n: int) -> str:
         await store.end_trajectory(await store.record_call(record))
     (gid,) = (await store.form_groups(SignatureGrouper(min_size=3))).ready
     return gid
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[Store]:
-    s = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'rlproxy.db'}")
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 def _scorer(store: Store, judge: RuleJudge, **checks: Any) -> Scorer:

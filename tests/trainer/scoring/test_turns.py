@@ -12,8 +12,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import jsonschema
@@ -374,15 +373,6 @@ def test_turns_mode_takes_the_turn_rubric_unless_one_is_given() -> None:
     assert ScoringConfig(mode="turns", rubric="Mine.").rubric == "Mine."
     with pytest.raises(ValueError, match="votes"):
         ScoringConfig(mode="turns", votes=0)
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[Store]:
-    s = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'rlproxy.db'}")
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 async def _ready_group(store: Store) -> str:
