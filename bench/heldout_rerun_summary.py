@@ -4,8 +4,10 @@ Reads every `bench/results/heldout_rerun*.json` that bench/heldout_rerun_proof.p
 of run is its agent, traffic, reward (the environment's, or the stand-in judge's pair accuracy)
 and any `--set` settings, read from the run's recorded command with the proof's own parser; the
 runs of a kind differ by seed. Per run: each evaluation's paired reward difference against the
-run's own base (and in standard errors), sampled and greedy success, the versions written, and
-whether the run met the proof's target within 60 practice minutes:
+run's own base (and in standard errors), sampled and greedy success, the trainer's step minutes
+before the evaluated version was written (the trainer keeps training while practice pauses for a
+re-run, so these can differ from the practice minutes), the versions written, and whether the run
+met the proof's target within 60 practice minutes:
 
 - environment rewards: +3 standard errors, with greedy success 10 points above the base's at
   the same evaluation;
@@ -53,7 +55,23 @@ def kind_of(command: str) -> tuple[str, argparse.Namespace]:
     return kind, args
 
 
-def evaluation(e: dict[str, Any], base_greedy: dict[str, Any] | None) -> dict[str, Any] | None:
+def trainer_minutes(adapters: list[dict[str, Any]], version: int) -> float | None:
+    """The trainer's step time spent before `version` was written: the steps of every version up
+    to it (versions are numbered in the order they were written). None when a step's time was
+    not recorded."""
+    seconds = [
+        (a.get("metrics") or {}).get("seconds")
+        for a in adapters
+        if a.get("version") is not None and a["version"] <= version
+    ]
+    if not seconds or any(s is None for s in seconds):
+        return None
+    return sum(seconds) / 60
+
+
+def evaluation(
+    e: dict[str, Any], base_greedy: dict[str, Any] | None, adapters: list[dict[str, Any]]
+) -> dict[str, Any] | None:
     script = e.get("script")
     if not script:
         return None  # no version served yet at this evaluation
@@ -63,6 +81,7 @@ def evaluation(e: dict[str, Any], base_greedy: dict[str, Any] | None) -> dict[st
     return {
         "practice_minutes": e["practice_minutes"],
         "version": e["version"],
+        "trainer_minutes": trainer_minutes(adapters, e["version"]),
         "difference": script["reward_difference"],
         "se": se,
         "z": script["reward_difference"] / se if se else None,
@@ -80,7 +99,7 @@ def one_run(path: Path) -> dict[str, Any]:
     evaluations = [
         x
         for e in d.get("evaluations") or []
-        if (x := evaluation(e, d.get("base_greedy"))) is not None
+        if (x := evaluation(e, d.get("base_greedy"), d.get("adapters") or [])) is not None
     ]
     within = [e for e in evaluations if e["practice_minutes"] <= TARGET_MINUTES + 1]
     versions = len(d.get("adapters") or [])
@@ -163,7 +182,12 @@ def table(kind: str, runs: list[dict[str, Any]], summary: dict[str, Any]) -> str
             cells = ["no version served", "", "", "", ""]
         else:
             cells = [
-                f"v{e['version']} at {e['practice_minutes']:.0f} min",
+                f"v{e['version']} at {e['practice_minutes']:.0f} min"
+                + (
+                    f" ({e['trainer_minutes']:.0f} of training)"
+                    if e["trainer_minutes"] is not None
+                    else ""
+                ),
                 f"{e['difference']:+.3f} [{e['low']:+.3f}, {e['high']:+.3f}]"
                 if e["low"] is not None
                 else f"{e['difference']:+.3f}",

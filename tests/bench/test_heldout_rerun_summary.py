@@ -40,7 +40,7 @@ def test_runs_are_told_apart_by_kind_and_held_to_their_kinds_target(tmp_path: Pa
         tmp_path,
         "heldout_rerun_live_env_1.json",
         f"{live} --seed 1",
-        adapters=[{}] * 9,
+        adapters=[{"version": v, "metrics": {"seconds": 120.0}} for v in range(1, 10)],
         evaluations=[_evaluation(20, 4, 0.05, 0.03, 0.02), _evaluation(60, 9, 0.2, 0.05, 0.2)],
     )
     _write(  # +3 s.e. but greedy only 4 points up
@@ -90,5 +90,10 @@ def test_runs_are_told_apart_by_kind_and_held_to_their_kinds_target(tmp_path: Pa
     assert by_file["heldout_rerun_live_env_1.json"]["target"]["why"] == "+3 s.e. at v9 (60 min)"
     assert "greedy not 10 points up" in by_file["heldout_rerun_live_env_2.json"]["target"]["why"]
     assert by_file["heldout_rerun_live_env_3.json"]["last_within_60"]["version"] == 8
+    # the trainer's step minutes before each evaluated version: v4 after 4 steps of 2 minutes
+    first, last = by_file["heldout_rerun_live_env_1.json"]["evaluations"]
+    assert (first["trainer_minutes"], last["trainer_minutes"]) == (8.0, 18.0)
+    assert by_file["heldout_rerun_live_env_2.json"]["last_within_60"]["trainer_minutes"] is None
+    assert "v9 at 60 min (18 of training)" in done.stdout
     assert kinds["arithmetic live judge50"]["target_met"] == 1  # the run with no version
     assert "### lookup live env: 1 of 3 runs met the target" in done.stdout
