@@ -47,7 +47,7 @@ def tokenizer(loaded_model):
 async def store(tmp_path: Path) -> AsyncIterator[Any]:  # -> storage.Store
     """A fresh SQLite store in the test's folder, opened on the test's own event loop (tests
     marked `loop_scope="function"`); a module that runs its tests on another loop defines its
-    own `store`."""
+    own `store` (tests/trainer/conftest.py: the session's loop)."""
     from storage import Store
 
     s = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'rlproxy.db'}")

@@ -3,14 +3,16 @@
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import pytest
+import pytest_asyncio
 
 from storage import Store
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(loop_scope="session")
 async def store(tmp_path: Path) -> AsyncIterator[Store]:
-    """A real SQLite store in the test's own folder, closed after the test."""
+    """tests/conftest.py's `store` on the session's event loop, where the trainer's async tests
+    run (`pytest.mark.asyncio(loop_scope="session")`): a fresh SQLite store in the test's folder,
+    closed after the test."""
     s = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'rlproxy.db'}")
     try:
         yield s
