@@ -15,15 +15,11 @@ import pytest
 
 from storage import Store
 from storage.records import LOGPROBS_AFTER_GRAMMAR
-from tests.trainer.test_staleness import (  # noqa: F401 (store: a fixture)
-    _loop_at_version,
-    _scored_group,
-    store,
-)
+from tests.trainer.test_staleness import _loop_at_version, _scored_group
 
 
 @pytest.mark.asyncio(loop_scope="session")
-async def test_the_flag_reaches_the_training_examples(store: Store, tmp_path: Path) -> None:  # noqa: F811
+async def test_the_flag_reaches_the_training_examples(store: Store, tmp_path: Path) -> None:
     params = ({LOGPROBS_AFTER_GRAMMAR: True}, {})
     await _scored_group(store, "weather", None, engine="vllm", params=params)
     loop, trainer = await _loop_at_version(store, tmp_path / "ckpt", 0)
