@@ -26,13 +26,14 @@ and its reward comes from
   ones that differ from the defaults, and the file records them.
 
 At the start, and after every `--eval-every` minutes of practice and at the end, it re-runs the
-100 held-out tasks (words never practised) with the same client marked held out
+`--eval-tasks` held-out tasks (100: words never practised; past 100, the lookup agent's variants
+of those words, each with its own code and listed words) with the same client marked held out
 (`X-RLProxy-Held-Out: true`): once pinned to `rlproxy@base` (at the start only: the base never
 changes) and once pinned to the version the policy name serves then, sampled (temperature 1),
 each reward posted (the environment's: the evaluation, whatever trains); with `--greedy` (the
-default) once more each at temperature 0, rewards not posted (so the proxy's pairing holds the
-sampled runs; it counts the greedy ones as left out), success counted here. Practice stops
-during a re-run.
+default) once more each (the first `--greedy-tasks` of them) at temperature 0, rewards not
+posted (so the proxy's pairing holds the sampled runs; it counts the greedy ones as left out),
+success counted here. Practice stops during a re-run.
 
 The proxy pairs the re-runs by task (`proxy/adapters/evaluation.py`); the script records what
 `GET /rl/eval`, `rlproxy eval`, `rlproxy status` and the dashboard's "Is it getting better?"
@@ -147,6 +148,23 @@ AGENTS = {
 }
 
 
+def held_out_tasks(agent: str, count: int) -> list[str]:
+    """The first `count` held-out tasks: the agent's held-out list, then (the lookup agent only)
+    variants of its words ("apple/1", then "apple/2", ...: the same never-practised word with its
+    own secret code and listed words), for an evaluation of more tasks than there are held-out
+    words. More tasks, a smaller standard error of the paired difference."""
+    tasks = AGENTS[agent].held_out()
+    if agent == "lookup":
+        words = list(tasks)
+        variant = 1
+        while len(tasks) < count:
+            tasks += [lookup_agent.live_task(w, variant) for w in words]
+            variant += 1
+    if count > len(tasks):
+        raise ValueError(f"the {agent} agent has {len(tasks)} held-out tasks, not {count}")
+    return tasks[:count]
+
+
 def round_tasks(args: argparse.Namespace, round_number: int) -> list[str]:
     """A practice round's episodes, one task each: `--tasks` practice tasks `--runs` times each
     (`--traffic practice`), or as many tasks never asked before (`--traffic live`: the lookup
@@ -254,7 +272,8 @@ async def rerun(
             return task, value, bool(ids)
 
         t0 = time.monotonic()
-        tasks = AGENTS[args.agent].held_out()[: args.eval_tasks]
+        count = args.eval_tasks if temperature > 0 else args.greedy_tasks or args.eval_tasks
+        tasks = held_out_tasks(args.agent, count)
         done = await asyncio.gather(*(one(t) for t in tasks))
     rewards = {task: value for task, value, _ in done}
     if not rewards:
@@ -523,7 +542,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-tokens", type=int, default=None, help="the agent's limit a turn (48 / 12)"
     )
     parser.add_argument(
-        "--eval-tasks", type=int, default=100, help="held-out tasks re-run (fewer: a smoke run)"
+        "--eval-tasks",
+        type=int,
+        default=100,
+        help="held-out tasks each evaluation re-runs, sampled (fewer: a smoke run; past 100, "
+        "the lookup agent's variants of its held-out words: a smaller standard error)",
+    )
+    parser.add_argument(
+        "--greedy-tasks",
+        type=int,
+        default=None,
+        help="of those, how many also re-run greedily (default: all of them)",
     )
     parser.add_argument(
         "--set",
@@ -548,8 +577,11 @@ def main() -> None:
         parser.error("--pair-accuracy is between 0.5 (a coin flip) and 1 (the truth)")
     try:
         args.settings = chosen_settings(args.set)
+        held_out_tasks(args.agent, args.eval_tasks)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.greedy_tasks is not None and not 1 <= args.greedy_tasks <= args.eval_tasks:
+        parser.error("--greedy-tasks is between 1 and --eval-tasks")
     stop_on_sigterm()  # kill as Ctrl-C: file written, server stopped
     data = args.data or Path(f"/tmp/rlproxy-rerun-{args.seed}-{os.getpid()}")
     for k in [k for k in os.environ if k.startswith("RLPROXY_")]:

@@ -82,6 +82,7 @@ def evaluation(
         "practice_minutes": e["practice_minutes"],
         "version": e["version"],
         "trainer_minutes": trainer_minutes(adapters, e["version"]),
+        "tasks": script["tasks"],
         "difference": script["reward_difference"],
         "se": se,
         "z": script["reward_difference"] / se if se else None,
@@ -172,7 +173,7 @@ def table(kind: str, runs: list[dict[str, Any]], summary: dict[str, Any]) -> str
         f"### {kind}: {summary['target_met']} of {summary['runs']} runs met the target",
         "",
         "| run (commit; +: with uncommitted changes) | versions | last evaluation within 60 min "
-        "| difference [95 %] | s.e.s | success sampled | success greedy | target |",
+        "| difference [95 %], paired by task | s.e.s | success sampled | success greedy | target |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in runs:
@@ -188,9 +189,12 @@ def table(kind: str, runs: list[dict[str, Any]], summary: dict[str, Any]) -> str
                     if e["trainer_minutes"] is not None
                     else ""
                 ),
-                f"{e['difference']:+.3f} [{e['low']:+.3f}, {e['high']:+.3f}]"
-                if e["low"] is not None
-                else f"{e['difference']:+.3f}",
+                (
+                    f"{e['difference']:+.3f} [{e['low']:+.3f}, {e['high']:+.3f}]"
+                    if e["low"] is not None
+                    else f"{e['difference']:+.3f}"
+                )
+                + f" on {e['tasks']} tasks",
                 f"{e['z']:+.1f}" if e["z"] is not None else "",
                 f"{r['base']['success']:.0%} → {e['success']:.0%}",
                 f"{e['greedy_base_success']:.0%} → {e['greedy_success']:.0%}"

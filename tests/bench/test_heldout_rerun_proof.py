@@ -8,6 +8,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "examples"))
@@ -89,3 +91,20 @@ def test_a_chosen_setting_is_refused_unless_it_is_one_and_named_in_the_file() ->
     assert named == "heldout_rerun_arithmetic_practice_judge90_shadow_samples4_0.json"
     differing = provenance.settings_differing(chosen)
     assert differing == {"groups.shadow_samples": 4}
+
+
+def test_an_evaluation_past_the_held_out_words_re_runs_variants_of_them() -> None:
+    tasks = proof.held_out_tasks("lookup", 250)
+    assert tasks[:100] == lookup_agent.held_out()
+    assert len(tasks) == 250 and len(set(tasks)) == 250
+    words = {lookup_agent.word_of(t) for t in tasks}
+    assert words == set(lookup_agent.held_out())  # still words never practised
+    assert not words & set(lookup_agent.practice_tasks())
+    # each variant is a task of its own: its own secret code and listed words
+    asked = {(lookup_agent.answer_of(t), *lookup_agent.choices_of(t)) for t in tasks}
+    assert len(asked) == 250
+    assert proof.held_out_tasks("lookup", 10) == lookup_agent.held_out()[:10]
+    arithmetic = [f"{a}+{b}" for a, b in arithmetic_agent.held_out()]
+    assert proof.held_out_tasks("arithmetic", 100) == arithmetic
+    with pytest.raises(ValueError, match="100 held-out tasks, not 101"):
+        proof.held_out_tasks("arithmetic", 101)

@@ -14,12 +14,12 @@ PROOF = "python bench/heldout_rerun_proof.py"
 
 
 def _evaluation(
-    minutes: float, version: int, diff: float, se: float, greedy: float | None
+    minutes: float, version: int, diff: float, se: float, greedy: float | None, tasks: int = 100
 ) -> dict[str, Any]:
     e: dict[str, Any] = {
         "practice_minutes": minutes,
         "version": version,
-        "script": {"tasks": 100, "reward_difference": diff, "reward_difference_se": se},
+        "script": {"tasks": tasks, "reward_difference": diff, "reward_difference_se": se},
         "success": 0.2,
         "proxy_rerun": {"vs_base": {"low": diff - 2 * se, "high": diff + 2 * se}},
     }
@@ -43,12 +43,12 @@ def test_runs_are_told_apart_by_kind_and_held_to_their_kinds_target(tmp_path: Pa
         adapters=[{"version": v, "metrics": {"seconds": 120.0}} for v in range(1, 10)],
         evaluations=[_evaluation(20, 4, 0.05, 0.03, 0.02), _evaluation(60, 9, 0.2, 0.05, 0.2)],
     )
-    _write(  # +3 s.e. but greedy only 4 points up
+    _write(  # +3 s.e. but greedy only 4 points up; a larger evaluation is the same kind
         tmp_path,
         "heldout_rerun_live_env_2.json",
-        f"{live} --seed 2",
+        f"{live} --seed 2 --eval-tasks 300 --greedy-tasks 100",
         adapters=[{}] * 7,
-        evaluations=[_evaluation(60, 7, 0.16, 0.04, 0.05)],
+        evaluations=[_evaluation(60, 7, 0.16, 0.04, 0.05, tasks=300)],
     )
     _write(  # a later evaluation past 60 minutes does not count
         tmp_path,
@@ -95,5 +95,7 @@ def test_runs_are_told_apart_by_kind_and_held_to_their_kinds_target(tmp_path: Pa
     assert (first["trainer_minutes"], last["trainer_minutes"]) == (8.0, 18.0)
     assert by_file["heldout_rerun_live_env_2.json"]["last_within_60"]["trainer_minutes"] is None
     assert "v9 at 60 min (18 of training)" in done.stdout
+    assert "+0.200 [+0.100, +0.300] on 100 tasks" in done.stdout
+    assert "+0.160 [+0.080, +0.240] on 300 tasks" in done.stdout
     assert kinds["arithmetic live judge50"]["target_met"] == 1  # the run with no version
     assert "### lookup live env: 1 of 3 runs met the target" in done.stdout
