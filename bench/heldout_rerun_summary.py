@@ -66,7 +66,7 @@ def trainer_minutes(adapters: list[dict[str, Any]], version: int) -> float | Non
     ]
     if not seconds or any(s is None for s in seconds):
         return None
-    return sum(seconds) / 60
+    return float(sum(s for s in seconds if s is not None)) / 60
 
 
 def evaluation(
