@@ -76,7 +76,7 @@ async def _advantages(
     return group.summary.source, rewards, [by_member[m.member_id] for m in group.members]
 
 
-@pytest.mark.asyncio(loop_scope="function")
+@pytest.mark.asyncio(loop_scope="session")
 async def test_a_cohort_of_tasks_asked_once_trains_on_leave_one_out_advantages(
     store: Store, tmp_path: Path
 ) -> None:
@@ -86,7 +86,7 @@ async def test_a_cohort_of_tasks_asked_once_trains_on_leave_one_out_advantages(
     assert advantages == pytest.approx([r - o for r, o in zip(rewards, others, strict=True)])
 
 
-@pytest.mark.asyncio(loop_scope="function")
+@pytest.mark.asyncio(loop_scope="session")
 async def test_the_group_rule_for_cohorts_is_a_setting(store: Store, tmp_path: Path) -> None:
     _, rewards, advantages = await _advantages(store, tmp_path, cohort_advantage="group")
     assert advantages == pytest.approx(group_advantages(rewards))

@@ -169,7 +169,7 @@ async def _rows(store: Store, root: Path, second_prompt: list[int], **config: An
     return examples
 
 
-@pytest.mark.asyncio(loop_scope="function")
+@pytest.mark.asyncio(loop_scope="session")
 async def test_the_loop_trains_each_episode_as_one_row(store: Store, tmp_path: Path) -> None:
     rows = await _rows(store, tmp_path, SYSTEM + ANSWER_1 + BETWEEN)
     assert len(rows) == 2  # one per episode, not one per call
@@ -180,7 +180,7 @@ async def test_the_loop_trains_each_episode_as_one_row(store: Store, tmp_path: P
     assert sorted(r.advantage for r in rows) == pytest.approx([-1.0, 1.0], abs=1e-5)
 
 
-@pytest.mark.asyncio(loop_scope="function")
+@pytest.mark.asyncio(loop_scope="session")
 async def test_the_loop_keeps_a_row_per_turn_when_told_or_when_tokens_differ(
     store: Store, tmp_path: Path
 ) -> None:
@@ -188,7 +188,7 @@ async def test_the_loop_keeps_a_row_per_turn_when_told_or_when_tokens_differ(
     assert len(rows) == 4 and all(r.completion_mask is None for r in rows)
 
 
-@pytest.mark.asyncio(loop_scope="function")
+@pytest.mark.asyncio(loop_scope="session")
 async def test_the_loop_keeps_a_row_per_turn_when_the_answer_was_rendered_again(
     store: Store, tmp_path: Path
 ) -> None:
@@ -245,7 +245,7 @@ async def _compacted_session(store: Store, session: str, reward: float) -> None:
     await store.add_reward(tid, reward, "env")
 
 
-@pytest.mark.asyncio(loop_scope="function")
+@pytest.mark.asyncio(loop_scope="session")
 async def test_a_compacted_session_is_one_episode_in_two_rows(store: Store, tmp_path: Path) -> None:
     """One reward for the whole session: every row of it carries the same advantage."""
     for i, session in enumerate(("sess-a", "sess-b")):

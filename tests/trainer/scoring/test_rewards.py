@@ -64,7 +64,7 @@ async def _run(store: Store, i: int) -> str:
     )
 
 
-@pytest.mark.asyncio(loop_scope="function")
+@pytest.mark.asyncio(loop_scope="session")
 async def test_read_group_sets_each_members_training_reward(store: Store) -> None:
     a, b = await _run(store, 0), await _run(store, 1)
     for tid in (a, b):
