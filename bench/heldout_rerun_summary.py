@@ -15,8 +15,9 @@ met the proof's target within 60 practice minutes:
 - a coin-flip judge (pair accuracy 0.5): no version written.
 
 Per kind: the number of runs, how many met the target, and the median and the spread (lowest to
-highest) of each run's last evaluation within 60 practice minutes. A run stopped early is
-counted and says so.
+highest) of each run's last evaluation within 60 practice minutes: the last one taken at the
+end of a round that began before minute 60 (the proof evaluates when a round ends past each
+mark). A run stopped early is counted and says so.
 
     .venv/bin/python bench/heldout_rerun_summary.py [--results bench/results]
 
@@ -94,6 +95,15 @@ def evaluation(
     }
 
 
+def _round_began(rounds: list[dict[str, Any]], e: dict[str, Any]) -> float:
+    """The practice minute at which the round that ended at evaluation `e` began. The proof
+    evaluates at the end of the first round past each `--eval-every` mark, so its evaluation at
+    the 60-minute mark ends a round that began before minute 60 and itself ends a little after:
+    that evaluation is within 60 minutes, a later one is not."""
+    ends = [r["practice_minutes"] for r in rounds if "practice_minutes" in r]
+    return max((m for m in ends if m < e["practice_minutes"] - 0.005), default=0.0)
+
+
 def one_run(path: Path) -> dict[str, Any]:
     d = json.loads(path.read_text())
     kind, args = kind_of(d["command"])
@@ -102,9 +112,9 @@ def one_run(path: Path) -> dict[str, Any]:
         for e in d.get("evaluations") or []
         if (x := evaluation(e, d.get("base_greedy"), d.get("adapters") or [])) is not None
     ]
-    within = [e for e in evaluations if e["practice_minutes"] <= TARGET_MINUTES + 1]
-    versions = len(d.get("adapters") or [])
     rounds = d.get("practice_rounds") or [{}]
+    within = [e for e in evaluations if _round_began(rounds, e) < TARGET_MINUTES]
+    versions = len(d.get("adapters") or [])
     practised = rounds[-1].get("practice_minutes", 0.0)
     if args.reward == "judge" and args.pair_accuracy == 0.5:
         met = versions == 0 and d.get("stopped_early") is None

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 PROOF = "python bench/heldout_rerun_proof.py"
 
@@ -57,6 +59,14 @@ def test_runs_are_told_apart_by_kind_and_held_to_their_kinds_target(tmp_path: Pa
         adapters=[{}] * 12,
         evaluations=[_evaluation(60, 8, 0.03, 0.03, 0.0), _evaluation(90, 12, 0.3, 0.05, 0.3)],
     )
+    _write(  # the evaluation at the end of the round that crossed minute 60 counts
+        tmp_path,
+        "heldout_rerun_live_env_4.json",
+        f"{live} --seed 4 --eval-every 60",
+        adapters=[{}] * 12,
+        evaluations=[_evaluation(61.27, 12, 0.044, 0.018, 0.01, tasks=300)],
+        practice_rounds=[{"practice_minutes": m} for m in (1.3, 30.0, 58.19, 61.27)],
+    )
     coin = f"{PROOF} --agent arithmetic --traffic live --reward judge --pair-accuracy 0.5"
     _write(tmp_path, "heldout_rerun_arithmetic_live_judge50_1.json", f"{coin} --seed 1")
     _write(
@@ -84,12 +94,14 @@ def test_runs_are_told_apart_by_kind_and_held_to_their_kinds_target(tmp_path: Pa
         "arithmetic practice judge90 RLPROXY_SHADOW_SAMPLES=4",
     }
     env = kinds["lookup live env"]
-    assert env["runs"] == 3 and env["target_met"] == 1
-    assert env["z"]["median"] == 4.0 and env["z"]["low"] == 1.0 and env["z"]["high"] == 4.0
+    assert env["runs"] == 4 and env["target_met"] == 1
+    assert env["z"]["median"] == pytest.approx((0.044 / 0.018 + 4.0) / 2)
+    assert env["z"]["low"] == 1.0 and env["z"]["high"] == 4.0
     by_file = {r["file"]: r for r in summary["runs"]}
     assert by_file["heldout_rerun_live_env_1.json"]["target"]["why"] == "+3 s.e. at v9 (60 min)"
     assert "greedy not 10 points up" in by_file["heldout_rerun_live_env_2.json"]["target"]["why"]
     assert by_file["heldout_rerun_live_env_3.json"]["last_within_60"]["version"] == 8
+    assert by_file["heldout_rerun_live_env_4.json"]["last_within_60"]["version"] == 12
     # the trainer's step minutes before each evaluated version: v4 after 4 steps of 2 minutes
     first, last = by_file["heldout_rerun_live_env_1.json"]["evaluations"]
     assert (first["trainer_minutes"], last["trainer_minutes"]) == (8.0, 18.0)
@@ -98,4 +110,4 @@ def test_runs_are_told_apart_by_kind_and_held_to_their_kinds_target(tmp_path: Pa
     assert "+0.200 [+0.100, +0.300] on 100 tasks" in done.stdout
     assert "+0.160 [+0.080, +0.240] on 300 tasks" in done.stdout
     assert kinds["arithmetic live judge50"]["target_met"] == 1  # the run with no version
-    assert "### lookup live env: 1 of 3 runs met the target" in done.stdout
+    assert "### lookup live env: 1 of 4 runs met the target" in done.stdout
