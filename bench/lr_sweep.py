@@ -5,13 +5,15 @@ held-out questions never practised) once per rate for the same training budget, 
 else equal, one run after the other on this machine, and writes what each reached:
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/lr_sweep.py \
-        [--rates 1e-4,3e-4,6e-4,1.2e-3] [--minutes 4] [--out bench/results]
+        [--rates 1e-4,3e-4,6e-4,1.2e-3,2.4e-3] [--minutes 4] [--out bench/results]
 
 Per rate: the held-out reward (sampled) of the base and of every evaluated version with its
 standard error, the training minutes to each, the gain of the last version over the base in
 standard errors, and the greedy exact share. The figure that decides: the gain reached within
 the same training minutes (a rate that learns in fewer steps learns in fewer minutes on this
-CPU, every step costing about the same). The canary rollout is off (`GUARD_OFF`). Writes
+CPU, every step costing about the same). A rate so high that the last version writes one answer to
+every question (every held-out answer scores the same, s.e. 0) is marked collapsed, not ranked by
+its gain in standard errors. The canary rollout is off (`GUARD_OFF`). Writes
 `<out>/lr_sweep.json` with the provenance of `bench/provenance.py`, and each run's own file
 beside it (`lr_sweep_runs/learning_<rate>.json`).
 """
@@ -61,13 +63,25 @@ def summarise(run: dict) -> dict:
         "gain": run["gain"],
         "gain_in_standard_errors": run["gain_in_standard_errors"],
         "minutes_to_3_standard_errors": run["minutes_to_3_standard_errors"],
+        # Every held-out answer scored the same: the version writes one answer to everything. Its
+        # s.e. is 0, so its "gain in standard errors" is large and means nothing.
+        "collapsed": points[-1]["stderr"] == 0,
         "evals": points,
     }
 
 
+def verdict(summary: dict) -> str:
+    """The gain column of the table: the last version's gain in standard errors, unless it
+    collapsed."""
+    if summary["collapsed"]:
+        last = summary["evals"][-1]
+        return f"collapsed: every held-out answer scored {last['mean_reward']:.3f}"
+    return f"{summary['gain_in_standard_errors']:+.1f} s.e."
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="1e-4,3e-4,6e-4,1.2e-3")
+    parser.add_argument("--rates", default="1e-4,3e-4,6e-4,1.2e-3,2.4e-3")
     parser.add_argument("--minutes", type=float, default=4.0, help="training budget per rate")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     parser.add_argument(
@@ -119,7 +133,7 @@ def main() -> None:
         print(json.dumps({f"{rate:g}": results[f"{rate:g}"]["evals"][-1]}), flush=True)
     out = {**provenance.finish(record), "results": results}
     (args.out / "lr_sweep.json").write_text(json.dumps(out, indent=2))
-    print("\n| rate | steps | last version | reward (base -> last) | gain, s.e. | greedy exact |")
+    print("\n| rate | steps | last version | reward (base -> last) | gain | greedy exact |")
     print("| --- | --- | --- | --- | --- | --- |")
     for rate, r in results.items():
         if "error" in r:
@@ -129,7 +143,7 @@ def main() -> None:
         print(
             f"| {rate} | {r['steps']} | v{last['version']} ({last['train_minutes']:.1f} min) "
             f"| {first['mean_reward']:.3f} -> {last['mean_reward']:.3f} "
-            f"| {last['gain_in_standard_errors']:+.1f} "
+            f"| {verdict(r)} "
             f"| {first['greedy_exact']:.0%} -> {last['greedy_exact']:.0%} |"
         )
     print(f"wrote {args.out / 'lr_sweep.json'}")

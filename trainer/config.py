@@ -36,7 +36,9 @@ class TrainerConfig:
             "full fine-tuning (B starts at zero). Measured on SmolLM2-135M, r=8, the learning "
             "proof's task for 4 training minutes a rate (bench/lr_sweep.py, "
             "bench/results/lr_sweep.json, one run each): held-out reward 0.06-0.08 -> 0.10 at "
-            "1e-4, 0.26 at 3e-4, 0.33 at 6e-4 (greedy exact 1 % -> 1 %, 8 %, 16 %). Trained far "
+            "1e-4, 0.26 at 3e-4, 0.33 at 6e-4, 0.39 at 1.2e-3 (greedy exact 1 % -> 1 %, 8 %, 16 %, "
+            "21 %; 1.2e-3 ahead early, even with 6e-4 by version 16), and 2.4e-3 collapsed to "
+            "one answer for everything. Trained far "
             "on one narrow task at 6e-4 (about 30 steps) a version answers everything the task's "
             "way, and the forgetting check holds it (docs/concepts/hot-swap.md)."
         },
