@@ -6,8 +6,9 @@ and any `--set` settings, read from the run's recorded command with the proof's 
 runs of a kind differ by seed. Per run: each evaluation's paired reward difference against the
 run's own base (and in standard errors), sampled and greedy success, the trainer's step minutes
 before the evaluated version was written (the trainer keeps training while practice pauses for a
-re-run, so these can differ from the practice minutes), the versions written, and whether the run
-met the proof's target within 60 practice minutes:
+re-run, so these can differ from the practice minutes), the versions written, how many served
+and the median minutes from a version's checkpoint to its serving (the canary trial's length,
+with the rollout on), and whether the run met the proof's target within 60 practice minutes:
 
 - environment rewards: +3 standard errors, with greedy success 10 points above the base's at
   the same evaluation;
@@ -95,6 +96,20 @@ def evaluation(
     }
 
 
+def minutes_to_serve(adapters: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How long the versions that served waited from their checkpoint (`created_at`) to serving
+    the policy name (`activated_at`: promoted after the canary trial, or at once with the rollout
+    off): the count, median and spread in minutes. None when no version recorded both."""
+    waits = [
+        (a["activated_at"] - a["created_at"]) / 60
+        for a in adapters
+        if a.get("activated_at") is not None and a.get("created_at") is not None
+    ]
+    if not waits:
+        return None
+    return {"versions": len(waits), **(spread(waits) or {})}
+
+
 def _round_began(rounds: list[dict[str, Any]], e: dict[str, Any]) -> float:
     """The practice minute at which the round that ended at evaluation `e` began. The proof
     evaluates at the end of the first round past each `--eval-every` mark, so its evaluation at
@@ -145,6 +160,7 @@ def one_run(path: Path) -> dict[str, Any]:
         "load_average_at_end": d.get("load_average_at_end"),
         "practice_minutes": practised,
         "versions_written": versions,
+        "minutes_to_serve": minutes_to_serve(d.get("adapters") or []),
         "base": {"success": base.get("success"), "greedy_success": greedy.get("success")},
         "evaluations": evaluations,
         "last_within_60": within[-1] if within else None,
@@ -213,8 +229,14 @@ def table(kind: str, runs: list[dict[str, Any]], summary: dict[str, Any]) -> str
             ]
         met = "met" if r["target"]["met"] else "not met"
         commit = (r["commit"] or "?")[:7] + ("+" if r["uncommitted_changes"] else "")
+        versions = str(r["versions_written"])
+        if r["minutes_to_serve"]:
+            served = r["minutes_to_serve"]
+            versions += (
+                f" ({served['versions']} served; median {served['median']:.0f} min to serve)"
+            )
         lines.append(
-            f"| `{r['file']}` ({commit}){stopped} | {r['versions_written']} | "
+            f"| `{r['file']}` ({commit}){stopped} | {versions} | "
             + " | ".join(cells)
             + f" | {met}: {r['target']['why']} |"
         )

@@ -111,3 +111,46 @@ def test_runs_are_told_apart_by_kind_and_held_to_their_kinds_target(tmp_path: Pa
     assert "+0.160 [+0.080, +0.240] on 300 tasks" in done.stdout
     assert kinds["arithmetic live judge50"]["target_met"] == 1  # the run with no version
     assert "### lookup live env: 1 of 4 runs met the target" in done.stdout
+
+
+def test_each_run_says_how_long_its_versions_waited_to_serve(tmp_path: Path) -> None:
+    """The minutes from a version's checkpoint to its serving the policy name (its canary trial),
+    for every version that served; the median per run, shown beside the versions written."""
+    live = f"{PROOF} --traffic live --minutes 60 --eval-every 60"
+    t0 = 1_000_000.0
+    adapters = [
+        {"version": 1, "created_at": t0, "activated_at": t0 + 600},  # 10 minutes
+        {"version": 2, "created_at": t0 + 300},  # never served
+        {"version": 3, "created_at": t0 + 900, "activated_at": t0 + 900 + 240},  # 4
+        {"version": 4, "created_at": t0 + 1500, "activated_at": t0 + 1500 + 480},  # 8
+    ]
+    _write(
+        tmp_path,
+        "heldout_rerun_live_env_1.json",
+        f"{live} --seed 1",
+        adapters=adapters,
+        evaluations=[_evaluation(60, 4, 0.05, 0.03, 0.02)],
+    )
+    _write(  # a run from before the times were kept: none known
+        tmp_path,
+        "heldout_rerun_live_env_2.json",
+        f"{live} --seed 2",
+        adapters=[{}] * 3,
+        evaluations=[_evaluation(60, 3, 0.05, 0.03, 0.02)],
+    )
+    done = subprocess.run(
+        [sys.executable, "bench/heldout_rerun_summary.py", "--results", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "heldout_rerun_summary.json").read_text())
+    by_file = {r["file"]: r for r in summary["runs"]}
+    waited = by_file["heldout_rerun_live_env_1.json"]["minutes_to_serve"]
+    assert waited == {"versions": 3, "median": 8.0, "low": 4.0, "high": 10.0}
+    assert by_file["heldout_rerun_live_env_2.json"]["minutes_to_serve"] is None
+    row = "| `heldout_rerun_live_env_1.json` (?) | 4 (3 served; median 8 min to serve) |"
+    assert row in done.stdout
+    assert "| `heldout_rerun_live_env_2.json` (?) | 3 |" in done.stdout

@@ -9,7 +9,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-import lr_sweep  # noqa: E402
+import lr_sweep
 
 
 def _eval(version: int, reward: float, stderr: float, exact: float) -> dict[str, Any]:
