@@ -258,30 +258,37 @@ async def rerun(
         httpx.AsyncClient(base_url=url, timeout=60) as http,
     ):
 
-        async def one(task: str) -> tuple[str, float, bool]:
+        async def one(task: str) -> tuple[str, float | None, bool]:
             try:
                 async with gate:
                     ids, value = await AGENTS[args.agent].episode(
                         client, model, task, args.max_tokens, temperature
                     )
-                if temperature > 0 and ids:
-                    await post_outcome(http, ids[-1], value, args.agent)
             except Exception as exc:  # a refused or failed call: counted, the run goes on
                 ERRORS.append(f"{model} {task}: {type(exc).__name__}: {exc}")
-                return task, 0.0, False
+                return task, None, False  # no reward: left out of the pairing, not a 0
+            if temperature > 0 and ids:
+                try:
+                    await post_outcome(http, ids[-1], value, args.agent)
+                except Exception as exc:  # the proxy misses this reward; the episode counts
+                    ERRORS.append(
+                        f"{model} {task}: posting its reward: {type(exc).__name__}: {exc}"
+                    )
+                    return task, value, False
             return task, value, bool(ids)
 
         t0 = time.monotonic()
         count = args.eval_tasks if temperature > 0 else args.greedy_tasks or args.eval_tasks
         tasks = held_out_tasks(args.agent, count)
         done = await asyncio.gather(*(one(t) for t in tasks))
-    rewards = {task: value for task, value, _ in done}
+    rewards = {task: value for task, value, _ in done if value is not None}
     if not rewards:
         return {"model": model, "episodes": 0, "rewards": {}}
     return {
         "model": model,
         "temperature": temperature,
         "episodes": len(done),
+        "failed": len(done) - len(rewards),
         "unreported": sum(not reported for _, _, reported in done),
         "success": sum(v == 1.0 for v in rewards.values()) / len(rewards),
         "mean_reward": sum(rewards.values()) / len(rewards),
@@ -291,17 +298,16 @@ async def rerun(
 
 
 def paired_by_script(base: dict[str, Any], version: dict[str, Any]) -> dict[str, Any]:
-    """The script's own paired difference of the same episodes (to check the proxy's)."""
-    diffs = [version["rewards"][t] - base["rewards"][t] for t in base["rewards"]]
+    """The script's own paired difference of the same episodes (to check the proxy's), over the
+    tasks both finished."""
+    both = [t for t in base["rewards"] if t in version["rewards"]]
+    diffs = [version["rewards"][t] - base["rewards"][t] for t in both]
     n = len(diffs)
     if n < 2:
         return {"tasks": n}
     mean = sum(diffs) / n
     sd = (sum((d - mean) ** 2 for d in diffs) / (n - 1)) ** 0.5
-    wins = [
-        float(version["rewards"][t] == 1.0) - float(base["rewards"][t] == 1.0)
-        for t in base["rewards"]
-    ]
+    wins = [float(version["rewards"][t] == 1.0) - float(base["rewards"][t] == 1.0) for t in both]
     return {
         "tasks": n,
         "reward_difference": mean,

@@ -108,3 +108,13 @@ def test_an_evaluation_past_the_held_out_words_re_runs_variants_of_them() -> Non
     assert proof.held_out_tasks("arithmetic", 100) == arithmetic
     with pytest.raises(ValueError, match="100 held-out tasks, not 101"):
         proof.held_out_tasks("arithmetic", 101)
+
+
+def test_the_scripts_pairing_leaves_out_a_task_either_side_did_not_finish() -> None:
+    """An episode that failed has no reward (`rerun` leaves it out); it is not paired as 0."""
+    base = {"rewards": {"a": 0.0, "b": 1.0, "c": 0.5}}
+    version = {"rewards": {"a": 1.0, "c": 1.0, "d": 1.0}}  # b failed; d: the base's failed
+    paired = proof.paired_by_script(base, version)
+    assert paired["tasks"] == 2
+    assert paired["reward_difference"] == 0.75
+    assert paired["success_difference"] == 1.0
