@@ -97,7 +97,10 @@ def _record_gradients(trainer: PeftTrainer) -> list[dict[str, torch.Tensor]]:
 def test_train_steps_move_the_lora_towards_the_rewarded_completion(
     make_trainer: MakeTrainer, tok: PreTrainedTokenizerBase
 ) -> None:
-    trainer = make_trainer(micro_batch_size=2)
+    # The rate the three steps are sized for: the stored logprobs stay step 0's, so by the third
+    # step a larger one (the default 1.2e-3) has pushed "good"'s ratio past the clip, and what is
+    # left of the step (pushing "bad" down) may move "good" back by a hair.
+    trainer = make_trainer(micro_batch_size=2, learning_rate=6e-4)
     prompt = _prompt(tok, "What is the capital of France?")
     good, bad = _completion(tok, "Paris."), _completion(tok, "I do not know, sorry.")
     # Stored logprobs from the current policy: the first step must see a ratio of exactly one,
