@@ -36,6 +36,19 @@ def _write(results: Path, name: str, command: str, **fields: Any) -> None:
     (results / name).write_text(json.dumps(body | fields))
 
 
+def _summarise(results: Path) -> subprocess.CompletedProcess[str]:
+    """The summary script run on `results`, as from the command line; it must succeed."""
+    done = subprocess.run(
+        [sys.executable, "bench/heldout_rerun_summary.py", "--results", str(results)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 def test_runs_are_told_apart_by_kind_and_held_to_their_kinds_target(tmp_path: Path) -> None:
     live = f"{PROOF} --traffic live --minutes 60 --eval-every 20"
     _write(
@@ -78,14 +91,7 @@ def test_runs_are_told_apart_by_kind_and_held_to_their_kinds_target(tmp_path: Pa
     shadow = f"{PROOF} --agent arithmetic --reward judge --set RLPROXY_SHADOW_SAMPLES=4 --seed 1"
     _write(tmp_path, "heldout_rerun_arithmetic_practice_judge90_shadow_samples4_1.json", shadow)
 
-    done = subprocess.run(
-        [sys.executable, "bench/heldout_rerun_summary.py", "--results", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
+    done = _summarise(tmp_path)
     summary = json.loads((tmp_path / "heldout_rerun_summary.json").read_text())
     kinds = summary["kinds"]
     assert set(kinds) == {
@@ -138,14 +144,7 @@ def test_each_run_says_how_long_its_versions_waited_to_serve(tmp_path: Path) -> 
         adapters=[{}] * 3,
         evaluations=[_evaluation(60, 3, 0.05, 0.03, 0.02)],
     )
-    done = subprocess.run(
-        [sys.executable, "bench/heldout_rerun_summary.py", "--results", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
+    done = _summarise(tmp_path)
     summary = json.loads((tmp_path / "heldout_rerun_summary.json").read_text())
     by_file = {r["file"]: r for r in summary["runs"]}
     waited = by_file["heldout_rerun_live_env_1.json"]["minutes_to_serve"]
